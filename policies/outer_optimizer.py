@@ -1,0 +1,104 @@
+"""The outer step of one fragment: SGD with Nesterov momentum (DESIGN.md section 3, step 6).
+
+A thin wrapper over ``torch.optim.SGD``, as torchft's ``local_sgd.py`` does, so the Nesterov update
+is torch's own and not a rewrite. One instance per fragment owns that fragment's global parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["FragmentOuterOptimizer"]
+
+
+class FragmentOuterOptimizer:
+    """Nesterov SGD over the global parameters of one fragment, updated in place.
+
+    Given the merged outer gradient ``g`` (global minus local parameters, so a descent direction),
+    each :meth:`step` applies, per tensor, with ``buf`` starting at 0:
+
+    - ``buf = momentum * buf + g``
+    - with Nesterov: ``p -= lr * (g + momentum * buf)``
+    - without (or ``momentum == 0``): ``p -= lr * buf``
+
+    ``lr=1, momentum=0`` gives ``p -= g``, i.e. FedAvg when ``g`` is the mean delta.
+
+    Args:
+        params: the fragment's global parameters, float32 leaf tensors. They are updated in
+            place and stay the caller's tensors; ``requires_grad`` may be False.
+        lr: outer learning rate, ``> 0``.
+        momentum: ``0 <= momentum < 1``.
+        nesterov: use Nesterov momentum (ignored when ``momentum == 0``).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        *,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+    ) -> None:
+        if math.isnan(lr) or lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}; the outer default is 0.7")
+        if math.isnan(momentum) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}; the outer default is 0.9")
+        params = list(params)
+        if not params:
+            raise ValueError("FragmentOuterOptimizer got no params; pass the fragment's tensors")
+        for i, p in enumerate(params):
+            if p.dtype != torch.float32:
+                raise ValueError(f"params[{i}] has dtype {p.dtype}, must be torch.float32; keep global parameters in float32")
+            if not p.is_leaf:
+                raise ValueError(f"params[{i}] is not a leaf tensor; pass p.detach() so it can be updated in place")
+        self._params = params
+        # torch accepts leaves with requires_grad=False; the step runs under no_grad either way.
+        self._sgd = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The parameters this optimizer updates, the very tensors passed in."""
+        return list(self._params)
+
+    def step(self, outer_grad: Sequence[Tensor]) -> None:
+        """Apply one outer step with ``outer_grad[i]`` as the gradient of ``params[i]``."""
+        outer_grad = list(outer_grad)
+        if len(outer_grad) != len(self._params):
+            raise ValueError(
+                f"outer_grad has {len(outer_grad)} tensors but the fragment has {len(self._params)}; "
+                "pass one gradient per parameter, in order"
+            )
+        for i, (p, g) in enumerate(zip(self._params, outer_grad)):
+            if g.shape != p.shape:
+                raise ValueError(
+                    f"outer_grad[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}; "
+                    "merge the same fragment the optimizer owns"
+                )
+        try:
+            for p, g in zip(self._params, outer_grad):
+                # A private float32 copy: torch's foreach Nesterov path adds into grads in place.
+                p.grad = g.detach().to(device=p.device, dtype=torch.float32, copy=True)
+            self._sgd.step()
+        finally:
+            for p in self._params:
+                p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Momentum buffers and hyperparameters, deep-copied so later steps do not alter it."""
+        return {"sgd": copy.deepcopy(self._sgd.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (hyperparameters included); parameters are not touched."""
+        if "sgd" not in state_dict:
+            raise ValueError(
+                f"state_dict has keys {sorted(state_dict)}, expected 'sgd'; "
+                "pass what FragmentOuterOptimizer.state_dict() returned"
+            )
+        # Deep copy: torch would otherwise alias the caller's buffers and mutate them on step().
+        self._sgd.load_state_dict(copy.deepcopy(state_dict["sgd"]))

@@ -1,0 +1,149 @@
+"""Outer optimizer: hand values, a manual Nesterov loop, FedAvg, and exact state round trips."""
+
+import pytest
+import torch
+
+from policies.outer_optimizer import FragmentOuterOptimizer
+
+
+def _reference(p0, grads, *, lr, momentum, nesterov):
+    """Manual SGD-with-momentum loop in float64, written from the docstring's rule."""
+    p = [x.double().clone() for x in p0]
+    buf = [torch.zeros_like(x) for x in p]
+    for g in grads:
+        for i, gi in enumerate(g):
+            gi = gi.double()
+            buf[i] = momentum * buf[i] + gi
+            p[i] -= lr * (gi + momentum * buf[i]) if nesterov else lr * buf[i]
+    return p
+
+
+def test_hand_computed_nesterov_and_heavy_ball():
+    # Nesterov, lr .5, mu .5, g = 1 twice: buf 1 -> p = 1 - .5 * 1.5 = .25; buf 1.5 -> p = .25 - .5 * 1.75 = -.625
+    p = torch.tensor([1.0])
+    opt = FragmentOuterOptimizer([p], lr=0.5, momentum=0.5)
+    opt.step([torch.tensor([1.0])])
+    assert p.item() == 0.25
+    opt.step([torch.tensor([1.0])])
+    assert p.item() == -0.625
+    # Heavy ball: p = 1 - .5 * 1 = .5; p = .5 - .5 * 1.5 = -.25
+    q = torch.tensor([1.0])
+    opt = FragmentOuterOptimizer([q], lr=0.5, momentum=0.5, nesterov=False)
+    opt.step([torch.tensor([1.0])])
+    opt.step([torch.tensor([1.0])])
+    assert q.item() == -0.25
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matches_manual_loop(nesterov):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
+    grads = [[torch.randn_like(x) for x in params] for _ in range(6)]
+    ref = _reference(params, grads, lr=0.7, momentum=0.9, nesterov=nesterov)
+    opt = FragmentOuterOptimizer(params, lr=0.7, momentum=0.9, nesterov=nesterov)
+    for g in grads:
+        opt.step(g)
+    for got, want in zip(params, ref):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_lr_one_momentum_zero_is_fedavg():
+    gen = torch.Generator().manual_seed(1)
+    global_params = torch.randn(10, generator=gen)
+    locals_ = [global_params - 0.1 * torch.randn(10, generator=gen) for _ in range(3)]
+    mean_delta = sum(global_params - x for x in locals_) / 3
+    expected = global_params - mean_delta
+    opt = FragmentOuterOptimizer([global_params], lr=1.0, momentum=0.0)
+    opt.step([mean_delta])
+    assert torch.equal(global_params, expected)  # bitwise: p - 1 * g
+    torch.testing.assert_close(global_params, sum(locals_) / 3)  # parameter averaging
+
+
+def test_updates_callers_tensors_in_place_without_requires_grad():
+    p = torch.ones(3)
+    assert not p.requires_grad
+    opt = FragmentOuterOptimizer([p], lr=0.1, momentum=0.0)
+    assert opt.params[0] is p
+    opt.step([torch.ones(3)])
+    assert p.tolist() == pytest.approx([0.9] * 3)
+    assert p.grad is None
+
+
+def test_leaf_with_requires_grad_and_grad_not_aliased():
+    p = torch.zeros(2, requires_grad=True)
+    g = torch.tensor([1.0, 2.0])
+    opt = FragmentOuterOptimizer([p], lr=1.0, momentum=0.5)
+    opt.step([g])
+    opt.step([g])
+    assert g.tolist() == [1.0, 2.0]  # the caller's gradient is never written to
+    assert p.grad is None
+    # buf: g then 1.5 g; p = -(1.5 g) - (g + 0.75 g) = -3.25 g
+    assert p.detach().tolist() == pytest.approx([-3.25, -6.5])
+
+
+def test_low_precision_gradient_is_upcast():
+    p = torch.zeros(2)
+    FragmentOuterOptimizer([p], lr=1.0, momentum=0.0).step([torch.tensor([0.5, -1.0], dtype=torch.bfloat16)])
+    assert p.dtype == torch.float32 and p.tolist() == [-0.5, 1.0]
+
+
+def test_state_dict_round_trip_continues_bitwise():
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.randn(7, generator=gen), torch.randn(2, 2, generator=gen)]
+    grads = [[torch.randn_like(x) for x in params] for _ in range(5)]
+    a = FragmentOuterOptimizer(params, lr=0.7, momentum=0.9)
+    for g in grads[:2]:
+        a.step(g)
+    saved = a.state_dict()
+    restored = [x.clone() for x in params]
+    no_state = [x.clone() for x in params]
+    for g in grads[2:]:
+        a.step(g)  # also proves stepping after state_dict() leaves `saved` alone
+    b = FragmentOuterOptimizer(restored, lr=0.1, momentum=0.0)  # hyperparameters come from the state
+    b.load_state_dict(saved)
+    c = FragmentOuterOptimizer(no_state, lr=0.7, momentum=0.9)  # same settings, no momentum state
+    for g in grads[2:]:
+        b.step(g)
+        c.step(g)
+    for x, y, z in zip(params, restored, no_state):
+        assert torch.equal(x, y)
+        assert not torch.equal(x, z)  # the momentum buffers are what made the continuation exact
+
+
+def test_loaded_state_is_not_aliased():
+    p = torch.zeros(3)
+    a = FragmentOuterOptimizer([p], lr=1.0, momentum=0.9)
+    a.step([torch.ones(3)])
+    saved = a.state_dict()
+    before = saved["sgd"]["state"][0]["momentum_buffer"].clone()
+    b = FragmentOuterOptimizer([torch.zeros(3)], lr=1.0, momentum=0.9)
+    b.load_state_dict(saved)
+    b.step([torch.ones(3)])
+    assert torch.equal(saved["sgd"]["state"][0]["momentum_buffer"], before)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=0.0), "lr must be > 0, got 0.0"),
+        (dict(momentum=1.0), r"momentum must be in \[0, 1\), got 1.0"),
+        (dict(momentum=-0.1), r"momentum must be in \[0, 1\), got -0.1"),
+    ],
+)
+def test_hyperparameter_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FragmentOuterOptimizer([torch.zeros(1)], **kwargs)
+
+
+def test_param_and_grad_errors():
+    with pytest.raises(ValueError, match="no params"):
+        FragmentOuterOptimizer([])
+    with pytest.raises(ValueError, match=r"params\[0\] has dtype torch.bfloat16"):
+        FragmentOuterOptimizer([torch.zeros(1, dtype=torch.bfloat16)])
+    opt = FragmentOuterOptimizer([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(ValueError, match="outer_grad has 1 tensors but the fragment has 2"):
+        opt.step([torch.zeros(2)])
+    with pytest.raises(ValueError, match=r"outer_grad\[1\] has shape \(4,\) but params\[1\] has \(3,\)"):
+        opt.step([torch.zeros(2), torch.zeros(4)])
+    with pytest.raises(ValueError, match="expected 'sgd'"):
+        opt.load_state_dict({"state": {}})
