@@ -1,0 +1,138 @@
+"""Compression: round trips within the documented bound, exact wire sizes, and pickling."""
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from policies.compression import SCHEMES, Compressed, compress, decompress, error_bound
+
+
+def _reference_int_roundtrip(x, qmax, block_size):
+    """Independent numpy blockwise absmax quantize/dequantize (float64)."""
+    flat = np.asarray(x, dtype=np.float64).reshape(-1)
+    out = np.empty_like(flat)
+    for start in range(0, flat.size, block_size):
+        block = flat[start : start + block_size]
+        scale = np.abs(block).max() / qmax
+        out[start : start + block_size] = 0.0 if scale == 0 else np.clip(np.round(block / scale), -qmax, qmax) * scale
+    return out.reshape(np.shape(x))
+
+
+SHAPES = [(1,), (7,), (1001,), (3, 257), (2, 3, 5)]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_size", [1, 5, 256])
+def test_round_trip_within_bound(scheme, shape, block_size):
+    gen = torch.Generator().manual_seed(hash((scheme, shape, block_size)) % 2**31)
+    x = torch.randn(shape, generator=gen) * torch.logspace(-3, 3, math.prod(shape)).reshape(shape)
+    c = compress(x, scheme, block_size=block_size)
+    y = decompress(c)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert bool(((y - x).abs() <= error_bound(x, scheme, block_size=block_size)).all())
+
+
+@pytest.mark.parametrize("scheme, qmax", [("int8", 127), ("int4", 7)])
+def test_int_matches_numpy_reference(scheme, qmax):
+    x = torch.randn(1003, generator=torch.Generator().manual_seed(7))
+    y = decompress(compress(x, scheme, block_size=64))
+    np.testing.assert_allclose(y.numpy(), _reference_int_roundtrip(x.numpy(), qmax, 64), rtol=1e-6, atol=1e-7)
+
+
+def test_int4_hand_example():
+    # block of 4, absmax 7 -> scale 1: values round to themselves; 2.4 -> 2, -3.6 -> -4
+    x = torch.tensor([7.0, 2.4, -3.6, 0.0, 1.0])  # second block: absmax 1 -> scale 1/7, 1.0 -> 7
+    c = compress(x, "int4", block_size=4)
+    assert c.scales.tolist() == pytest.approx([1.0, 1 / 7])
+    # q + 8 = [15, 10, 4, 8, 15] (+ pad 8), packed low nibble first
+    assert c.payload.tolist() == [15 | 10 << 4, 4 | 8 << 4, 15 | 8 << 4]
+    assert decompress(c).tolist() == pytest.approx([7.0, 2.0, -4.0, 0.0, 1.0])
+
+
+def test_int8_hand_example():
+    x = torch.tensor([[127.0, -63.4], [0.5, 1.0]])
+    c = compress(x, "int8", block_size=4)
+    assert c.scales.tolist() == [1.0]
+    assert c.payload.dtype == torch.int8
+    assert c.payload.tolist() == [127, -63, 0, 1]  # round half to even: 0.5 -> 0
+    assert decompress(c).tolist() == [[127.0, -63.0], [0.0, 1.0]]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_zeros_are_exact(scheme):
+    x = torch.zeros(3, 5)
+    c = compress(x, scheme, block_size=4)
+    assert torch.equal(decompress(c), x)
+    assert torch.equal(error_bound(x, scheme, block_size=4), x)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_single_element_and_large_values(scheme):
+    for value in (3.0, -1e30, 1e-30):
+        x = torch.tensor([value])
+        y = decompress(compress(x, scheme))
+        assert bool(((y - x).abs() <= error_bound(x, scheme)).all()), (scheme, value)
+    if scheme in ("int8", "int4"):
+        # A lone element is its own absmax: it comes back exactly (up to float rounding).
+        assert decompress(compress(torch.tensor([-1e30]), scheme)).item() == pytest.approx(-1e30, rel=1e-6)
+
+
+def test_none_is_lossless_copy():
+    x = torch.randn(4, 4)[:, ::2]  # non-contiguous
+    c = compress(x, "none")
+    assert c.payload.is_contiguous() and c.payload.dtype == torch.float32
+    assert torch.equal(decompress(c), x)
+    c.payload.add_(1.0)
+    assert not torch.equal(decompress(c), x)  # the payload is a copy, x is untouched
+
+
+@pytest.mark.parametrize(
+    "scheme, numel, block_size, expected",
+    [
+        ("int4", 1000, 256, 500 + 4 * 4),
+        ("int4", 1001, 256, 501 + 4 * 4),
+        ("int8", 1000, 256, 1000 + 4 * 4),
+        ("int8", 257, 256, 257 + 2 * 4),
+        ("bf16", 1000, 256, 2000),
+        ("none", 1000, 256, 4000),
+        ("int4", 1, 256, 1 + 4),
+    ],
+)
+def test_nbytes_exact(scheme, numel, block_size, expected):
+    c = compress(torch.randn(numel), scheme, block_size=block_size)
+    assert c.nbytes == expected
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_pickle_round_trip_without_padding(scheme):
+    x = torch.randn(3, 333)
+    c = compress(x, scheme, block_size=256)
+    c2 = pickle.loads(pickle.dumps(c))
+    assert isinstance(c2, Compressed) and c2.shape == (3, 333) and c2.nbytes == c.nbytes
+    assert torch.equal(decompress(c2), decompress(c))
+    # The pickled storage is exactly the payload: no padded blocks travel.
+    assert c2.payload.untyped_storage().nbytes() == c2.payload.numel() * c2.payload.element_size()
+
+
+def test_int_schemes_beat_bf16_on_wire_size():
+    x = torch.randn(4096)
+    sizes = {s: compress(x, s).nbytes for s in SCHEMES}
+    assert sizes["int4"] < sizes["int8"] < sizes["bf16"] < sizes["none"]
+
+
+def test_errors():
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="unknown compression scheme 'fp8'"):
+        compress(x, "fp8")
+    with pytest.raises(ValueError, match="block_size must be > 0, got 0"):
+        compress(x, "int8", block_size=0)
+    with pytest.raises(ValueError, match="unknown compression scheme"):
+        error_bound(x, "int2")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        compress(torch.tensor([1.0, float("nan")]), "int8")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        compress(torch.tensor([float("inf")]), "int4")
