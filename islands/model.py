@@ -1,0 +1,224 @@
+"""Byte-level decoder-only transformer language model, the model every island trains.
+
+A GPT-2 shaped network small enough for CPUs: learned token and position embeddings,
+pre-LayerNorm blocks (causal self-attention, then a GELU MLP), a final LayerNorm and an
+untied output head. No dropout, so a forward pass is a pure function of parameters and input.
+
+``build_model(cfg, seed=...)`` is the only constructor callers should use: it initializes every
+parameter from a local ``torch.Generator``, so the same seed gives bitwise-equal replicas on every
+island and the global torch RNG is neither read nor advanced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# GPT-2's init scale for weights; residual projections are scaled down further by depth.
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a :class:`ByteTransformer`. Frozen so one config can be shared by all islands."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for raw bytes."""
+    seq_len: int = 128
+    """Context length in tokens: the largest T ``forward`` accepts (size of the position table)."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads per block; must divide ``d_model``."""
+    mlp_ratio: int = 4
+    """Hidden width of the MLP as a multiple of ``d_model``."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"ModelConfig.{field.name}={value!r} must be a positive int; pass e.g. "
+                    f"{field.name}={field.default}"
+                )
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"ModelConfig d_model={self.d_model} must be divisible by n_heads={self.n_heads}; "
+                f"pick n_heads among the divisors of d_model"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (``d_model // n_heads``)."""
+        return self.d_model // self.n_heads
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Unit tests: builds and steps in milliseconds.
+    "nano": ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2),
+    # Default: about 0.48M parameters, trains at a useful rate on 2 CPU cores.
+    "tiny": ModelConfig(seq_len=128, d_model=128, n_layers=2, n_heads=4),
+    # About 3.4M parameters: a bigger CPU run or a small GPU run.
+    "small": ModelConfig(seq_len=256, d_model=256, n_layers=4, n_heads=8),
+    # About 50.9M parameters: the GPU-sized model.
+    "50m": ModelConfig(seq_len=512, d_model=512, n_layers=16, n_heads=8),
+}
+"""Named model shapes. Read-only by convention: derive variants with :func:`model_config`."""
+
+
+def model_config(preset: str, **overrides: int) -> ModelConfig:
+    """Return preset ``preset`` with any fields in ``overrides`` replaced, validated again.
+
+    Example: ``model_config("tiny", seq_len=256)``.
+    """
+    if preset not in PRESETS:
+        raise ValueError(
+            f"unknown model preset {preset!r}; valid presets are {sorted(PRESETS)}"
+        )
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position t only attends to positions <= t."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # q, k, v for all heads at once
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)  # residual projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend causally over ``x`` of shape (B, T, C); returns (B, T, C)."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads: (B, T, C)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: Linear, GELU, Linear."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)  # residual projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map (B, T, C) to (B, T, C)."""
+        return self.proj(F.gelu(self.fc(x)))  # (B, T, mlp_ratio*C) in between
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map (B, T, C) to (B, T, C)."""
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class ByteTransformer(nn.Module):
+    """Decoder-only transformer LM over ``cfg.vocab_size`` token ids (bytes by default).
+
+    Construct it with :func:`build_model`; ``__init__`` leaves PyTorch's default init, which
+    draws from the global RNG.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        # Untied from tok_emb so every parameter tensor is its own fragment-able unit.
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Return next-token logits of shape (B, T, V) for token ids ``idx`` of shape (B, T)."""
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(
+                f"input length T={T} exceeds the model's seq_len={self.cfg.seq_len}; "
+                f"crop the input or build the model with seq_len>={T}"
+            )
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C) + (T, C) -> (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        x = self.ln_f(x)  # (B, T, C)
+        return self.lm_head(x)  # (B, T, V)
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Scalar mean cross-entropy in nats of ``targets`` (B, T) given ``idx`` (B, T)."""
+        logits = self(idx)  # (B, T, V)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def embedding_parameter_names(self) -> frozenset[str]:
+        """Names (as in ``named_parameters()``) of the token and position embedding tables."""
+        return frozenset(
+            f"{module_name}.{param_name}"
+            for module_name, module in self.named_modules()
+            if isinstance(module, nn.Embedding)
+            for param_name, _ in module.named_parameters(recurse=False)
+        )
+
+
+def _init_parameters(model: ByteTransformer, generator: torch.Generator) -> None:
+    """GPT-2 init, module by module in a fixed order, drawing only from ``generator``."""
+    residual_std = INIT_STD / math.sqrt(2 * model.cfg.n_layers)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, INIT_STD, generator=generator)
+            elif isinstance(module, nn.Linear):
+                # Each block adds two projections into the residual stream; scaling them keeps
+                # the stream's variance from growing with depth (GPT-2).
+                std = residual_std if name.endswith(".proj") else INIT_STD
+                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+
+def build_model(cfg: ModelConfig, *, seed: int) -> ByteTransformer:
+    """Build a :class:`ByteTransformer` on CPU whose parameters depend only on ``cfg`` and ``seed``.
+
+    Modules are created on the meta device (no memory, no RNG draws) and then filled from a local
+    ``torch.Generator`` seeded with ``seed``; the global torch RNG is untouched. Move the result
+    with ``.to(device)``.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"build_model seed={seed!r} must be a non-negative int; pass e.g. seed=0")
+    with torch.device("meta"):
+        model = ByteTransformer(cfg)
+    model = model.to_empty(device="cpu")
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    _init_parameters(model, generator)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Total number of parameter elements in ``model`` (each shared tensor counted once)."""
+    return sum(p.numel() for p in model.parameters())
