@@ -57,7 +57,9 @@ def parse_adoption(spec: str) -> AdoptionPolicy:
     try:
         alpha = float(match.group(1))
     except ValueError:
-        raise ValueError(f"cannot parse alpha {match.group(1)!r} in adoption policy {spec!r}; use {_VALID_FORMS}") from None
+        raise ValueError(
+            f"cannot parse alpha {match.group(1)!r} in adoption policy {spec!r}; use {_VALID_FORMS}"
+        ) from None
     if not 0.0 <= alpha < 1.0:
         raise ValueError(f"adoption alpha must be in [0, 1), got {alpha} in {spec!r}; use {_VALID_FORMS}")
     return AdoptionPolicy("mix", alpha)

@@ -2,8 +2,8 @@
 
 Radial-directional averaging (RDA) averages the norms and the unit directions separately, so
 near-orthogonal island updates keep their typical size instead of shrinking like ``1/sqrt(M)``
-under a plain mean. Embedding tensors use the plain weighted mean: their rows are touched sparsely
-by each island, and averaging directions would inflate rarely-seen rows.
+under a plain mean. Embedding tensors use the plain weighted mean, as the design specifies
+(DESIGN.md section 3, outer step 5); the plain mean for every tensor is the other policy.
 """
 
 from __future__ import annotations

@@ -54,7 +54,9 @@ class FragmentOuterOptimizer:
             raise ValueError("FragmentOuterOptimizer got no params; pass the fragment's tensors")
         for i, p in enumerate(params):
             if p.dtype != torch.float32:
-                raise ValueError(f"params[{i}] has dtype {p.dtype}, must be torch.float32; keep global parameters in float32")
+                raise ValueError(
+                    f"params[{i}] has dtype {p.dtype}, must be torch.float32; keep global parameters in float32"
+                )
             if not p.is_leaf:
                 raise ValueError(f"params[{i}] is not a leaf tensor; pass p.detach() so it can be updated in place")
         self._params = params

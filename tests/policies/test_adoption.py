@@ -20,7 +20,9 @@ def test_parse(spec, expected):
     assert parse_adoption(spec) == expected
 
 
-@pytest.mark.parametrize("spec", ["", "Overwrite", "mix", "mix()", "mix(1)", "mix(-0.1)", "mix(a)", "mix(0.5", "rebase(0.5)"])
+@pytest.mark.parametrize(
+    "spec", ["", "Overwrite", "mix", "mix()", "mix(1)", "mix(-0.1)", "mix(a)", "mix(0.5", "rebase(0.5)"]
+)
 def test_parse_errors_name_valid_forms(spec):
     with pytest.raises(ValueError, match=r"'overwrite', 'rebase' or 'mix\(alpha\)'|adoption alpha must be in"):
         parse_adoption(spec)

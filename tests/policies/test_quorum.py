@@ -60,7 +60,11 @@ def test_grace_infinite_gamma_and_cap():
 
 @pytest.mark.parametrize(
     "overrides, match",
-    [({"gamma": -1.0}, "gamma must be >= 0"), ({"tau_steps": -1}, "tau_steps must be >= 0"), ({"cap_s": -1.0}, "cap_s must be >= 0")],
+    [
+        ({"gamma": -1.0}, "gamma must be >= 0"),
+        ({"tau_steps": -1}, "tau_steps must be >= 0"),
+        ({"cap_s": -1.0}, "cap_s must be >= 0"),
+    ],
 )
 def test_grace_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
