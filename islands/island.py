@@ -1,0 +1,322 @@
+"""LearnerIsland: one learner unit. Trains forever on its shard, never blocking on the network.
+
+Per fragment p the island keeps `base[p]` (the global fragment it last adopted) and counters of the
+steps and tokens since its previous submission of p. Every H/P inner steps it cuts the next fragment
+in the fixed order p = k mod P as an outer gradient `base[p] - theta[p]` and leaves it in its outbox;
+the outer optimizer *calls* `next_submission` to take it, so the outer owns the result. Published
+fragments arrive through `adopt` on another thread and are applied at the next step boundary.
+
+This is a plain class: Ray applies `ray.remote` to it in orchestrator/actors.py and injects
+`resolve` (ray.get) for list-wrapped refs; tests drive it in process with `step()`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from islands.messages import FragmentUpdate, Submission, SubmissionKey
+from islands.model import ModelConfig
+from islands.trainer import InnerSettings, InnerTrainer
+from policies.adoption import adopt_fragment, parse_adoption
+from policies.compression import compress
+from policies.fragments import FragmentPlan
+from policies.quorum import MovingAverage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IslandSpec:
+    """Everything that defines one island slot and incarnation, as plain values."""
+
+    island: int
+    incarnation: int
+    pool: str
+    num_islands: int  # number of data shards; the island reads shard `island`
+    model_config: ModelConfig
+    plan: FragmentPlan
+    inner: InnerSettings
+    sync_every_steps: int  # H
+    adoption: str = "overwrite"
+    compression: str = "none"
+    compression_block_size: int = 256
+    wait_for_round: bool = False  # synchronous DiLoCo: block until every in-flight submission resolves
+    seed: int = 0
+
+
+@dataclass
+class _InFlight:
+    fragment: int
+    base_version: int
+    tokens: int
+    snapshot: list[torch.Tensor] | None  # theta[p] at submission, kept (and shifted) only for rebase
+
+
+@dataclass
+class IslandStatus:
+    """A snapshot of one island for heartbeats, progress and token accounting."""
+
+    island: int
+    incarnation: int
+    pool: str
+    state: str  # starting | training | blocked | stopped | diverged | failed
+    steps: int
+    tokens: int
+    train_loss: float | None
+    step_time_s: float | None
+    versions: list[int]  # fragment versions this island has adopted
+    unsubmitted_tokens: list[int]  # per fragment: tokens not yet cut into a submission
+    outbox_tokens: list[int]  # per fragment: submitted, not yet taken by the outer optimizer
+    inflight: int  # submissions taken by the outer, not yet merged or refused
+    cursor: int  # data batches drawn
+    error: str | None = None
+    at: float = field(default_factory=time.time)
+
+
+class IslandFailed(RuntimeError):
+    """The island's inner loop stopped with an error (diverged or crashed); carries the reason."""
+
+
+class LearnerIsland:
+    """One island's model replica, inner loop, per-fragment state and control interface."""
+
+    def __init__(
+        self,
+        spec: IslandSpec,
+        data: Any,
+        initial: list[FragmentUpdate],
+        *,
+        cursor: int = 0,
+        resolve: Callable[[Any], Any] = lambda x: x,
+    ) -> None:
+        self.spec = spec
+        self._resolve = resolve
+        self._adoption = parse_adoption(spec.adoption)
+        P = spec.plan.num_fragments
+        if spec.sync_every_steps % P:
+            raise ValueError(f"sync_every_steps={spec.sync_every_steps} must be a multiple of num_fragments={P}")
+        self._every = spec.sync_every_steps // P
+        train = resolve(data[0]) if isinstance(data, list) else data
+        self.trainer = InnerTrainer(
+            spec.model_config, np.asarray(train), settings=spec.inner,
+            shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed,
+        )
+        self.trainer.sampler.load_state_dict({**self.trainer.sampler.state_dict(), "cursor": cursor})
+        missing = set(self.trainer.params) - {n for frag in spec.plan.fragments for n in frag}
+        if missing:
+            raise ValueError(f"fragment plan does not cover parameters {sorted(missing)[:3]}...; rebuild the plan from this model")
+        # theta[p]: the live parameter tensors of fragment p, in fragment order.
+        self._theta = [[self.trainer.params[n] for n in frag] for frag in spec.plan.fragments]
+        self._base: list[list[torch.Tensor]] = [[] for _ in range(P)]
+        self._version = [-1] * P
+        self._steps = [0] * P
+        self._tokens = [0] * P
+        self._k = 0  # submissions cut so far
+        self._since_cut = 0
+        self._inflight: dict[SubmissionKey, _InFlight] = {}
+        self._outbox: collections.deque[Submission] = collections.deque()
+        self._updates: list[tuple[FragmentUpdate, list[torch.Tensor]]] = []
+        self._cv = threading.Condition()
+        self._state = "starting"
+        self._error: str | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loss = MovingAverage(0.1)
+        self._step_time = MovingAverage(0.1)
+        self.total_steps = 0
+        self.total_tokens = 0
+        for update in initial:
+            self._queue_update(update)
+        self._apply_updates()
+        if min(self._version) < 0:
+            raise ValueError("initial global state must cover every fragment; pass the outer optimizer's latest()")
+        log.info("island %d (incarnation %d, pool %s) ready at versions %s, cursor %d",
+                 spec.island, spec.incarnation, spec.pool, self._version, cursor)
+
+    # ---------------------------------------------------------------- inner loop
+
+    def step(self) -> bool:
+        """Apply pending updates, then one inner step unless blocked. Returns False when blocked."""
+        self._apply_updates()
+        with self._cv:
+            if self.spec.wait_for_round and self._inflight_or_outbox():
+                self._state = "blocked"
+                return False
+            if self._state in ("starting", "blocked"):
+                self._state = "training"
+        result = self.trainer.step()
+        if not math.isfinite(result.loss):
+            raise IslandFailed(f"island {self.spec.island} diverged: non-finite training loss at step {self.total_steps}")
+        self._loss.update(result.loss)
+        self._step_time.update(result.wall_s)
+        with self._cv:
+            self.total_steps += 1
+            self.total_tokens += result.tokens
+            for p in range(len(self._steps)):
+                self._steps[p] += 1
+                self._tokens[p] += result.tokens
+            self._since_cut += 1
+            if self._since_cut == self._every:
+                self._since_cut = 0
+                self._cut_submission()
+        return True
+
+    def _inflight_or_outbox(self) -> bool:
+        return bool(self._inflight) or bool(self._outbox)
+
+    def _cut_submission(self) -> None:
+        # Caller holds self._cv.
+        p = self._k % self.spec.plan.num_fragments
+        seq = self._k
+        self._k += 1
+        with torch.no_grad():
+            deltas = [b - t.detach() for b, t in zip(self._base[p], self._theta[p])]
+        payload = [compress(d, self.spec.compression, block_size=self.spec.compression_block_size) for d in deltas]
+        sub = Submission(
+            island=self.spec.island, incarnation=self.spec.incarnation, seq=seq, fragment=p,
+            base_version=self._version[p], tokens=self._tokens[p], inner_steps=self._steps[p],
+            step_time_s=self._step_time.value or 0.0, train_loss=self._loss.value or math.nan,
+            payload=payload, created_at=time.time(),
+        )
+        snapshot = [t.detach().clone() for t in self._theta[p]] if self._adoption.kind == "rebase" else None
+        self._inflight[sub.key] = _InFlight(p, sub.base_version, sub.tokens, snapshot)
+        self._steps[p] = 0
+        self._tokens[p] = 0
+        self._outbox.append(sub)
+        self._cv.notify_all()
+
+    def run(self) -> None:
+        """Train until `stop()`; record a failure instead of raising so the control interface can report it."""
+        try:
+            while True:
+                with self._cv:
+                    if self._stop:
+                        break
+                if not self.step():
+                    with self._cv:
+                        self._cv.wait_for(lambda: self._stop or bool(self._updates), timeout=0.5)
+        except Exception as err:  # noqa: BLE001 - reported through status() and next_submission()
+            with self._cv:
+                self._state = "diverged" if isinstance(err, IslandFailed) else "failed"
+                self._error = f"{type(err).__name__}: {err}"
+                self._cv.notify_all()
+            log.error("island %d inner loop stopped: %s", self.spec.island, self._error)
+            return
+        with self._cv:
+            self._state = "stopped"
+            self._cv.notify_all()
+
+    # ---------------------------------------------------------------- control interface
+
+    def start(self) -> None:
+        """Start the inner loop in a background thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.run, name=f"island-{self.spec.island}", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> IslandStatus:
+        """Stop after the current step; the outbox is frozen from here on. Returns the final status."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self.status()
+
+    def next_submission(self, timeout_s: float = 1.0) -> Submission | None:
+        """Hand the oldest submission to the caller (the outer optimizer), waiting up to `timeout_s`.
+
+        Returns None on timeout or once stopped; raises IslandFailed if the inner loop died.
+        """
+        with self._cv:
+            self._cv.wait_for(lambda: self._outbox or self._stop or self._error, timeout=timeout_s)
+            if self._error:
+                raise IslandFailed(self._error)
+            if self._stop or not self._outbox:
+                return None
+            return self._outbox.popleft()
+
+    def adopt(self, update: FragmentUpdate) -> None:
+        """Receive a published fragment; fetched now (off the compute path), applied at the next step boundary."""
+        self._queue_update(update)
+
+    def status(self) -> IslandStatus:
+        """Counters and state for heartbeats, progress and token accounting."""
+        P = self.spec.plan.num_fragments
+        with self._cv:
+            outbox = [0] * P
+            for sub in self._outbox:
+                outbox[sub.fragment] += sub.tokens
+            taken = sum(1 for k in self._inflight if all(s.key != k for s in self._outbox))
+            return IslandStatus(
+                island=self.spec.island, incarnation=self.spec.incarnation, pool=self.spec.pool,
+                state=self._state if not self._stop or self._state in ("failed", "diverged") else "stopped",
+                steps=self.total_steps, tokens=self.total_tokens,
+                train_loss=self._loss.value, step_time_s=self._step_time.value,
+                versions=list(self._version), unsubmitted_tokens=list(self._tokens), outbox_tokens=outbox,
+                inflight=taken, cursor=self.trainer.sampler.cursor, error=self._error,
+            )
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """A copy of the island's current parameters by name (for tests and checkpoints)."""
+        return {n: p.detach().clone() for n, p in self.trainer.params.items()}
+
+    # ---------------------------------------------------------------- adoption
+
+    def _queue_update(self, update: FragmentUpdate) -> None:
+        tensors = self._resolve(update.tensors[0])
+        with self._cv:
+            self._updates.append((update, list(tensors)))
+            self._cv.notify_all()
+
+    def _apply_updates(self) -> None:
+        with self._cv:
+            updates, self._updates = self._updates, []
+        for update, tensors in sorted(updates, key=lambda u: (u[0].fragment, u[0].version)):
+            self._apply_one(update, tensors)
+
+    def _apply_one(self, update: FragmentUpdate, global_: list[torch.Tensor]) -> None:
+        p = update.fragment
+        mine = [k for k in update.merged if k in self._inflight]
+        with self._cv:
+            for key in update.refused:
+                self._inflight.pop(key, None)
+        if update.version <= self._version[p]:
+            with self._cv:  # an older update that arrived late: bookkeeping only
+                for key in mine:
+                    self._inflight.pop(key, None)
+            return
+        # The parameters that not-yet-merged local progress is measured from: just after this
+        # island's newest merged submission if it took part, else the fragment's base.
+        anchor = self._base[p]
+        if mine and self._adoption.kind == "rebase":
+            newest = max(mine, key=lambda k: k.seq)
+            anchor = self._inflight[newest].snapshot
+        with torch.no_grad():
+            if not self._base[p]:  # first adoption: nothing local to keep
+                new = [g.detach().to(t.dtype).clone() for g, t in zip(global_, self._theta[p])]
+            else:
+                new = adopt_fragment(self._adoption, local=[t.detach() for t in self._theta[p]], anchor=anchor, global_=global_)
+            shift = [n - t.detach() for n, t in zip(new, self._theta[p])]
+            for t, n in zip(self._theta[p], new):
+                t.copy_(n)  # in place: the optimizer holds these tensors; never modify `global_`
+        with self._cv:
+            for key in mine:
+                self._inflight.pop(key, None)
+            if self._adoption.kind == "rebase":
+                for flight in self._inflight.values():  # keep "theta - snapshot" invariant for later rounds
+                    if flight.fragment == p and flight.snapshot is not None:
+                        for s, d in zip(flight.snapshot, shift):
+                            s.add_(d)
+            self._base[p] = [g.detach().to(torch.float32).clone() for g in global_]
+            self._version[p] = update.version
+            self._cv.notify_all()

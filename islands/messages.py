@@ -1,0 +1,65 @@
+"""What travels between an island and the outer optimizer: submissions up, fragment updates down.
+
+Both are plain dataclasses that pickle cleanly through Ray. Tensors in a `Submission` are the
+(compressed) outer gradient of one fragment; a `FragmentUpdate` carries the new global fragment as a
+list-wrapped object ref, so the receiver decides when to fetch it and the publisher puts it once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.compression import Compressed
+
+
+@dataclass(frozen=True)
+class SubmissionKey:
+    """Identifies one submission: which island slot, which incarnation of it, its k-th submission."""
+
+    island: int
+    incarnation: int
+    seq: int
+
+
+@dataclass
+class Submission:
+    """One island's outer gradient for one fragment: delta = base[p] - theta[p] (DESIGN.md section 2)."""
+
+    island: int
+    incarnation: int
+    seq: int  # the island's k-th submission; fragment = seq mod P
+    fragment: int
+    base_version: int  # version of the fragment the delta is measured from
+    tokens: int  # tokens processed since the island's previous submission of this fragment
+    inner_steps: int  # inner steps in the same span
+    step_time_s: float  # moving average of the island's wall time per inner step
+    train_loss: float  # moving average of the inner training loss (nats per token)
+    payload: list[Compressed]  # one entry per tensor of the fragment, in fragment order
+    created_at: float = 0.0  # wall clock (time.time) when the island cut it
+
+    @property
+    def key(self) -> SubmissionKey:
+        """The (island, incarnation, seq) identity of this submission."""
+        return SubmissionKey(self.island, self.incarnation, self.seq)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of outer gradient on the wire (payload and quantization scales)."""
+        return sum(c.nbytes for c in self.payload)
+
+
+@dataclass(frozen=True)
+class FragmentUpdate:
+    """A published version of one fragment and which submissions it resolved.
+
+    `tensors` is `[ref]` in Ray runs (the receiver resolves it) or `[list_of_tensors]` in process.
+    `merged` lists the submissions that went into this version; `refused` lists submissions that were
+    refused since the previous update to their island, so the island can stop tracking them.
+    """
+
+    fragment: int
+    version: int
+    tensors: list[Any]
+    merged: tuple[SubmissionKey, ...] = ()
+    refused: tuple[SubmissionKey, ...] = field(default_factory=tuple)

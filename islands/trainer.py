@@ -1,0 +1,115 @@
+"""The inner loop of one island: AdamW steps on its own shard, with optional speed emulation.
+
+Kept apart from the island's synchronization bookkeeping (islands/island.py) so it can be benchmarked
+against a bare PyTorch loop with the same model, batch and threads (benchmarks/island_overhead.py).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from islands.data import ShardSampler
+from islands.model import ModelConfig, build_model
+
+
+@dataclass(frozen=True)
+class InnerSettings:
+    """Inner optimizer and pacing of one island, as plain values (unpacked from the run config)."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.99
+    warmup_steps: int = 20
+    grad_clip: float | None = 1.0
+    torch_threads: int = 1
+    batch_size: int = 16
+    emulated_slowdown: float = 1.0  # EMULATION: stretch each step to this multiple of its compute time
+    emulated_jitter: float = 0.0  # EMULATION: uniform +- fraction on the stretch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one inner step did."""
+
+    loss: float  # mean cross-entropy of the batch, nats per token
+    tokens: int
+    compute_s: float  # forward + backward + optimizer step
+    wall_s: float  # compute plus emulated slowdown
+
+
+class InnerTrainer:
+    """A model replica, its AdamW inner optimizer and its data shard sampler.
+
+    The model is built from `seed` only to get its shapes; the island overwrites every parameter with
+    the global ones before the first step.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        data: np.ndarray,
+        *,
+        settings: InnerSettings,
+        shard_index: int,
+        num_shards: int,
+        seed: int,
+    ) -> None:
+        torch.set_num_threads(settings.torch_threads)
+        self.settings = settings
+        self.model = build_model(model_config, seed=seed)
+        self.params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=settings.lr,
+            betas=(settings.beta1, settings.beta2),
+            weight_decay=settings.weight_decay,
+        )
+        self.sampler = ShardSampler(
+            data,
+            shard_index=shard_index,
+            num_shards=num_shards,
+            seq_len=model_config.seq_len,
+            batch_size=settings.batch_size,
+            seed=seed,
+        )
+        # Jitter draws are seeded per island so an emulated run replays the same pacing.
+        self._jitter_rng = random.Random(seed * 1_000_003 + shard_index)
+        self.steps = 0
+
+    def _lr_at(self, step: int) -> float:
+        warm = self.settings.warmup_steps
+        return self.settings.lr * min(1.0, (step + 1) / warm) if warm > 0 else self.settings.lr
+
+    def step(self) -> StepResult:
+        """Run one AdamW step on the next batch of this island's shard, then the emulated slowdown."""
+        t0 = time.perf_counter()
+        x, y = self.sampler.next_batch()  # [B, T], [B, T]
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr_at(self.steps)
+        loss = self.model.loss(x, y)
+        loss.backward()
+        if self.settings.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        compute = time.perf_counter() - t0
+        self.steps += 1
+        stretch = self.settings.emulated_slowdown
+        if self.settings.emulated_jitter > 0:
+            stretch *= 1.0 + self._jitter_rng.uniform(-1.0, 1.0) * self.settings.emulated_jitter
+        if stretch > 1.0:
+            time.sleep(compute * (stretch - 1.0))
+        value = float(loss.detach())
+        return StepResult(
+            loss=value if math.isfinite(value) else math.nan,
+            tokens=int(x.numel()),
+            compute_s=compute,
+            wall_s=time.perf_counter() - t0,
+        )

@@ -1,0 +1,215 @@
+"""The Ray edge: thin actor shells over the plain classes. `ray.remote` is applied here and only here.
+
+- `IslandActor` wraps islands.island.LearnerIsland (threaded: the inner loop runs in its own thread,
+  control calls are served concurrently by the actor's thread pool).
+- `OuterOptimizerActor` wraps orchestrator.outer_optimizer.OuterOptimizer (async: it keeps one
+  outstanding `next_submission` call per island and takes results as they arrive, so it owns every
+  submission ref; core work runs on one executor thread, so the plain class needs no locks).
+
+Ray facts that shape this are in DESIGN.md section 4 and shared/notes/ray-2.60.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+import warnings
+from typing import Any
+
+import ray
+from ray._private.tensor_serialization_utils import ZeroCopyTensorsWarning
+from ray.exceptions import RayActorError, RayTaskError
+
+from islands.island import IslandSpec, LearnerIsland
+from islands.messages import FragmentUpdate, Submission
+from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings, RoundResult
+from policies.fragments import FragmentPlan
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "diloco"
+# Tensor gets near free; fetched tensors are shared memory and are never modified in place.
+WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+
+
+def _quiet_worker() -> None:
+    # Actor INFO lines would be forwarded to the driver's console and break its progress line;
+    # warnings still reach it. Ray's zero-copy path warns that shared tensors must not be written;
+    # we copy them into our own parameters, never in place, so the warning carries no news here.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    warnings.filterwarnings("ignore", category=ZeroCopyTensorsWarning)
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+class _IslandShell(LearnerIsland):
+    """LearnerIsland with `ray.get` injected for list-wrapped refs; starts training on creation."""
+
+    def __init__(self, spec: IslandSpec, data: list[Any], initial: list[FragmentUpdate], cursor: int = 0) -> None:
+        _quiet_worker()
+        super().__init__(spec, data, initial, cursor=cursor, resolve=ray.get)
+        self.start()
+
+    def ping(self) -> tuple[int, int, float]:
+        """Cheap liveness probe: (island, incarnation, wall time)."""
+        return self.spec.island, self.spec.incarnation, time.time()
+
+    def node_id(self) -> str:
+        """The Ray node this island runs on (placement checks)."""
+        return ray.get_runtime_context().get_node_id()
+
+
+class _OuterShell:
+    """Async shell: polls islands for submissions, feeds the core, publishes each new version once."""
+
+    def __init__(self, initial: dict, plan: FragmentPlan, settings: OuterSettings, embedding_names: frozenset[str]) -> None:
+        _quiet_worker()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-core")
+        self._t0 = time.monotonic()
+        self.core = OuterOptimizer(initial, plan, settings=settings, embedding_names=embedding_names, now=0.0)
+        # The latest published version of every fragment: one ray.put each, handed out as [ref].
+        self._refs = [ray.put(self.core.fragment(p)) for p in range(plan.num_fragments)]
+        self._islands: dict[int, tuple[int, Any]] = {}
+        self._pollers: dict[int, asyncio.Task] = {}
+        self._ticker: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._stopping = False
+        self._late_tokens = [0] * plan.num_fragments  # taken from islands after stop began: in flight
+        self._bytes_down = 0
+        self._events_cursor = (0, 0)
+        self.deaths: list[dict] = []
+
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    async def _core(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------------ membership
+
+    async def latest(self) -> list[FragmentUpdate]:
+        """The current version of every fragment, as updates a (re)joining island starts from."""
+        versions = await self._core(lambda: list(self.core.versions))
+        return [FragmentUpdate(p, v, [self._refs[p]]) for p, v in enumerate(versions)]
+
+    async def register(self, island: int, incarnation: int, handle: Any) -> None:
+        """Admit an island incarnation and start taking its submissions."""
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            self._ticker = asyncio.create_task(self._tick())
+        await self._core(self.core.register, island, incarnation)
+        self._islands[island] = (incarnation, handle)
+        old = self._pollers.pop(island, None)
+        if old is not None:
+            old.cancel()
+        self._pollers[island] = asyncio.create_task(self._poll(island, incarnation, handle))
+        log.info("registered island %d incarnation %d", island, incarnation)
+
+    async def unregister(self, island: int) -> None:
+        """Stop taking submissions from an island slot (it died or was stopped)."""
+        self._islands.pop(island, None)
+        task = self._pollers.pop(island, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        await self._core(self.core.unregister, island)
+        self._wake_up()
+
+    # ------------------------------------------------------------ data plane
+
+    async def _poll(self, island: int, incarnation: int, handle: Any) -> None:
+        while not self._stopping and self._islands.get(island, (None,))[0] == incarnation:
+            try:
+                sub: Submission | None = await handle.next_submission.remote(1.0)
+            except (RayActorError, RayTaskError) as err:
+                reason = str(err).strip().splitlines()[-1][:300]
+                log.warning("island %d incarnation %d lost: %s", island, incarnation, reason)
+                self.deaths.append({"island": island, "incarnation": incarnation, "reason": reason, "at": self._now()})
+                if self._islands.get(island, (None,))[0] == incarnation:
+                    await self.unregister(island)
+                return
+            if sub is None:
+                continue
+            if self._stopping:
+                self._late_tokens[sub.fragment] += sub.tokens
+                return
+            results, refusal = await self._core(self.core.receive, sub, self._now())
+            await self._publish(results)
+            if refusal is not None:
+                # Resync the refused island's fragment to the current version (or just clear its bookkeeping).
+                version = await self._core(lambda: self.core.versions[refusal.fragment]) if 0 <= refusal.fragment < len(self._refs) else None
+                if version is not None:
+                    handle.adopt.remote(FragmentUpdate(refusal.fragment, version, [self._refs[refusal.fragment]], refused=(refusal.key,)))
+
+    async def _tick(self) -> None:
+        assert self._wake is not None
+        while not self._stopping:
+            wait = await self._core(self.core.next_wakeup_s, self._now())
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=min(wait, 0.25))
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            if self._stopping:
+                return
+            await self._publish(await self._core(self.core.poll, self._now()))
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _publish(self, results: list[RoundResult]) -> None:
+        for result in results:
+            t0 = time.perf_counter()
+            ref = ray.put(result.tensors)
+            self._refs[result.fragment] = ref  # dropping the old ref lets the store free it
+            update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged)
+            nbytes = sum(t.numel() * t.element_size() for t in result.tensors)
+            for _, handle in list(self._islands.values()):
+                handle.adopt.remote(update)  # fire and forget: a dead island shows up in its poller
+                self._bytes_down += nbytes
+            await self._core(self.core.observe_publish, time.perf_counter() - t0, result.record.merge_s)
+
+    # ------------------------------------------------------------ control plane
+
+    async def status(self) -> dict:
+        """Versions, live islands, round and refusal counts, token ledger, bytes."""
+        def snapshot() -> dict:
+            c = self.core
+            return {
+                "versions": list(c.versions), "islands": dict(c.islands), "rounds": len(c.rounds),
+                "refusals": len(c.refusals), "ledger": c.ledger(), "bytes_up": c.bytes_received,
+                "step_time_s": c.step_time.value, "sync_time_s": c.sync_time.value,
+            }
+        out = await self._core(snapshot)
+        out["bytes_down"] = self._bytes_down
+        out["deaths"] = list(self.deaths)
+        return out
+
+    async def drain_events(self) -> dict:
+        """Rounds and refusals recorded since the previous drain (for the event log)."""
+        def take() -> dict:
+            r0, f0 = self._events_cursor
+            rounds, refusals = self.core.rounds[r0:], self.core.refusals[f0:]
+            self._events_cursor = (len(self.core.rounds), len(self.core.refusals))
+            return {"rounds": rounds, "refusals": refusals}
+        return await self._core(take)
+
+    async def global_parameters(self) -> dict:
+        """Copies of all current global parameters by name (evaluation, checkpoints)."""
+        return await self._core(self.core.global_parameters)
+
+    async def stop(self) -> dict:
+        """Stop polling; submissions already taken count as in flight. Returns the final ledger."""
+        self._stopping = True
+        self._wake_up()
+        tasks = list(self._pollers.values()) + ([self._ticker] if self._ticker else [])
+        if tasks:
+            await asyncio.wait(tasks, timeout=30)
+        ledger = await self._core(self.core.ledger)
+        ledger["late"] = list(self._late_tokens)
+        return ledger
+
+
+IslandActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=8)(_IslandShell)
+OuterOptimizerActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=64)(_OuterShell)

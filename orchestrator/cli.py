@@ -1,0 +1,145 @@
+"""`diloco`: the command line. Environment variables are read here and nowhere else.
+
+Examples:
+  diloco train                                   # the default: 4 islands, 2 pools, ~3 minutes on 2 cores
+  diloco train --run-dir runs/sync --set mode=sync-diloco
+  diloco train --config configs/default.yaml --set run.token_budget=2000000 --set outer.min_quorum=2
+  diloco simulate --method decoupled --chips 1200000 --learners 8 --mtbi-chip-years 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from orchestrator.config import ConfigError, load_config
+
+
+class ProgressBar:
+    """One status line on a terminal (redrawn in place), or a line every 10 s when not a terminal."""
+
+    def __init__(self, stream: TextIO, *, emulation: str | None) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self._last = 0.0
+        if emulation:
+            stream.write(f"{emulation}\n")
+
+    def __call__(self, p) -> None:  # p: orchestrator.driver.Progress
+        now = time.monotonic()
+        if not self.tty and now - self._last < 10.0 and p.tokens < p.budget:
+            return
+        self._last = now
+        frac = min(1.0, p.tokens / p.budget)
+        bar = "#" * int(frac * 24) + "." * (24 - int(frac * 24))
+        states = {}
+        for s in p.islands.values():
+            states[s] = states.get(s, 0) + 1
+        line = (f"[{bar}] {frac:4.0%} {p.tokens / 1e6:6.2f}M/{p.budget / 1e6:.2f}M tokens | versions {p.versions}"
+                f" | rounds {p.rounds} | train loss {p.train_loss or float('nan'):.3f}"
+                f" | eval {p.eval_bpb or float('nan'):.3f} bits/byte | {p.elapsed_s:5.0f}s"
+                f" | islands {', '.join(f'{n} {k}' for k, n in sorted(states.items()))}")
+        self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the redrawn line."""
+        if self.tty:
+            self.stream.write("\n")
+
+
+def format_summary(summary: dict) -> str:
+    """The short final table printed after `diloco train`."""
+    rows = [
+        ("mode", summary["mode"]),
+        ("held-out loss (nats/byte)", f"{summary['eval_loss']:.4f}"),
+        ("held-out bits/byte", f"{summary['eval_bits_per_byte']:.3f}"),
+        ("unigram bits/byte (baseline)", f"{summary['unigram_bits_per_byte']:.3f}"),
+        ("tokens processed", f"{summary['tokens_processed']:,}"),
+        ("tokens merged / refused / in flight", f"{summary['tokens_merged']:,.0f} / {summary['tokens_refused']:,.0f} / {summary['tokens_in_flight']:,.0f}"),
+        ("rounds (refusals)", f"{summary['rounds']} ({summary['refusals']})"),
+        ("bytes sent (up + down)", f"{summary['bytes_sent'] / 1e6:,.1f} MB"),
+        ("wall time", f"{summary['wall_s']:.0f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    for isl in summary["islands"]:
+        lines.append(f"{'  island ' + str(isl['island']) + ' (' + isl['pool'] + ')':<{width}}  "
+                     f"{isl['steps']} steps, {isl['tokens']:,} tokens, {isl['state']}")
+    if summary.get("emulation"):
+        lines.append(summary["emulation"])
+    return "\n".join(lines)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from orchestrator.driver import emulation_note, train  # imports Ray: keep `diloco --help` fast
+
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as err:
+        print(f"diloco train: {err}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    bar = ProgressBar(sys.stderr, emulation=emulation_note(cfg)) if not args.quiet else None
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    try:
+        summary = train(cfg, run_dir, address=address, progress=bar)
+    except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
+        if bar:
+            bar.close()
+        logging.getLogger(__name__).debug("train failed", exc_info=True)
+        print(f"diloco train: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    if bar:
+        bar.close()
+    print(format_summary(summary))
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `diloco` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="diloco", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model with Decoupled DiLoCo on Ray",
+                       description="Train on the embedded default (stdlib source) or your config.\n\nExample:\n"
+                                   "  diloco train --run-dir runs/demo --set run.token_budget=3000000",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--config", help="YAML run config (default: built-in defaults, same as configs/default.yaml)")
+    t.add_argument("--run-dir", help="where to write the event log and summary (default: runs/<timestamp>)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set outer.min_quorum=2 (repeatable)")
+    t.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=_cmd_train)
+    try:
+        from orchestrator import simulate_cli
+    except ImportError:  # the simulator is optional at import time only while it is being built
+        simulate_cli = None
+    if simulate_cli is not None:
+        simulate_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `diloco` console script."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        handlers=[_stderr_handler()])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def _stderr_handler() -> logging.Handler:
+    # The console shows warnings only (the progress bar owns the line); driver.log gets everything.
+    h = logging.StreamHandler(sys.stderr)
+    h.setLevel(logging.WARNING)
+    return h
+
+
+if __name__ == "__main__":
+    sys.exit(main())

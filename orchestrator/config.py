@@ -1,0 +1,315 @@
+"""The run configuration: one pydantic tree, loaded from YAML once at the edge and validated there.
+
+Policies never see these models; the driver and the actors unpack them into plain arguments.
+Every field says what it means and its unit; errors name the field and the fix in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from policies.adoption import parse_adoption
+from policies.compression import SCHEMES
+from policies.merge import MERGE_RULES
+
+MODES = ("decoupled", "sync-diloco")
+
+# What `mode: sync-diloco` means (DESIGN.md section 3): K = all islands, unbounded grace, uniform
+# weights, mean merge, P = 1, overwrite adoption, and islands wait for each round.
+SYNC_DILOCO_OUTER = {
+    "min_quorum": "all",
+    "grace_gamma": math.inf,
+    "grace_cap_s": math.inf,
+    "weighting": "uniform",
+    "merge_rule": "mean",
+    "num_fragments": 1,
+    "adoption": "overwrite",
+    "wait_for_round": True,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, stated in one line with the field and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """Which model every island trains."""
+
+    preset: str = Field("tiny", description="Model size preset from islands.model.PRESETS (nano, tiny, small, 50m).")
+    seq_len: int | None = Field(None, gt=0, description="Override the preset's context length in tokens.")
+    d_model: int | None = Field(None, gt=0, description="Override the preset's hidden size.")
+    n_layers: int | None = Field(None, gt=0, description="Override the preset's number of transformer blocks.")
+    n_heads: int | None = Field(None, gt=0, description="Override the preset's number of attention heads.")
+
+    def overrides(self) -> dict[str, int]:
+        """The non-empty overrides, as keyword arguments for islands.model.model_config."""
+        return {k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None}
+
+
+class DataSection(_Section):
+    """Where the training text comes from and how islands read it."""
+
+    source: Literal["stdlib", "parquet"] = Field(
+        "stdlib", description="'stdlib': the running Python's standard-library source (no download); 'parquet': `path`."
+    )
+    path: str | None = Field(None, description="Parquet/Arrow file or directory (local path or pyarrow.fs URI) for source=parquet.")
+    text_column: str | None = Field(None, description="String column to train on (UTF-8 bytes), for source=parquet.")
+    token_column: str | None = Field(None, description="list<int> column of token ids, for source=parquet.")
+    heldout_fraction: float = Field(0.02, gt=0, lt=0.5, description="Fraction of files/rows held out for evaluation.")
+    max_bytes: int | None = Field(None, gt=0, description="Cap on training bytes (keeps tests small); None = all.")
+    batch_size: int = Field(16, gt=0, description="Sequences per inner step per island.")
+
+    @model_validator(mode="after")
+    def _parquet_needs_path(self) -> "DataSection":
+        if self.source == "parquet":
+            if not self.path:
+                raise ValueError("data.path is required when data.source is 'parquet'; set data.path=/path/to/data.parquet")
+            if (self.text_column is None) == (self.token_column is None):
+                raise ValueError("set exactly one of data.text_column or data.token_column for a parquet source")
+        return self
+
+
+class InnerSection(_Section):
+    """The inner optimizer each island runs on its own shard (AdamW)."""
+
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
+    warmup_steps: int = Field(20, ge=0, description="Linear learning-rate warmup, in inner steps.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the gradient norm to this; None disables clipping.")
+    torch_threads: int = Field(1, gt=0, description="torch intra-op threads per island worker.")
+
+
+class OuterSection(_Section):
+    """The outer optimizer: quorum, grace, weighting, merge, outer step, staleness, adoption, wire format."""
+
+    num_fragments: int = Field(2, ge=1, description="P: fragments the parameters are split into (size-balanced).")
+    sync_every_steps: int = Field(40, ge=1, description="H: inner steps between two submissions of the same fragment.")
+    min_quorum: int | Literal["all"] = Field(1, description="K: submissions a round waits for; 'all' = every island.")
+    grace_gamma: float = Field(0.5, ge=0, description="gamma in grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, cap); inf = wait for all live islands.")
+    grace_cap_s: float = Field(2.0, ge=0, description="Upper bound of the grace window, seconds (inf allowed).")
+    tau_steps: float | None = Field(None, gt=0, description="tau: inner steps a submission may be in flight; None = H/P.")
+    weighting: Literal["tokens", "uniform"] = Field("tokens", description="'tokens': w = tokens*tokens/steps; 'uniform'.")
+    staleness_discount: float = Field(0.0, ge=0, description="Weight multiplier (1+staleness)^-d; 0 disables.")
+    merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings) or 'mean'.")
+    lr: float = Field(0.7, gt=0, description="Outer SGD learning rate.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain SGD.")
+    max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old.")
+    adoption: str = Field("overwrite", description="How islands adopt a new fragment: overwrite | rebase | mix(alpha).")
+    compression: str = Field("none", description="Outer-gradient wire format: none | bf16 | int8 | int4.")
+    compression_block_size: int = Field(256, gt=0, description="Elements per quantization scale block.")
+    wait_for_round: bool = Field(False, description="Islands block after each submission until its round is adopted (synchronous DiLoCo).")
+
+    @field_validator("merge_rule")
+    @classmethod
+    def _merge_rule(cls, v: str) -> str:
+        if v not in MERGE_RULES:
+            raise ValueError(f"unknown merge rule {v!r}; use one of {', '.join(MERGE_RULES)}")
+        return v
+
+    @field_validator("adoption")
+    @classmethod
+    def _adoption(cls, v: str) -> str:
+        parse_adoption(v)  # raises a one-line ValueError naming the valid forms
+        return v
+
+    @field_validator("compression")
+    @classmethod
+    def _compression(cls, v: str) -> str:
+        if v not in SCHEMES:
+            raise ValueError(f"unknown compression {v!r}; use one of {', '.join(SCHEMES)}")
+        return v
+
+    @field_validator("min_quorum")
+    @classmethod
+    def _quorum(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"min_quorum must be >= 1 or 'all', got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _fragments_divide_h(self) -> "OuterSection":
+        # Fragments are submitted round-robin every H/P steps, so P must divide H (as torchft checks).
+        if self.sync_every_steps % self.num_fragments:
+            raise ValueError(
+                f"sync_every_steps (H={self.sync_every_steps}) must be a multiple of num_fragments "
+                f"(P={self.num_fragments}); pick H = {self.num_fragments * max(1, self.sync_every_steps // self.num_fragments)}"
+            )
+        return self
+
+    def effective_tau_steps(self) -> float:
+        """tau for the grace window: the configured value, or H/P (the gap until the island's next submission)."""
+        return self.tau_steps if self.tau_steps is not None else self.sync_every_steps / self.num_fragments
+
+
+class PoolConfig(_Section):
+    """A named set of nodes of one hardware kind in one region, and the islands placed on it."""
+
+    name: str = Field(..., min_length=1, description="Pool name, e.g. 'us-east/v5p'; used in logs and reports.")
+    islands: int = Field(1, ge=1, description="Number of islands (learner units) on this pool.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Node labels every bundle must match (bundle_label_selector), e.g. {pool: a}.")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom resources every bundle asks for, e.g. {pool_a: 1}.")
+    cpus_per_island: float = Field(1.0, gt=0, description="Logical CPUs reserved per island bundle.")
+    region: str = Field("local", description="Region name for reports (and for the network model).")
+    emulated_slowdown: float = Field(1.0, ge=1.0, description="EMULATION: stretch each inner step to this multiple of its compute time (sleep).")
+    emulated_jitter: float = Field(0.0, ge=0.0, lt=1.0, description="EMULATION: random +- fraction on the stretched step time.")
+
+    @property
+    def emulated(self) -> bool:
+        """True when this pool's speed is emulated by throttling (report it as emulation)."""
+        return self.emulated_slowdown != 1.0 or self.emulated_jitter > 0
+
+
+class EvalSection(_Section):
+    """Periodic evaluation of the global parameters on held-out data."""
+
+    interval_s: float = Field(20.0, gt=0, description="Seconds between evaluations of the global parameters.")
+    batches: int = Field(8, ge=1, description="Held-out batches per evaluation (fixed, evenly spaced windows).")
+    batch_size: int = Field(16, ge=1, description="Sequences per held-out batch.")
+
+
+class RunSection(_Section):
+    """Run-level settings: stop rule, seeds, timeouts."""
+
+    token_budget: int = Field(6_000_000, gt=0, description="Stop when the islands together have processed this many tokens.")
+    seed: int = Field(0, description="Seed for model init, data order and emulation jitter.")
+    placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for an island's placement group.")
+    call_timeout_s: float = Field(60.0, gt=0, description="Timeout of control-plane calls (status, adopt, stop).")
+    max_wall_s: float | None = Field(None, gt=0, description="Hard wall-clock stop in seconds (None = only the token budget).")
+
+
+class RunConfig(_Section):
+    """Everything a run needs. Load with `load_config`; the defaults are the shipped configs/default.yaml."""
+
+    mode: Literal["decoupled", "sync-diloco"] = Field(
+        "decoupled", description="'decoupled' (K=1, grace, token weights, RDA) or 'sync-diloco' (K=all, mean, P=1)."
+    )
+    run: RunSection = Field(default_factory=RunSection, description="Stop rule, seed, timeouts.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Model preset and overrides.")
+    data: DataSection = Field(default_factory=DataSection, description="Corpus and batch size.")
+    inner: InnerSection = Field(default_factory=InnerSection, description="Inner AdamW settings.")
+    outer: OuterSection = Field(default_factory=OuterSection, description="Outer optimizer settings.")
+    eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
+    pools: list[PoolConfig] = Field(
+        default_factory=lambda: [
+            PoolConfig(name="fast", islands=2, cpus_per_island=0.5),
+            PoolConfig(name="slow", islands=2, cpus_per_island=0.5, emulated_slowdown=1.6, emulated_jitter=0.1),
+        ],
+        description="Hardware pools and their islands.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_mode(cls, data: Any) -> Any:
+        # sync-diloco is a preset of outer settings; an explicit conflicting value is an error, not a silent override.
+        if not isinstance(data, dict) or data.get("mode") != "sync-diloco":
+            return data
+        outer = dict(data.get("outer") or {})
+        for key, value in SYNC_DILOCO_OUTER.items():
+            if key in outer and outer[key] != value:
+                raise ValueError(
+                    f"outer.{key}={outer[key]!r} conflicts with mode sync-diloco (which uses {value!r}); "
+                    f"drop outer.{key} or use mode decoupled"
+                )
+            outer[key] = value
+        return {**data, "outer": outer}
+
+    @model_validator(mode="after")
+    def _pools(self) -> "RunConfig":
+        if not self.pools:
+            raise ValueError("pools is empty; define at least one pool with islands >= 1")
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool names must be unique, got {names}")
+        k = self.outer.min_quorum
+        if isinstance(k, int) and k > self.num_islands:
+            raise ValueError(f"outer.min_quorum={k} exceeds the {self.num_islands} islands; lower it or use 'all'")
+        return self
+
+    @property
+    def num_islands(self) -> int:
+        """Total islands over all pools."""
+        return sum(p.islands for p in self.pools)
+
+    def min_quorum_count(self) -> int:
+        """K as a number ('all' resolved to the number of islands)."""
+        k = self.outer.min_quorum
+        return self.num_islands if k == "all" else int(k)
+
+    @property
+    def emulated(self) -> bool:
+        """True when any pool's speed is emulated (every report must say so)."""
+        return any(p.emulated for p in self.pools)
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return f"unknown config field '{where}'; remove it or check the spelling (see configs/default.yaml)"
+    return f"config field '{where}': {msg}"
+
+
+def build_config(data: dict[str, Any]) -> RunConfig:
+    """Validate a plain dict into a RunConfig, raising ConfigError with a one-line message."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} is not key=value; write e.g. --set outer.min_quorum=2")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set {item!r} has an empty key; write e.g. --set run.token_budget=100000")
+    return path, yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted `key=value` overrides (values parsed as YAML scalars) to a config dict, returning a new dict."""
+    out = yaml.safe_load(yaml.safe_dump(data))  # deep copy through plain types
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = out
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a RunConfig from a YAML file (None = built-in defaults) plus `key=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML file to --config")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded or {}
+    if overrides:
+        data = apply_overrides(data, overrides)
+    return build_config(data)

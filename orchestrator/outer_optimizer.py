@@ -1,0 +1,302 @@
+"""OuterOptimizer: the single source of truth for the global parameters (DESIGN.md section 3).
+
+A plain class, stepped with submissions and the current time. Per fragment p it keeps the global
+tensors, a Nesterov outer optimizer, the version, a ring of recent versions and the pending
+submissions. A round closes on quorum + grace (policies.quorum), merges with token weights
+(policies.weighting) and RDA (policies.merge), applies the outer step and yields a `RoundResult`
+for the shell to publish. Bad submissions are refused, counted and logged; they never touch state.
+
+The Ray shell that polls islands and publishes lives in orchestrator/actors.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from islands.messages import Submission, SubmissionKey
+from policies.compression import Compressed, decompress
+from policies.fragments import FragmentPlan
+from policies.merge import merge_fragment
+from policies.outer_optimizer import FragmentOuterOptimizer
+from policies.quorum import MovingAverage, decide_round, grace_window_s
+from policies.staleness import VersionRing, check_staleness
+from policies.weighting import merge_weights
+
+log = logging.getLogger(__name__)
+
+_WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    """Outer-optimizer hyperparameters as plain values (unpacked from RunConfig.outer)."""
+
+    min_quorum: int = 1
+    grace_gamma: float = 0.5
+    grace_cap_s: float = 2.0
+    tau_steps: float = 20.0
+    weighting: str = "tokens"
+    staleness_discount: float = 0.0
+    merge_rule: str = "rda"
+    lr: float = 0.7
+    momentum: float = 0.9
+    max_staleness: int = 4
+    compression: str = "none"
+
+
+@dataclass
+class RoundRecord:
+    """One merged round, as it goes to the event log."""
+
+    fragment: int
+    version: int
+    participants: list[int]
+    incarnations: list[int]
+    seqs: list[int]
+    weights: list[float]
+    staleness: list[int]
+    tokens: int
+    inner_steps: int
+    bytes: int
+    quorum_s: float  # round open -> quorum reached
+    grace_s: float  # grace window granted at quorum
+    wait_s: float  # round open -> close
+    merge_s: float  # decompress + merge + outer step
+    reason: str
+    wall_time: float = field(default_factory=time.time)
+
+
+@dataclass
+class Refusal:
+    """A refused submission, as it goes to the event log."""
+
+    island: int
+    incarnation: int
+    seq: int
+    fragment: int
+    tokens: int
+    reason: str
+    wall_time: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> SubmissionKey:
+        """The refused submission's identity."""
+        return SubmissionKey(self.island, self.incarnation, self.seq)
+
+
+@dataclass
+class RoundResult:
+    """A new global version of one fragment for the shell to publish to every live island."""
+
+    fragment: int
+    version: int
+    tensors: list[torch.Tensor]  # a private copy, safe to hand to the object store
+    merged: tuple[SubmissionKey, ...]
+    record: RoundRecord
+
+
+class OuterOptimizer:
+    """Global parameters, outer momentum, versions, version ring, pending rounds and token ledger."""
+
+    def __init__(
+        self,
+        initial: dict[str, torch.Tensor],
+        plan: FragmentPlan,
+        *,
+        settings: OuterSettings,
+        embedding_names: frozenset[str] | set[str] = frozenset(),
+        now: float = 0.0,
+    ) -> None:
+        self.plan = plan
+        self.settings = settings
+        P = plan.num_fragments
+        self.params = [[initial[n].detach().to(torch.float32).clone() for n in frag] for frag in plan.fragments]
+        self._shapes = [[tuple(t.shape) for t in frag] for frag in self.params]
+        self._embedding_mask = [[n in embedding_names for n in frag] for frag in plan.fragments]
+        self._opts = [
+            FragmentOuterOptimizer(self.params[p], lr=settings.lr, momentum=settings.momentum) for p in range(P)
+        ]
+        self.versions = [0] * P
+        # Recent versions per fragment: what any accepted submission can have been measured from.
+        self._rings: list[VersionRing] = [VersionRing(settings.max_staleness + 1) for _ in range(P)]
+        for p in range(P):
+            self._rings[p].push(0, [t.clone() for t in self.params[p]])
+        # Accepted submissions per fragment: (submission, staleness, decoded fp32 deltas).
+        self._pending: list[list[tuple[Submission, int, list[torch.Tensor]]]] = [[] for _ in range(P)]
+        self._round_open = [now] * P
+        self._quorum_at: list[float | None] = [None] * P
+        self._grace = [0.0] * P
+        self.islands: dict[int, int] = {}  # live island -> current incarnation
+        self.step_time = MovingAverage(0.2)
+        self.quorum_time = MovingAverage(0.2)
+        self.sync_time = MovingAverage(0.2)
+        self.tokens_merged = [0] * P
+        self.tokens_refused = [0] * P
+        self.bytes_received = 0
+        self.rounds: list[RoundRecord] = []
+        self.refusals: list[Refusal] = []
+
+    # ---------------------------------------------------------------- membership
+
+    def register(self, island: int, incarnation: int) -> None:
+        """Admit an island incarnation; older incarnations of the slot are refused from now on."""
+        old = self.islands.get(island)
+        if old is not None and incarnation < old:
+            raise ValueError(f"island {island} incarnation {incarnation} is older than the live one ({old})")
+        self.islands[island] = incarnation
+
+    def unregister(self, island: int) -> None:
+        """Mark an island slot dead: it no longer counts toward 'every live island submitted'."""
+        self.islands.pop(island, None)
+
+    # ---------------------------------------------------------------- submissions
+
+    def _check(self, sub: Submission) -> tuple[str | None, int, list[torch.Tensor]]:
+        live = self.islands.get(sub.island)
+        if live is None:
+            return f"unknown or dead island {sub.island}", 0, []
+        if sub.incarnation != live:
+            return f"stale incarnation {sub.incarnation} of island {sub.island} (live: {live})", 0, []
+        if not 0 <= sub.fragment < self.plan.num_fragments:
+            return f"fragment {sub.fragment} out of range 0..{self.plan.num_fragments - 1}", 0, []
+        if sub.tokens < 0 or sub.inner_steps <= 0:
+            return f"bad counters tokens={sub.tokens} inner_steps={sub.inner_steps}", 0, []
+        shapes = self._shapes[sub.fragment]
+        if len(sub.payload) != len(shapes):
+            return f"fragment {sub.fragment} has {len(shapes)} tensors, submission has {len(sub.payload)}", 0, []
+        wire = _WIRE_DTYPES[self.settings.compression]
+        for i, (c, shape) in enumerate(zip(sub.payload, shapes)):
+            if not isinstance(c, Compressed) or c.scheme != self.settings.compression:
+                return f"tensor {i}: wire format is not {self.settings.compression!r}", 0, []
+            if c.payload.dtype != wire:
+                return f"tensor {i}: dtype {c.payload.dtype} is not {wire} for {c.scheme!r}", 0, []
+            if tuple(c.shape) != shape:
+                return f"tensor {i}: shape {tuple(c.shape)} != {shape}", 0, []
+        decision = check_staleness(
+            current_version=self.versions[sub.fragment], base_version=sub.base_version,
+            max_staleness=self.settings.max_staleness,
+        )
+        if not decision.accept:
+            return decision.reason, decision.staleness, []
+        try:
+            deltas = [decompress(c) for c in sub.payload]
+        except Exception as err:  # noqa: BLE001 - a malformed payload is the sender's fault, refuse it
+            return f"payload does not decode: {err}", 0, []
+        for i, d in enumerate(deltas):
+            if tuple(d.shape) != shapes[i]:
+                return f"tensor {i}: decoded shape {tuple(d.shape)} != {shapes[i]}", 0, []
+            if not torch.isfinite(d).all():
+                return f"tensor {i}: non-finite values (NaN/Inf)", 0, []
+        return None, decision.staleness, deltas
+
+    def receive(self, sub: Submission, now: float) -> tuple[list[RoundResult], Refusal | None]:
+        """Take one submission; refuse it or queue it, then close any round that is due."""
+        reason, staleness, deltas = self._check(sub)
+        if reason is not None:
+            refusal = Refusal(sub.island, sub.incarnation, sub.seq, sub.fragment, max(sub.tokens, 0), reason)
+            if 0 <= sub.fragment < self.plan.num_fragments:
+                self.tokens_refused[sub.fragment] += refusal.tokens
+            self.refusals.append(refusal)
+            log.warning("refused submission %s/%s seq %s fragment %s: %s",
+                        sub.island, sub.incarnation, sub.seq, sub.fragment, reason)
+            return self.poll(now), refusal
+        p = sub.fragment
+        self.bytes_received += sub.nbytes
+        if sub.step_time_s > 0:
+            self.step_time.update(sub.step_time_s)
+        self._pending[p].append((sub, staleness, deltas))
+        if self._quorum_at[p] is None and self._pending_islands(p) >= self.settings.min_quorum:
+            self._quorum_at[p] = now
+            self.quorum_time.update(now - self._round_open[p])
+            self._grace[p] = grace_window_s(
+                gamma=self.settings.grace_gamma, tau_steps=self.settings.tau_steps,
+                step_time_s=self.step_time.value, quorum_time_s=self.quorum_time.value,
+                sync_time_s=self.sync_time.value, cap_s=self.settings.grace_cap_s,
+            )
+        return self.poll(now), None
+
+    def poll(self, now: float) -> list[RoundResult]:
+        """Close every round whose quorum and grace rules say so."""
+        return [self._close(p, now, d.reason) for p, d in self._decisions(now) if d.close]
+
+    def next_wakeup_s(self, now: float) -> float:
+        """Seconds until a round could close without a new arrival (inf when only arrivals matter)."""
+        return min((d.wait_s for _, d in self._decisions(now)), default=math.inf)
+
+    def _pending_islands(self, p: int) -> int:
+        # Quorum counts islands, not submissions: a fast island's second submission is not a second vote.
+        return len({s.island for s, _, _ in self._pending[p]})
+
+    def _decisions(self, now: float):
+        for p in range(self.plan.num_fragments):
+            if not self._pending[p]:
+                continue
+            yield p, decide_round(
+                now=now, pending=self._pending_islands(p),
+                min_quorum=self.settings.min_quorum, live_islands=max(1, len(self.islands)),
+                quorum_reached_at=self._quorum_at[p], grace_s=self._grace[p],
+            )
+
+    def _close(self, p: int, now: float, reason: str) -> RoundResult:
+        t0 = time.perf_counter()
+        subs = [s for s, _, _ in self._pending[p]]
+        staleness = [st for _, st, _ in self._pending[p]]
+        deltas = [d for _, _, d in self._pending[p]]
+        weights = merge_weights(
+            tokens=[s.tokens for s in subs], steps=[s.inner_steps for s in subs],
+            scheme=self.settings.weighting, staleness=staleness,
+            staleness_discount=self.settings.staleness_discount,
+        )
+        outer_grad = merge_fragment(deltas, weights, rule=self.settings.merge_rule, embedding_mask=self._embedding_mask[p])
+        self._opts[p].step(outer_grad)
+        self.versions[p] += 1
+        version = self.versions[p]
+        self._rings[p].push(version, [t.clone() for t in self.params[p]])
+        merge_s = time.perf_counter() - t0
+        record = RoundRecord(
+            fragment=p, version=version, participants=[s.island for s in subs],
+            incarnations=[s.incarnation for s in subs], seqs=[s.seq for s in subs], weights=list(weights),
+            staleness=staleness, tokens=sum(s.tokens for s in subs), inner_steps=sum(s.inner_steps for s in subs),
+            bytes=sum(s.nbytes for s in subs),
+            quorum_s=(self._quorum_at[p] or now) - self._round_open[p], grace_s=self._grace[p],
+            wait_s=now - self._round_open[p], merge_s=merge_s, reason=reason,
+        )
+        self.tokens_merged[p] += record.tokens
+        self.rounds.append(record)
+        self._pending[p] = []
+        self._quorum_at[p] = None
+        self._round_open[p] = now
+        log.info("round fragment %d -> v%d: islands %s weights %s staleness %s (%s)", p, version,
+                 record.participants, [round(w, 3) for w in weights], staleness, reason)
+        return RoundResult(p, version, [t.clone() for t in self.params[p]], tuple(s.key for s in subs), record)
+
+    def observe_publish(self, seconds: float, merge_s: float = 0.0) -> None:
+        """Record the time to merge and publish a round (t_sync of the grace window)."""
+        self.sync_time.update(merge_s + seconds)
+
+    # ---------------------------------------------------------------- views
+
+    def fragment(self, p: int) -> list[torch.Tensor]:
+        """A private copy of the current global tensors of fragment p."""
+        return [t.clone() for t in self.params[p]]
+
+    def version_of(self, p: int, version: int) -> list[torch.Tensor]:
+        """Fragment p as it was at `version` (KeyError if older than the ring keeps)."""
+        return self._rings[p].get(version)
+
+    def global_parameters(self) -> dict[str, torch.Tensor]:
+        """All current global parameters by name (copies)."""
+        return {n: t.clone() for frag_names, frag in zip(self.plan.fragments, self.params) for n, t in zip(frag_names, frag)}
+
+    def pending_tokens(self) -> list[int]:
+        """Per fragment: tokens in accepted submissions waiting for their round."""
+        return [sum(s.tokens for s, _, _ in pend) for pend in self._pending]
+
+    def ledger(self) -> dict[str, list[int]]:
+        """Per-fragment token ledger: merged, refused, pending."""
+        return {"merged": list(self.tokens_merged), "refused": list(self.tokens_refused), "pending": self.pending_tokens()}
