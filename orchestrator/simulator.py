@@ -1,0 +1,308 @@
+"""Goodput simulator: a training job on N chips under per-chip failures, for three methods.
+
+Model (docs/simulator.md has the full list of assumptions and the calibration):
+
+* Chips are grouped into slices of ``slice_chips`` (the failure domain). Slice interruptions are
+  drawn exactly for per-chip Poisson failures (:mod:`policies.interruptions`); a slice is down for a
+  lognormal recovery time ``R`` (mean ``recovery_mean_s``), the time until its capacity is back.
+* A *group* is a set of slices that steps synchronously. ``dp`` and ``elastic-dp`` are one group of
+  all slices; ``decoupled`` is ``learners`` groups of about N/M chips each that never wait for each
+  other. A group's state is a piecewise-constant timeline (live chips, blocked or not), built by one
+  sort and one cumulative sum over all its events, never a Python object per chip.
+* ``stall`` groups (``dp``): failure i blocks the whole group on ``[t_i, t_i + R_i + restart_s]``
+  (the union over failures), and rolls back to its last checkpoint (every ``checkpoint_interval_s``
+  of stepping). Closed form when stalls rarely overlap: ``goodput = 1 / (1 + lambda * s)`` with
+  ``lambda = chips / mtbi_chip_s`` and ``s = E[R] + restart_s + checkpoint_interval_s / 2``.
+* ``elastic`` groups (``elastic-dp``, each decoupled learner): failure i pauses the group on
+  ``[t_i, t_i + P]`` to drop the slice, runs on the live chips, and pauses again on
+  ``[t_i + R_i, t_i + R_i + P]`` to re-add it (``P = reconfig_s``). Only when every slice of the
+  group is down at once is its state lost back to the last durable point.
+* Durable points: dp/elastic-dp checkpoints; decoupled learner submissions every
+  ``sync_period_s`` of stepping, merged by the outer optimizer with minimum quorum K and the
+  adaptive grace window (:func:`policies.quorum.decide_round`, :func:`policies.quorum.grace_window_s`).
+  The run ends with a final checkpoint / final round at the horizon.
+* Optional stragglers: per-step lognormal jitter of sigma ``step_jitter_sigma`` per slice; a
+  synchronous group of n slices steps at the pace of its slowest slice, so its chips are busy a
+  fraction ``E[X] / E[max(X_1..X_n)]`` of the time. Decoupled learners wait only for their own slices.
+
+Goodput = productive chip-time / allocated chip-time (``chips * horizon_s``), where productive means
+the work reached the final model. Uptime = fraction of wall time in which the global model advances:
+the kept stepping time of the group (dp, elastic-dp), the time with at least K learners stepping
+(decoupled). No Ray here; time and the seed are arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import numpy as np
+
+from policies import interruptions
+from policies.quorum import decide_round, grace_window_s
+
+log = logging.getLogger(__name__)
+
+METHODS = ("dp", "elastic-dp", "decoupled")
+
+# Calibrated once, jointly, so that 1.2M chips at 1 chip-year give dp ~0.27 and decoupled (8 learners)
+# ~0.88 (docs/simulator.md, "Calibration"); every other cell follows from the mechanism.
+RECOVERY_MEAN_S = 14.5  # a failed slice's capacity is back: hot spare swapped in, or fault cleared
+RECONFIG_S = 15.0  # rebuild the job's mesh on a new set of slices: elastic drop / re-add of a slice
+RESTART_S = RECONFIG_S  # dp's restart onto a spare is the same rebuild, plus the rollback below
+
+
+class ConfigError(ValueError):
+    """A bad simulator setting: ``field``, ``value``, the rule broken and how to fix it."""
+
+    def __init__(self, field: str, value: object, rule: str, fix: str) -> None:
+        self.field, self.value, self.rule, self.fix = field, value, rule, fix
+        super().__init__(f"{field}={value!r}: {rule}; {fix}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """One simulated job. Times in seconds unless the name says otherwise."""
+
+    method: str = "decoupled"
+    chips: int = 1_200_000
+    learners: int = 8
+    mtbi_chip_years: float = 1.0
+    horizon_days: float = 7.0
+    slice_chips: int = 256
+    recovery_mean_s: float = RECOVERY_MEAN_S
+    recovery_sigma: float = 0.5
+    restart_s: float = RESTART_S
+    reconfig_s: float = RECONFIG_S
+    checkpoint_interval_s: float = 10.0
+    sync_period_s: float = 100.0
+    min_quorum: int = 1
+    grace_gamma: float = 0.5
+    grace_cap_s: float = 30.0
+    tau_steps: float = 5.0
+    step_time_s: float = 1.0
+    sync_time_s: float = 1.0
+    step_jitter_sigma: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError("method", self.method, "unknown method", f"use one of {', '.join(METHODS)}")
+        for name in ("chips", "learners", "slice_chips", "min_quorum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be >= 1", "pass a positive integer")
+        for name in ("mtbi_chip_years", "horizon_days", "checkpoint_interval_s", "sync_period_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, getattr(self, name), "must be > 0", "pass a positive number")
+        for name in ("recovery_mean_s", "recovery_sigma", "restart_s", "reconfig_s", "grace_gamma",
+                     "grace_cap_s", "tau_steps", "step_time_s", "sync_time_s", "step_jitter_sigma"):
+            value = getattr(self, name)
+            if math.isnan(value) or value < 0 or (math.isinf(value) and name != "grace_cap_s"):
+                raise ConfigError(name, value, "must be a finite number >= 0", "pass e.g. 0 or a positive value")
+        n_slices = math.ceil(self.chips / self.slice_chips)
+        if self.method == "decoupled" and self.learners > n_slices:
+            raise ConfigError("learners", self.learners, f"more learners than the {n_slices} slices of "
+                              f"{self.slice_chips} chips", f"use --learners <= {n_slices} or a smaller --slice-chips")
+        if self.method == "decoupled" and self.min_quorum > self.learners:
+            raise ConfigError("min_quorum", self.min_quorum, f"larger than --learners {self.learners}",
+                              "use a quorum between 1 and the number of learners")
+
+    @property
+    def horizon_s(self) -> float:
+        return self.horizon_days * 86400.0
+
+    @property
+    def mtbi_chip_s(self) -> float:
+        return self.mtbi_chip_years * interruptions.SECONDS_PER_YEAR
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """Outcome of one run; ``details`` holds the per-method accounting (all plain numbers/lists)."""
+
+    method: str
+    chips: int
+    learners: int
+    slices: int
+    slice_chips: int
+    horizon_s: float
+    failures: int
+    goodput: float
+    uptime: float
+    productive_chip_s: float
+    allocated_chip_s: float
+    seed: int
+    details: dict
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def straggler_efficiency(n_slices: int, sigma: float) -> float:
+    """``E[X] / E[max(X_1..X_n)]`` for iid ``X ~ LogNormal(0, sigma)``: busy fraction of a
+    synchronous group whose step waits for its slowest slice. ``E[max] = int_0^inf 1 - F(x)^n dx``,
+    integrated on a log grid (deterministic, no sampling)."""
+    if sigma == 0 or n_slices <= 1:
+        return 1.0
+    z = np.linspace(-8 * sigma, 12 * sigma, 8001)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(z / (sigma * math.sqrt(2))))
+    e_max = math.exp(z[0]) + np.trapezoid((1 - cdf**n_slices) * np.exp(z), z)
+    return math.exp(sigma**2 / 2) / e_max
+
+
+def quorum_met(stepping_learners: np.ndarray, min_quorum: int) -> np.ndarray:
+    """Vectorized quorum rule: the global model advances while >= K learners are contributing
+    (the condition under which :func:`policies.quorum.decide_round` can close a round)."""
+    return np.asarray(stepping_learners) >= min_quorum
+
+
+def _count_over_time(groups_edges, groups_state, horizon_s):
+    """Number of groups whose ``state`` holds, as ``(edges, count)`` over the union of their edges."""
+    times, deltas = [np.array([0.0, horizon_s])], [np.zeros(2)]
+    for edges, state in zip(groups_edges, groups_state):
+        d = np.diff(np.r_[0, state.astype(np.int64), 0])
+        nz = np.flatnonzero(d[:-1])  # transitions at edges[0..n-1]; the final fall at T is implied
+        times.append(edges[nz])
+        deltas.append(d[nz].astype(np.float64))
+    t, d = np.concatenate(times), np.concatenate(deltas)
+    order = np.argsort(t, kind="stable")
+    return np.r_[t[order], horizon_s], np.cumsum(d[order])
+
+
+def run_rounds(sub_t, sub_learner, sub_chip_s, *, live_at, min_quorum, grace_s, horizon_s):
+    """Outer optimizer rounds over submissions sorted by time, closed by ``decide_round``.
+
+    A round merges every pending submission; pending counts distinct learners. ``live_at(t)`` gives
+    the live learners. At the horizon the last round closes without grace if it has quorum.
+    Returns ``(merged_chip_s, merge_times)``.
+    """
+    merged, merge_times = 0.0, []
+    pending: dict[int, float] = {}
+    reached, deadline = None, math.inf
+
+    def close(at):
+        nonlocal merged, reached, deadline
+        merged += sum(pending.values())
+        merge_times.append(at)
+        pending.clear()
+        reached, deadline = None, math.inf
+
+    lives = live_at(sub_t)
+    for t, m, c, live in zip(sub_t.tolist(), sub_learner.tolist(), sub_chip_s.tolist(), lives.tolist()):
+        if deadline <= t:
+            close(deadline)
+        pending[m] = pending.get(m, 0.0) + c
+        if reached is None and len(pending) >= min_quorum:
+            reached = t
+        d = decide_round(now=t, pending=len(pending), min_quorum=min_quorum, live_islands=live,
+                         quorum_reached_at=reached, grace_s=grace_s)
+        if d.close:
+            close(t)
+        elif reached is not None:
+            deadline = t + d.wait_s
+    if pending and (deadline <= horizon_s or len(pending) >= min_quorum):
+        close(min(deadline, horizon_s))
+    return merged, np.asarray(merge_times)
+
+
+def _draw(cfg: SimConfig):
+    """All slice interruptions of the horizon: sizes, times, slices, recoveries (absorbed ones dropped)."""
+    rng = np.random.default_rng(cfg.seed)
+    sizes = interruptions.slice_sizes(chips=cfg.chips, slice_chips=cfg.slice_chips)
+    t, s = interruptions.draw_interruptions(sizes=sizes, mtbi_chip_s=cfg.mtbi_chip_s,
+                                            horizon_s=cfg.horizon_s, rng=rng)
+    r = interruptions.draw_recoveries(len(t), mean_s=cfg.recovery_mean_s, sigma=cfg.recovery_sigma, rng=rng)
+    keep = interruptions.absorb_while_down(t, s, r)
+    return sizes, t[keep], s[keep], r[keep]
+
+
+def _single_group(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
+    """dp and elastic-dp: one group of every slice; productive chip-s, uptime and details."""
+    T, chips = cfg.horizon_s, int(sizes.sum())
+    if cfg.method == "dp":
+        tl = interruptions.stall_timeline(t, r, chips=chips, restart_s=cfg.restart_s, horizon_s=T)
+    else:
+        tl = interruptions.elastic_timeline(t, r, sizes[s], chips=chips, reconfig_s=cfg.reconfig_s, horizon_s=T)
+    _, chip_s = interruptions.durable_points(tl, cfg.checkpoint_interval_s)
+    eff = straggler_efficiency(len(sizes), cfg.step_jitter_sigma)
+    productive = float(chip_s.sum()) * eff
+    details = {
+        "blocked_s": float(T - tl.S[-1]),
+        "rollback_lost_chip_s": float(tl.Q[-1] - chip_s.sum()),
+        "wipes": int(len(tl.wipes)),
+        "straggler_efficiency": eff,
+        "failure_rate_per_s": chips / cfg.mtbi_chip_s,
+    }
+    if cfg.method == "dp":
+        stall = cfg.recovery_mean_s + cfg.restart_s + cfg.checkpoint_interval_s / 2
+        details["closed_form_goodput"] = 1.0 / (1.0 + details["failure_rate_per_s"] * stall)
+    else:
+        step = np.diff(tl.edges) * tl.stepping
+        details["mean_live_fraction_when_stepping"] = float((step * tl.live).sum() / max(step.sum(), 1e-300) / chips)
+    return productive, interruptions.kept_stepping_s(tl, cfg.checkpoint_interval_s) / T, details
+
+
+def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
+    """M elastic learners; their submissions reach the global model through quorum rounds."""
+    T, M = cfg.horizon_s, cfg.learners
+    groups = np.array_split(np.arange(len(sizes)), M)  # contiguous slices per learner
+    learner_of_slice = np.repeat(np.arange(M), [len(g) for g in groups])
+    ev_learner = learner_of_slice[s]
+    order = np.argsort(ev_learner, kind="stable")  # stays time-sorted within each learner
+    bounds = np.searchsorted(ev_learner[order], np.arange(M + 1))
+    timelines, subs = [], []
+    for m, g in enumerate(groups):
+        idx = order[bounds[m]:bounds[m + 1]]
+        tl = interruptions.elastic_timeline(t[idx], r[idx], sizes[s[idx]], chips=int(sizes[g].sum()),
+                              reconfig_s=cfg.reconfig_s, horizon_s=T)
+        sub_t, chip_s = interruptions.durable_points(tl, cfg.sync_period_s)
+        chip_s = chip_s * straggler_efficiency(len(g), cfg.step_jitter_sigma)
+        timelines.append(tl)
+        subs.append((sub_t, np.full(len(sub_t), m), chip_s))
+    sub_t, sub_m, sub_c = (np.concatenate(a) for a in zip(*subs))
+    order = np.argsort(sub_t, kind="stable")
+
+    alive_edges, alive = _count_over_time([tl.edges for tl in timelines], [tl.live > 0 for tl in timelines], T)
+    grace = grace_window_s(gamma=cfg.grace_gamma, tau_steps=cfg.tau_steps, step_time_s=cfg.step_time_s,
+                           quorum_time_s=0.0, sync_time_s=cfg.sync_time_s, cap_s=cfg.grace_cap_s)
+
+    def live_at(x):
+        return alive[np.clip(np.searchsorted(alive_edges, x, side="right") - 1, 0, len(alive) - 1)].astype(int)
+
+    merged, merge_times = run_rounds(sub_t[order], sub_m[order], sub_c[order], live_at=live_at,
+                                     min_quorum=cfg.min_quorum, grace_s=grace, horizon_s=T)
+    step_edges, stepping = _count_over_time([tl.edges for tl in timelines], [tl.stepping for tl in timelines], T)
+    uptime = float((np.diff(step_edges) * quorum_met(stepping, cfg.min_quorum)).sum() / T)
+    gaps = np.diff(np.r_[0.0, merge_times, T])
+    allocated = [float(sizes[g].sum()) * T for g in groups]
+    per_learner = [float(c.sum()) / a for (_, _, c), a in zip(subs, allocated)]
+    details = {
+        "rounds": int(len(merge_times)),
+        "submissions": int(len(sub_t)),
+        "grace_s": grace,
+        "min_quorum": cfg.min_quorum,
+        "max_merge_gap_s": float(gaps.max()),
+        "unmerged_chip_s": float(sub_c.sum() - merged),
+        "wipes": int(sum(len(tl.wipes) for tl in timelines)),
+        "straggler_efficiency": straggler_efficiency(len(groups[0]), cfg.step_jitter_sigma),
+        "per_learner_goodput_before_merge": per_learner,
+    }
+    return merged, uptime, details
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Simulate one job (see the module docstring for the model) and return its goodput."""
+    sizes, t, s, r = _draw(cfg)
+    run = _decoupled if cfg.method == "decoupled" else _single_group
+    productive, uptime, details = run(cfg, sizes, t, s, r)
+    allocated = float(cfg.chips) * cfg.horizon_s
+    result = SimResult(
+        method=cfg.method, chips=cfg.chips, learners=cfg.learners if cfg.method == "decoupled" else 1,
+        slices=len(sizes), slice_chips=cfg.slice_chips, horizon_s=cfg.horizon_s, failures=len(t),
+        goodput=productive / allocated, uptime=uptime, productive_chip_s=productive,
+        allocated_chip_s=allocated, seed=cfg.seed, details=details,
+    )
+    log.info("simulate %s chips=%d learners=%d failures=%d: goodput=%.4f uptime=%.4f", result.method,
+             result.chips, result.learners, result.failures, result.goodput, result.uptime)
+    return result

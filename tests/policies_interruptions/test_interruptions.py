@@ -1,0 +1,86 @@
+"""Failure schedules and group timelines: hand-computed cases, no Ray."""
+
+import math
+
+import numpy as np
+import pytest
+
+from policies import interruptions as intr
+
+
+def test_slice_sizes_keep_a_partial_last_slice():
+    assert intr.slice_sizes(chips=1000, slice_chips=256).tolist() == [256, 256, 256, 232]
+    assert intr.slice_sizes(chips=512, slice_chips=256).tolist() == [256, 256]
+    with pytest.raises(ValueError, match="chips=0"):
+        intr.slice_sizes(chips=0, slice_chips=256)
+
+
+def test_no_failures_with_infinite_mtbi():
+    t, s = intr.draw_interruptions(sizes=np.array([256]), mtbi_chip_s=math.inf, horizon_s=1e6,
+                                   rng=np.random.default_rng(0))
+    assert len(t) == 0 and len(s) == 0
+
+
+def test_interruption_count_and_weights_follow_the_chip_rate():
+    # 3 slices of 100, 100, 50 chips; mtbi 1000 s per chip -> 0.25 failures/s; 40000 s -> 10000 expected.
+    sizes = np.array([100, 100, 50])
+    t, s = intr.draw_interruptions(sizes=sizes, mtbi_chip_s=1000.0, horizon_s=40_000.0,
+                                   rng=np.random.default_rng(1))
+    assert abs(len(t) - 10_000) < 4 * 100  # Poisson: sd = sqrt(10000)
+    assert np.all(np.diff(t) >= 0) and t.min() >= 0 and t.max() < 40_000
+    share = np.bincount(s, minlength=3) / len(s)
+    assert share == pytest.approx([0.4, 0.4, 0.2], abs=0.02)
+
+
+def test_draws_are_deterministic_by_seed():
+    kw = dict(sizes=np.array([256] * 10), mtbi_chip_s=1e5, horizon_s=1e5)
+    a = intr.draw_interruptions(**kw, rng=np.random.default_rng(7))
+    b = intr.draw_interruptions(**kw, rng=np.random.default_rng(7))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_recoveries_have_the_requested_mean():
+    r = intr.draw_recoveries(200_000, mean_s=20.0, sigma=0.5, rng=np.random.default_rng(2))
+    assert r.mean() == pytest.approx(20.0, rel=0.01)
+    assert intr.draw_recoveries(3, mean_s=5.0, sigma=0.0, rng=np.random.default_rng(0)).tolist() == [5.0] * 3
+
+
+def test_failures_while_down_are_absorbed():
+    # slice 0: down [0, 10); failures at 5 and 8 land inside it (8 is after the absorbed 5's own end, 6).
+    times = np.array([0.0, 5.0, 5.0, 8.0, 12.0])
+    slices = np.array([0, 0, 1, 0, 0])
+    rec = np.array([10.0, 1.0, 1.0, 1.0, 1.0])
+    assert intr.absorb_while_down(times, slices, rec).tolist() == [True, False, True, False, True]
+
+
+def test_stall_timeline_blocks_on_the_union_and_rolls_back():
+    # Failures at 10 (R=5) and 12 (R=1), restart 2: blocked on [10, 17] (one stall, one wipe).
+    tl = intr.stall_timeline(np.array([10.0, 12.0]), np.array([5.0, 1.0]), chips=3, restart_s=2.0,
+                             horizon_s=100.0)
+    assert tl.S[-1] == pytest.approx(93.0)
+    assert len(tl.wipes) == 1
+    # Checkpoints every 4 s of stepping: 10 s before the wipe keep 8; the last epoch (83 s) is kept.
+    _, chip_s = intr.durable_points(tl, 4.0)
+    assert chip_s.sum() == pytest.approx(3 * (8 + 83))
+    assert intr.kept_stepping_s(tl, 4.0) == pytest.approx(91.0)
+
+
+def test_elastic_timeline_runs_smaller_between_two_pauses():
+    # Slices of 2 and 3 chips; the 2-chip slice fails at 10 for 20 s; pause 1 s to drop and to re-add.
+    tl = intr.elastic_timeline(np.array([10.0]), np.array([20.0]), np.array([2]), chips=5,
+                               reconfig_s=1.0, horizon_s=100.0)
+    assert tl.S[-1] == pytest.approx(98.0)
+    assert tl.Q[-1] == pytest.approx(5 * 10 + 3 * 19 + 5 * 69)
+    assert len(tl.wipes) == 0
+    _, chip_s = intr.durable_points(tl, 7.0)
+    assert chip_s.sum() == pytest.approx(tl.Q[-1])
+
+
+def test_elastic_group_that_loses_every_slice_rolls_back():
+    # One slice of 4 chips fails at 10 for 5 s: state lost; stepping resumes at 16 after the re-add pause.
+    tl = intr.elastic_timeline(np.array([10.0]), np.array([5.0]), np.array([4]), chips=4,
+                               reconfig_s=1.0, horizon_s=100.0)
+    assert len(tl.wipes) == 1
+    t, chip_s = intr.durable_points(tl, 4.0)
+    assert chip_s.sum() == pytest.approx(4 * (8 + 84))
+    assert t[:2].tolist() == pytest.approx([4.0, 8.0]) and t[-1] == 100.0

@@ -1,0 +1,152 @@
+"""Goodput simulator: limits, closed forms, equivalences and the CLI. No Ray."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from orchestrator import simulate_cli
+from orchestrator.simulator import SimConfig, quorum_met, run_rounds, simulate, straggler_efficiency
+from policies.quorum import decide_round
+
+YEAR_S = 365 * 86400
+
+
+@pytest.mark.parametrize("method", ["dp", "elastic-dp", "decoupled"])
+def test_no_failures_gives_full_goodput_and_uptime(method):
+    r = simulate(SimConfig(method=method, chips=1_200_000, learners=8, mtbi_chip_years=math.inf))
+    assert r.failures == 0
+    assert r.goodput == pytest.approx(1.0, abs=1e-12)
+    assert r.uptime == pytest.approx(1.0, abs=1e-12)
+
+
+def test_one_learner_decoupled_is_elastic_dp():
+    kw = dict(chips=1_200_000, mtbi_chip_years=1.0, seed=5)
+    elastic = simulate(SimConfig(method="elastic-dp", **kw))
+    decoupled = simulate(SimConfig(method="decoupled", learners=1, **kw))
+    assert decoupled.details["wipes"] == elastic.details["wipes"] == 0  # rollback periods then never matter
+    assert decoupled.failures == elastic.failures
+    assert decoupled.goodput == pytest.approx(elastic.goodput, rel=1e-9)
+    assert decoupled.uptime == pytest.approx(elastic.uptime, rel=1e-9)
+    assert 0.2 < elastic.goodput < 0.6
+
+
+@pytest.mark.parametrize("chips", [10_000, 50_000])
+def test_dp_matches_closed_form_when_stalls_rarely_overlap(chips):
+    # lambda = chips / MTBI; each failure costs E[R] + restart + half a checkpoint interval of rollback.
+    cfg = SimConfig(method="dp", chips=chips, mtbi_chip_years=1.0, horizon_days=60)
+    lam = chips / YEAR_S
+    stall = cfg.recovery_mean_s + cfg.restart_s + cfg.checkpoint_interval_s / 2
+    expected = 1.0 / (1.0 + lam * stall)
+    assert lam * stall < 0.06  # the regime where the closed form applies
+    r = simulate(cfg)
+    assert r.failures > 1_000
+    assert r.goodput == pytest.approx(expected, rel=0.01)
+    assert r.details["closed_form_goodput"] == pytest.approx(expected)
+
+
+def test_same_seed_same_result_other_seed_differs():
+    cfg = SimConfig(method="decoupled", chips=300_000, learners=4, seed=11)
+    assert simulate(cfg).to_dict() == simulate(cfg).to_dict()
+    other = simulate(SimConfig(method="decoupled", chips=300_000, learners=4, seed=12))
+    assert other.goodput != simulate(cfg).goodput
+
+
+def test_dp_goodput_falls_as_chips_grow():
+    goodputs = [simulate(SimConfig(method="dp", chips=n)).goodput for n in (150_000, 300_000, 600_000, 1_200_000)]
+    assert all(a > b for a, b in zip(goodputs, goodputs[1:]))
+
+
+def test_calibration_cell():
+    dp = simulate(SimConfig(method="dp", chips=1_200_000))
+    decoupled = simulate(SimConfig(method="decoupled", chips=1_200_000, learners=8))
+    assert dp.goodput == pytest.approx(0.27, abs=0.015)
+    assert decoupled.goodput == pytest.approx(0.88, abs=0.01)
+    assert decoupled.uptime == pytest.approx(1.0, abs=1e-3)  # K = 1: some learner is almost always stepping
+
+
+def test_higher_quorum_costs_uptime_not_work():
+    kw = dict(method="decoupled", chips=1_200_000, learners=8)
+    k1, k8 = simulate(SimConfig(min_quorum=1, **kw)), simulate(SimConfig(min_quorum=8, **kw))
+    assert k8.uptime < k1.uptime - 0.1  # K = M: the model waits whenever one learner is paused
+    assert k8.goodput == pytest.approx(k1.goodput, abs=0.01)  # pending work still merges later
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 4])
+def test_vectorized_quorum_agrees_with_decide_round(k, count):
+    # Once the grace window has run out, decide_round closes exactly when count >= K.
+    d = decide_round(now=5.0, pending=count, min_quorum=k, live_islands=4, quorum_reached_at=3.0, grace_s=2.0)
+    assert bool(quorum_met(np.array([count]), k)[0]) == d.close
+
+
+def test_rounds_wait_for_quorum_then_merge_everything_pending():
+    t, m, c = np.array([1.0, 2.0, 5.0]), np.array([0, 0, 1]), np.array([10.0, 20.0, 30.0])
+    merged, times = run_rounds(t, m, c, live_at=lambda x: np.full(len(x), 2), min_quorum=2, grace_s=0.0,
+                               horizon_s=10.0)
+    assert merged == 60.0 and times.tolist() == [5.0]
+    # K = 1 with grace: the first submission waits for the other live learner, which comes at 5 < 1 + 10.
+    merged, times = run_rounds(t, m, c, live_at=lambda x: np.full(len(x), 2), min_quorum=1, grace_s=10.0,
+                               horizon_s=10.0)
+    assert merged == 60.0 and times.tolist() == [5.0]
+    # Quorum never reached: the pending work is not merged at the horizon.
+    merged, times = run_rounds(t[:2], m[:2], c[:2], live_at=lambda x: np.full(len(x), 2), min_quorum=2,
+                               grace_s=0.0, horizon_s=10.0)
+    assert merged == 0.0 and len(times) == 0
+
+
+def test_straggler_efficiency_matches_two_slice_closed_form():
+    # E[max(X1, X2)] = 2 exp(sigma^2/2) Phi(sigma / sqrt 2) for iid lognormals -> eff = 1 / (2 Phi(.)).
+    sigma = 0.5
+    phi = 0.5 * (1 + math.erf(sigma / math.sqrt(2) / math.sqrt(2)))
+    assert straggler_efficiency(2, sigma) == pytest.approx(1 / (2 * phi), rel=1e-4)
+    assert straggler_efficiency(1, sigma) == 1.0
+    assert straggler_efficiency(4688, 0.1) < straggler_efficiency(586, 0.1) < 1.0
+
+
+def test_stragglers_hurt_dp_more_than_decoupled():
+    kw = dict(chips=1_200_000, mtbi_chip_years=math.inf, step_jitter_sigma=0.1)
+    dp = simulate(SimConfig(method="dp", **kw))
+    decoupled = simulate(SimConfig(method="decoupled", learners=8, **kw))
+    assert dp.goodput < decoupled.goodput < 1.0
+
+
+def test_cli_json_has_required_keys(capsys):
+    rc = simulate_cli.main(["simulate", "--method", "dp", "--chips", "1200000", "--learners", "8",
+                            "--mtbi-chip-years", "1", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"goodput", "uptime", "method", "chips", "learners"} <= out.keys()
+    assert out["method"] == "dp" and out["chips"] == 1_200_000
+
+
+def test_cli_sweep_writes_rows_and_png(capsys, tmp_path):
+    png = tmp_path / "sweep.png"
+    rc = simulate_cli.main(["simulate-sweep", "--chips", "150000", "--learners", "2", "--png", str(png), "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["method"] for r in rows] == ["dp", "elastic-dp", "decoupled"]
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--method", "decoupled", "--chips", "1000", "--learners", "8"], ["--learners 8", "4 slices", "--learners <= 4"]),
+    (["--method", "decoupled", "--chips", "100000", "--learners", "2", "--min-quorum", "3"], ["--min-quorum 3"]),
+    (["--method", "dp", "--chips", "0"], ["--chips", "'0'", "integer >= 1"]),
+    (["--method", "dp", "--chips", "1000", "--mtbi-chip-years", "-1"], ["--mtbi-chip-years", "'-1'", "> 0"]),
+    (["--method", "sgd", "--chips", "1000"], ["--method", "'sgd'", "choose from"]),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, argv, words):
+    with pytest.raises(SystemExit) as exc:
+        simulate_cli.main(["simulate", *argv])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert all(w in last for w in words), last
+
+
+def test_simulator_imports_without_ray():
+    code = "import sys; sys.modules['ray'] = None; import orchestrator.simulator, orchestrator.simulate_cli"
+    subprocess.run([sys.executable, "-c", code], check=True)
