@@ -136,7 +136,7 @@ class LearnerIsland:
         self.total_tokens = 0
         for update in initial:
             self._queue_update(update)
-        self._apply_updates()
+        self.apply_updates()
         if min(self._version) < 0:
             raise ValueError("initial global state must cover every fragment; pass the outer optimizer's latest()")
         log.info("island %d (incarnation %d, pool %s) ready at versions %s, cursor %d",
@@ -146,7 +146,7 @@ class LearnerIsland:
 
     def step(self) -> bool:
         """Apply pending updates, then one inner step unless blocked. Returns False when blocked."""
-        self._apply_updates()
+        self.apply_updates()
         with self._cv:
             if self.spec.wait_for_round and self._inflight_or_outbox():
                 self._state = "blocked"
@@ -278,7 +278,8 @@ class LearnerIsland:
             self._updates.append((update, list(tensors)))
             self._cv.notify_all()
 
-    def _apply_updates(self) -> None:
+    def apply_updates(self) -> None:
+        """The step boundary: apply every received update in (fragment, version) order. Loop thread only."""
         with self._cv:
             updates, self._updates = self._updates, []
         for update, tensors in sorted(updates, key=lambda u: (u[0].fragment, u[0].version)):

@@ -30,17 +30,25 @@ from policies.fragments import FragmentPlan
 log = logging.getLogger(__name__)
 
 NAMESPACE = "diloco"
-# Tensor gets near free; fetched tensors are shared memory and are never modified in place.
-WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+# Tensor gets near free; fetched tensors are shared memory and are never modified in place. Arguments
+# are deserialized before __init__ runs, so the read-only-array notice is silenced by the environment.
+WORKER_ENV = {
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+    "PYTHONWARNINGS": "ignore:The given NumPy array is not writable:UserWarning",
+}
+
+
+def ignore_zero_copy_warnings() -> None:
+    """Silence Ray's zero-copy notices: fetched tensors are copied into our own, never written in place."""
+    warnings.filterwarnings("ignore", category=ZeroCopyTensorsWarning)
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
 def _quiet_worker() -> None:
     # Actor INFO lines would be forwarded to the driver's console and break its progress line;
-    # warnings still reach it. Ray's zero-copy path warns that shared tensors must not be written;
-    # we copy them into our own parameters, never in place, so the warning carries no news here.
+    # warnings still reach it.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    warnings.filterwarnings("ignore", category=ZeroCopyTensorsWarning)
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    ignore_zero_copy_warnings()
 
 
 class _IslandShell(LearnerIsland):

@@ -181,7 +181,7 @@ class EvalSection(_Section):
 class RunSection(_Section):
     """Run-level settings: stop rule, seeds, timeouts."""
 
-    token_budget: int = Field(6_000_000, gt=0, description="Stop when the islands together have processed this many tokens.")
+    token_budget: int = Field(3_000_000, gt=0, description="Stop when the islands together have processed this many tokens.")
     seed: int = Field(0, description="Seed for model init, data order and emulation jitter.")
     placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for an island's placement group.")
     call_timeout_s: float = Field(60.0, gt=0, description="Timeout of control-plane calls (status, adopt, stop).")

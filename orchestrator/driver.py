@@ -24,7 +24,7 @@ from islands.data import Corpus, load_parquet_corpus, load_stdlib_corpus, unigra
 from islands.island import IslandSpec
 from islands.model import build_model, model_config
 from islands.trainer import InnerSettings
-from orchestrator.actors import NAMESPACE, WORKER_ENV, IslandActor, OuterOptimizerActor
+from orchestrator.actors import NAMESPACE, WORKER_ENV, IslandActor, OuterOptimizerActor, ignore_zero_copy_warnings
 from orchestrator.config import RunConfig
 from orchestrator.evaluation import Evaluator
 from orchestrator.eventlog import EventLog
@@ -223,6 +223,7 @@ class Run:
         """Run to the token budget (or max_wall_s) and return the summary (also written to summary.json)."""
         self._setup()
         t0 = time.monotonic()
+        self._evaluate(t0)  # the starting point, so every run shows how far the loss fell
         next_eval = t0 + self.cfg.eval.interval_s
         next_flush = t0 + 5.0
         try:
@@ -318,6 +319,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.getLogger().addHandler(handler)
     started = ensure_ray(cfg, address)
+    ignore_zero_copy_warnings()
     try:
         return Run(cfg, run_dir, progress=progress).train()
     finally:
