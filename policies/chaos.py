@@ -1,0 +1,500 @@
+"""Chaos schedules: which fault hits which island, and when (DESIGN.md sections 4 and 7).
+
+A :class:`FaultTape` is a list of :class:`Fault` values decided up front, so a chaos run is
+reproducible: the injector replays the tape, the test asserts exact counts of injected faults.
+Tapes come from a YAML file, from :func:`poisson_tape` (independent Poisson failures per island) or
+from :func:`fixed_tape` (exactly N failures per island, evenly spread). :func:`parse_chaos_spec`
+turns the CLI shorthand of ``diloco train --chaos ...`` into a config dict and
+:func:`tape_from_config` turns that dict into a tape. Nothing here reads the clock or injects
+anything; the injector in ``orchestrator/`` acts on the tape.
+
+Meaning of ``Fault.duration_s`` by kind:
+
+- ``kill_island`` / ``kill_node``: the *recovery delay*, seconds after the kill before the health
+  monitor may restart the island (models a replacement node arriving); 0 = restart at once.
+- ``hang``: seconds the inner loop hangs; 0 = until the health monitor kills the incarnation.
+- ``slow``: seconds each inner step is stretched by ``factor``; 0 = until the incarnation dies.
+- ``drop_submission`` / ``corrupt_submission``: every submission the island makes in
+  ``[at, at + duration_s)`` is dropped / corrupted; 0 = only its next submission.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import yaml
+
+__all__ = [
+    "FAULT_KINDS", "KILL_KINDS", "Fault", "FaultTape", "poisson_tape", "fixed_tape", "parse_chaos_spec",
+    "tape_from_config",
+]
+
+FAULT_KINDS = ("kill_island", "kill_node", "hang", "slow", "drop_submission", "corrupt_submission")
+KILL_KINDS = ("kill_island", "kill_node")
+
+_FAULT_FIELDS = ("island", "kind", "at_s", "at_step", "incarnation", "duration_s", "factor")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault for one island.
+
+    Exactly one trigger is set: ``at_s`` (seconds since run start; hits whichever incarnation of
+    the island is live then) or ``at_step`` (after that many inner steps of incarnation
+    ``incarnation`` of the island; never fires if that incarnation does not reach the step).
+
+    Attributes:
+        island: island slot index, ``>= 0``.
+        kind: one of :data:`FAULT_KINDS`.
+        at_s: trigger time in seconds since run start, ``>= 0``.
+        at_step: trigger inner step of incarnation ``incarnation``, ``>= 0``.
+        incarnation: incarnation ``at_step`` counts in, ``>= 1`` (informational for ``at_s``).
+        duration_s: ``>= 0``, meaning by kind as in the module docstring (recovery delay for kills).
+        factor: step-time multiplier of a ``slow`` fault, ``> 1``; must stay 1.0 for other kinds.
+    """
+
+    island: int
+    kind: str
+    at_s: float | None = None
+    at_step: int | None = None
+    incarnation: int = 1
+    duration_s: float = 0.0
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.island) and self.island >= 0,
+                 f"Fault.island must be an int >= 0, got {self.island!r}; use the island slot index")
+        _require(self.kind in FAULT_KINDS, f"Fault.kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+        _require((self.at_s is None) != (self.at_step is None),
+                 f"Fault needs exactly one of at_s / at_step, got at_s={self.at_s!r}, at_step={self.at_step!r}; "
+                 "set at_s for a time trigger or at_step for a step trigger")
+        if self.at_s is not None:
+            _require(_is_number(self.at_s) and math.isfinite(self.at_s) and self.at_s >= 0,
+                     f"Fault.at_s must be a finite number >= 0, got {self.at_s!r}; use seconds since run start")
+            object.__setattr__(self, "at_s", float(self.at_s))
+        if self.at_step is not None:
+            _require(_is_int(self.at_step) and self.at_step >= 0,
+                     f"Fault.at_step must be an int >= 0, got {self.at_step!r}; count inner steps of the incarnation")
+            object.__setattr__(self, "at_step", int(self.at_step))
+        _require(_is_int(self.incarnation) and self.incarnation >= 1,
+                 f"Fault.incarnation must be an int >= 1, got {self.incarnation!r}; the first incarnation is 1")
+        _require(_is_number(self.duration_s) and math.isfinite(self.duration_s) and self.duration_s >= 0,
+                 f"Fault.duration_s must be a finite number >= 0, got {self.duration_s!r}; 0 = the kind's default")
+        _require(_is_number(self.factor) and math.isfinite(self.factor),
+                 f"Fault.factor must be a finite number, got {self.factor!r}")
+        _require(self.kind != "slow" or self.factor > 1.0,
+                 f"Fault.factor of a slow fault must be > 1, got {self.factor}; use e.g. factor=4.0")
+        _require(self.kind == "slow" or self.factor == 1.0,
+                 f"Fault.factor only applies to kind 'slow', got factor={self.factor} for {self.kind!r}; leave it 1.0")
+        for name, cast in (("island", int), ("incarnation", int), ("duration_s", float), ("factor", float)):
+            object.__setattr__(self, name, cast(getattr(self, name)))
+
+    def sort_key(self) -> tuple:
+        """``(at_s or inf, at_step or inf, island, ...)``: time faults first, then step faults."""
+        return (
+            math.inf if self.at_s is None else self.at_s,
+            math.inf if self.at_step is None else self.at_step,
+            self.island,
+            self.incarnation,
+            FAULT_KINDS.index(self.kind),
+            self.duration_s,
+            self.factor,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict; the unset trigger is left out."""
+        d = dataclasses.asdict(self)
+        return {k: v for k, v in d.items() if not (k in ("at_s", "at_step") and v is None)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Fault:
+        """Inverse of :meth:`to_dict`; an unknown key is a one-line ``ValueError`` naming it."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a fault must be a mapping with keys {_FAULT_FIELDS}, got {d!r}")
+        for key in d:
+            if key not in _FAULT_FIELDS:
+                raise ValueError(f"unknown fault key {key!r}; valid keys are {', '.join(_FAULT_FIELDS)}")
+        for key in ("island", "kind"):
+            if key not in d:
+                raise ValueError(f"fault {dict(d)!r} lacks required key {key!r}")
+        return cls(**dict(d))
+
+
+@dataclass(frozen=True)
+class FaultTape:
+    """An ordered, immutable schedule of faults.
+
+    Faults are kept sorted by :meth:`Fault.sort_key`: ``(at_s or inf, at_step or inf, island)``
+    and then the remaining fields, so equal tapes compare equal whatever order they were built in.
+    """
+
+    faults: tuple[Fault, ...] = ()
+
+    def __post_init__(self) -> None:
+        faults = tuple(self.faults)
+        for i, f in enumerate(faults):
+            if not isinstance(f, Fault):
+                raise ValueError(f"FaultTape.faults[{i}] must be a Fault, got {type(f).__name__}; "
+                                 "build it with Fault(...)")
+        object.__setattr__(self, "faults", tuple(sorted(faults, key=Fault.sort_key)))
+
+    def __len__(self) -> int:
+        return len(self.faults)
+
+    def __iter__(self):
+        return iter(self.faults)
+
+    def for_island(self, island: int) -> list[Fault]:
+        """The faults of one island, in tape order."""
+        return [f for f in self.faults if f.island == island]
+
+    def count(self, kind: str | None = None) -> int:
+        """Number of faults, optionally only of ``kind``."""
+        return sum(1 for f in self.faults if kind is None or f.kind == kind)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"faults": [fault dicts]}``, YAML/JSON friendly."""
+        return {"faults": [f.to_dict() for f in self.faults]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FaultTape:
+        """Inverse of :meth:`to_dict`; unknown keys are a one-line ``ValueError`` naming the key."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a fault tape must be a mapping like {{faults: [...]}}, got {type(d).__name__}")
+        for key in d:
+            if key != "faults":
+                raise ValueError(f"unknown fault tape key {key!r}; the only key is 'faults'")
+        faults = d.get("faults") or []
+        if not isinstance(faults, (list, tuple)):
+            raise ValueError(f"fault tape 'faults' must be a list, got {type(faults).__name__}")
+        out = []
+        for i, fd in enumerate(faults):
+            try:
+                out.append(Fault.from_dict(fd))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"faults[{i}]: {e}") from None
+        return cls(tuple(out))
+
+    def to_yaml(self, path: str | Path) -> None:
+        """Write the tape as YAML (floats round-trip exactly)."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> FaultTape:
+        """Read a tape written by :meth:`to_yaml` or by hand (``yaml.safe_load``)."""
+        d = yaml.safe_load(Path(path).read_text())
+        if d is None:
+            raise ValueError(f"fault tape {str(path)!r} is empty; write at least 'faults: []'")
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"fault tape {str(path)!r}: {e}") from None
+
+
+def _check_common(*, islands: int, horizon_s: float, start_s: float) -> None:
+    _require(_is_int(islands) and islands >= 1, f"islands must be an int >= 1, got {islands!r}")
+    _require(math.isfinite(start_s) and start_s >= 0,
+             f"start_s must be finite and >= 0, got {start_s}; use seconds since run start")
+    _require(math.isfinite(horizon_s) and horizon_s > start_s,
+             f"horizon_s must be finite and > start_s={start_s}, got {horizon_s}; use the run length in seconds")
+
+
+def _check_seed(seed: int) -> None:
+    _require(_is_int(seed) and seed >= 0, f"seed must be an int >= 0, got {seed!r}")
+
+
+def _check_kinds(kinds: Sequence[str], kind_weights: Sequence[float] | None) -> np.ndarray:
+    kinds = tuple(kinds)
+    if not kinds:
+        raise ValueError(f"kinds must name at least one of {FAULT_KINDS}, got none")
+    for k in kinds:
+        if k not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {k!r}; valid kinds are {', '.join(FAULT_KINDS)}")
+    if kind_weights is None:
+        return np.full(len(kinds), 1.0 / len(kinds))
+    w = np.asarray(kind_weights, dtype=float)
+    if w.shape != (len(kinds),):
+        raise ValueError(f"kind_weights needs one weight per kind ({len(kinds)}), got {w.size}; "
+                         "or pass None for uniform")
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"kind_weights must be finite, >= 0 and not all 0, got {list(kind_weights)}")
+    return w / w.sum()
+
+
+def poisson_tape(
+    *,
+    islands: int,
+    horizon_s: float,
+    mtbf_s: float,
+    seed: int,
+    kinds: Sequence[str] = ("kill_island",),
+    kind_weights: Sequence[float] | None = None,
+    recovery_delay_s: tuple[float, float] = (0.0, 0.0),
+    min_gap_s: float = 0.0,
+    start_s: float = 0.0,
+    slow_factor: float = 4.0,
+    slow_duration_s: float = 0.0,
+) -> FaultTape:
+    """Independent Poisson failures per island over ``(start_s, horizon_s)``.
+
+    For each island ``m`` a generator ``numpy.random.default_rng([seed, m])`` draws, fault after
+    fault, ``t_{k+1} = t_k + min_gap_s + Exp(mtbf_s)`` (``t_0 = start_s``, no gap before the
+    first fault) until ``t >= horizon_s``; each fault's kind is drawn with probabilities
+    ``kind_weights`` (uniform when ``None``). With ``min_gap_s = 0`` the faults of an island are a
+    Poisson process of rate ``1 / mtbf_s`` (expected count ``(horizon_s - start_s) / mtbf_s``).
+
+    ``min_gap_s`` *shifts* (it does not resample): after each fault the island is not at risk for
+    ``min_gap_s`` seconds (a renewal process with dead time), so successive faults on one island
+    are at least ``min_gap_s`` apart and the mean gap becomes ``min_gap_s + mtbf_s``. Set it above
+    the recovery delay plus restart time so an island can rejoin before it fails again.
+
+    Per-island streams make the tape reproducible (same seed, same tape) and make island ``m``'s
+    faults independent of how many islands there are.
+
+    Args:
+        islands: island slots, ``>= 1``.
+        horizon_s: end of the window in seconds since run start, ``> start_s``.
+        mtbf_s: mean time between failures of one island while at risk, ``> 0``.
+        seed: ``>= 0``.
+        kinds: fault kinds to draw from.
+        kind_weights: relative probability per kind, or ``None`` for uniform.
+        recovery_delay_s: ``(lo, hi)``; kill faults get ``duration_s ~ Uniform(lo, hi)``, the delay
+            the health monitor waits before restarting the island.
+        min_gap_s: dead time after each fault, ``>= 0``.
+        start_s: no fault at or before this time, ``>= 0``.
+        slow_factor: ``factor`` of drawn ``slow`` faults, ``> 1``.
+        slow_duration_s: ``duration_s`` of drawn ``slow`` faults (0 = until the incarnation dies).
+    """
+    _check_poisson(
+        mtbf_s=mtbf_s, seed=seed, kinds=kinds, kind_weights=kind_weights, recovery_delay_s=recovery_delay_s,
+        min_gap_s=min_gap_s, start_s=start_s, slow_factor=slow_factor, slow_duration_s=slow_duration_s,
+    )
+    _check_common(islands=islands, horizon_s=horizon_s, start_s=start_s)
+    kinds = tuple(kinds)
+    cum = np.cumsum(_check_kinds(kinds, kind_weights))  # kind k is drawn when u in [cum[k-1], cum[k])
+    lo, hi = (float(x) for x in recovery_delay_s)
+    faults = []
+    for m in range(islands):
+        rng = np.random.default_rng([seed, m])
+        t = float(start_s)
+        gap = 0.0
+        while True:
+            t = t + gap + float(rng.exponential(mtbf_s))
+            kind = kinds[min(int(np.searchsorted(cum, rng.random(), side="right")), len(kinds) - 1)]
+            delay = float(rng.uniform(lo, hi))
+            if t >= horizon_s:
+                break
+            if t <= start_s:  # an exponential draw of exactly 0; keep the window open
+                t = math.nextafter(start_s, math.inf)
+            if kind in KILL_KINDS:
+                faults.append(Fault(island=m, kind=kind, at_s=t, duration_s=delay))
+            elif kind == "slow":
+                faults.append(Fault(island=m, kind=kind, at_s=t, duration_s=slow_duration_s, factor=slow_factor))
+            else:
+                faults.append(Fault(island=m, kind=kind, at_s=t))
+            gap = float(min_gap_s)
+    return FaultTape(tuple(faults))
+
+
+def _check_poisson(
+    *, mtbf_s, seed, kinds, kind_weights, recovery_delay_s, min_gap_s, start_s, slow_factor, slow_duration_s
+) -> None:
+    _require(_is_number(mtbf_s) and math.isfinite(mtbf_s) and mtbf_s > 0,
+             f"mtbf_s must be a finite number > 0, got {mtbf_s!r}; use e.g. mtbf_s=60")
+    _check_seed(seed)
+    _check_kinds(kinds, kind_weights)
+    try:
+        lo, hi = (float(x) for x in recovery_delay_s)
+    except (TypeError, ValueError):
+        raise ValueError(f"recovery_delay_s must be a pair (lo, hi), got {recovery_delay_s!r}") from None
+    _require(0.0 <= lo <= hi < math.inf, f"recovery_delay_s must satisfy 0 <= lo <= hi < inf, got ({lo}, {hi})")
+    _require(math.isfinite(min_gap_s) and min_gap_s >= 0, f"min_gap_s must be finite and >= 0, got {min_gap_s}")
+    _require(math.isfinite(start_s) and start_s >= 0, f"start_s must be finite and >= 0, got {start_s}")
+    _require(math.isfinite(slow_factor) and slow_factor > 1.0,
+             f"slow_factor must be > 1, got {slow_factor}; use e.g. 4.0")
+    _require(math.isfinite(slow_duration_s) and slow_duration_s >= 0,
+             f"slow_duration_s must be finite and >= 0, got {slow_duration_s}; 0 = until killed")
+
+
+def fixed_tape(
+    *,
+    islands: int,
+    failures_per_island: int,
+    horizon_s: float,
+    kind: str = "kill_island",
+    start_s: float = 0.0,
+    seed: int = 0,
+    slow_factor: float = 4.0,
+) -> FaultTape:
+    """Exactly ``failures_per_island`` faults per island, evenly spread, islands staggered.
+
+    With ``n = failures_per_island``, ``period = (horizon_s - start_s) / n`` and ``M = islands``,
+    fault ``j`` of island ``m`` is at ``start_s + (j + u_m) * period`` where
+    ``u_m = (r_m + 0.5 + phase) / M``, ``r = rng.permutation(M)`` and ``phase ~ Uniform(-0.5, 0.5)``
+    from ``numpy.random.default_rng(seed)``. So every ``u_m`` is in ``(0, 1)`` (all faults strictly
+    inside the window), an island's faults are exactly ``period`` apart, and the faults of all
+    islands together are exactly ``period / M`` apart: no two islands fail at the same moment.
+
+    Kill faults get ``duration_s = 0`` (restart at once), ``slow`` faults ``factor=slow_factor``
+    until the incarnation dies.
+    """
+    _check_common(islands=islands, horizon_s=horizon_s, start_s=start_s)
+    _check_seed(seed)
+    if not _is_int(failures_per_island) or failures_per_island < 1:
+        raise ValueError(f"failures_per_island must be an int >= 1, got {failures_per_island!r}; "
+                         "for no faults use mode 'none'")
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault kind {kind!r}; valid kinds are {', '.join(FAULT_KINDS)}")
+    rng = np.random.default_rng(seed)
+    rank = rng.permutation(islands)
+    phase = float(rng.uniform(-0.5, 0.5))
+    period = (horizon_s - start_s) / failures_per_island
+    factor = float(slow_factor) if kind == "slow" else 1.0
+    faults = []
+    for m in range(islands):
+        u = (int(rank[m]) + 0.5 + phase) / islands
+        for j in range(failures_per_island):
+            faults.append(Fault(island=m, kind=kind, at_s=start_s + (j + u) * period, factor=factor))
+    return FaultTape(tuple(faults))
+
+
+# --- CLI shorthand ------------------------------------------------------------------------------
+
+_VALID_SPECS = (
+    "none | tape:PATH.yaml | PATH.yaml | poisson:mtbf_s=60[,seed=3,kinds=kill_island|hang,"
+    "kind_weights=3|1,recovery_delay_s=0|5,min_gap_s=10,start_s=5] | fixed:failures=3[,kind=kill_island,seed=0]"
+)
+
+
+def _floats(value: str) -> list[float]:
+    return [float(v) for v in value.split("|")]
+
+
+def _pair(value: str) -> list[float]:
+    lo_hi = _floats(value)
+    return lo_hi * 2 if len(lo_hi) == 1 else lo_hi
+
+
+# Keys of each mode's spec and how their values parse; "|" separates the items of a list.
+_SPEC_KEYS: dict[str, dict[str, Any]] = {
+    "poisson": {
+        "mtbf_s": float, "seed": int, "kinds": lambda v: [k.strip() for k in v.split("|")], "kind_weights": _floats,
+        "recovery_delay_s": _pair, "min_gap_s": float, "start_s": float, "slow_factor": float,
+        "slow_duration_s": float,
+    },
+    "fixed": {"failures_per_island": int, "kind": str, "start_s": float, "seed": int, "slow_factor": float},
+}
+_SPEC_REQUIRED = {"poisson": "mtbf_s", "fixed": "failures_per_island"}
+_SPEC_ALIASES = {"failures": "failures_per_island"}
+
+
+def _spec_defaults(fn) -> dict[str, Any]:
+    """Keyword defaults of ``fn`` except the run's ``islands``/``horizon_s``, tuples as lists."""
+    out = {}
+    for name, p in inspect.signature(fn).parameters.items():
+        if name not in ("islands", "horizon_s") and p.default is not inspect.Parameter.empty:
+            out[name] = list(p.default) if isinstance(p.default, tuple) else p.default
+    return out
+
+
+def parse_chaos_spec(spec: str) -> dict:
+    """Parse the ``--chaos`` shorthand into the chaos config dict.
+
+    - ``none`` -> ``{"mode": "none"}``
+    - ``tape:runs/t.yaml`` or ``runs/t.yaml`` (ends in .yaml/.yml) -> ``{"mode": "tape", "path": "runs/t.yaml"}``
+    - ``poisson:mtbf_s=60,seed=3,kinds=kill_island|hang`` -> ``{"mode": "poisson", "mtbf_s": 60.0, ...}``
+    - ``fixed:failures=3`` -> ``{"mode": "fixed", "failures_per_island": 3, ...}``
+
+    The poisson and fixed dicts hold every keyword of :func:`poisson_tape` / :func:`fixed_tape`
+    except ``islands`` and ``horizon_s`` (the run supplies those), defaults filled in (``seed`` 0),
+    lists for sequences (``kinds``, ``kind_weights``, ``recovery_delay_s``; ``|`` separates items, and a single
+    ``recovery_delay_s=5`` means ``[5, 5]``). ``failures`` is short for ``failures_per_island``.
+    Values are validated here; anything else is a one-line ``ValueError`` listing the valid forms.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"chaos spec must be a string, got {type(spec).__name__}; valid forms: {_VALID_SPECS}")
+    s = spec.strip()
+    mode, colon, body = s.partition(":")
+    if s.lower() == "none":
+        return {"mode": "none"}
+    if colon and mode == "tape":
+        if not body.strip():
+            raise ValueError(f"chaos spec {spec!r} names no tape file; use tape:PATH.yaml")
+        return {"mode": "tape", "path": body.strip()}
+    if colon and mode in _SPEC_KEYS:
+        keys = _SPEC_KEYS[mode]
+        out: dict[str, Any] = {"mode": mode, _SPEC_REQUIRED[mode]: None, "seed": 0}  # seed defaults to 0
+        out.update(_spec_defaults(poisson_tape if mode == "poisson" else fixed_tape))
+        given: set[str] = set()
+        for item in filter(None, (x.strip() for x in body.split(","))):
+            key, eq, value = (x.strip() for x in item.partition("="))
+            key = _SPEC_ALIASES.get(key, key)
+            if not eq or not value:
+                raise ValueError(f"chaos spec {spec!r}: {item!r} is not KEY=VALUE; valid forms: {_VALID_SPECS}")
+            if key not in keys:
+                raise ValueError(f"chaos spec {spec!r}: unknown {mode} key {key!r}; valid keys: {', '.join(keys)}")
+            if key in given:
+                raise ValueError(f"chaos spec {spec!r}: {key!r} given twice; give each key once")
+            try:
+                out[key] = keys[key](value)
+            except ValueError:
+                raise ValueError(f"chaos spec {spec!r}: {key}={value!r} does not parse") from None
+            given.add(key)
+        if _SPEC_REQUIRED[mode] not in given:
+            raise ValueError(f"chaos spec {spec!r} needs {_SPEC_REQUIRED[mode]}; valid forms: {_VALID_SPECS}")
+        params = {k: v for k, v in out.items() if k != "mode"}
+        try:
+            if mode == "poisson":
+                _check_poisson(**params)
+            else:  # a throwaway one-island tape over a unit window validates every value
+                fixed_tape(islands=1, horizon_s=params["start_s"] + 1.0, **params)
+        except ValueError as e:
+            raise ValueError(f"chaos spec {spec!r}: {e}") from None
+        return out
+    if s.endswith((".yaml", ".yml")):
+        return {"mode": "tape", "path": s}
+    raise ValueError(f"unknown chaos spec {spec!r}; valid forms: {_VALID_SPECS}")
+
+
+def tape_from_config(config: Mapping[str, Any], *, islands: int, horizon_s: float) -> FaultTape:
+    """Build the tape a chaos config dict (as from :func:`parse_chaos_spec`) describes.
+
+    ``none`` gives an empty tape, ``tape`` reads the YAML file, ``poisson`` / ``fixed`` call
+    :func:`poisson_tape` / :func:`fixed_tape` with the run's ``islands`` and ``horizon_s``
+    (``failures`` is accepted for ``failures_per_island``, as in the CLI shorthand).
+    """
+    params = {_SPEC_ALIASES.get(k, k) if _SPEC_ALIASES.get(k) not in config else k: v for k, v in config.items()}
+    mode = params.pop("mode", None)
+    if mode == "none" and not params:
+        return FaultTape(())
+    if mode == "tape" and set(params) == {"path"}:
+        return FaultTape.from_yaml(params["path"])
+    if mode in _SPEC_KEYS and set(params) <= set(_SPEC_KEYS[mode]):
+        if mode == "poisson":
+            if "recovery_delay_s" in params:
+                params["recovery_delay_s"] = tuple(params["recovery_delay_s"])
+            return poisson_tape(islands=islands, horizon_s=horizon_s, **params)
+        return fixed_tape(islands=islands, horizon_s=horizon_s, **params)
+    if mode not in ("none", "tape", *_SPEC_KEYS):
+        raise ValueError(f"chaos mode must be one of none, tape, poisson, fixed, got {mode!r}")
+    valid = {"none": [], "tape": ["path"], **{m: list(k) for m, k in _SPEC_KEYS.items()}}[mode]
+    raise ValueError(f"chaos mode {mode!r} takes {valid or 'no parameters'}, got {sorted(params)}")
