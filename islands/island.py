@@ -13,8 +13,11 @@ This is a plain class: Ray applies `ray.remote` to it in orchestrator/actors.py 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,6 +81,10 @@ class IslandStatus:
     outbox_tokens: list[int]  # per fragment: submitted, not yet taken by the outer optimizer
     inflight: int  # submissions taken by the outer, not yet merged or refused
     cursor: int  # data batches drawn
+    submitted_tokens: list[int] = field(default_factory=list)  # per fragment: cut into submissions (incl. dropped)
+    discarded_tokens: list[int] = field(default_factory=list)  # per fragment: never submitted, dropped by a resync
+    blocked_s: float = 0.0  # time spent waiting for rounds (synchronous modes)
+    faults: int = 0  # faults injected into this incarnation
     error: str | None = None
     at: float = field(default_factory=time.time)
 
@@ -120,11 +127,23 @@ class LearnerIsland:
         self._version = [-1] * P
         self._steps = [0] * P
         self._tokens = [0] * P
+        self._compute = [0.0] * P  # wall seconds of steps since the previous cut of each fragment
+        self._submitted = [0] * P
+        self._discarded = [0] * P
+        self._blocked_s = 0.0
+        # Injected faults (chaos): a hang stops the inner loop while the control interface still answers.
+        self._hang_until = 0.0
+        self._slow_until = 0.0
+        self._slow_factor = 1.0
+        self._drop_next = 0
+        self._corrupt_next = 0
+        self._faults = 0
         self._k = 0  # submissions cut so far
         self._since_cut = 0
         self._inflight: dict[SubmissionKey, _InFlight] = {}
         self._outbox: collections.deque[Submission] = collections.deque()
         self._updates: list[tuple[FragmentUpdate, list[torch.Tensor]]] = []
+        self._resync_pending: list[tuple[FragmentUpdate, list[torch.Tensor]]] = []
         self._cv = threading.Condition()
         self._state = "starting"
         self._error: str | None = None
@@ -153,17 +172,25 @@ class LearnerIsland:
                 return False
             if self._state in ("starting", "blocked"):
                 self._state = "training"
+        if time.monotonic() < self._hang_until:
+            time.sleep(0.05)  # injected hang: no progress, control calls still answered
+            return True
         result = self.trainer.step()
+        wall = result.wall_s
+        if self._slow_factor > 1.0 and time.monotonic() < self._slow_until:
+            time.sleep(wall * (self._slow_factor - 1.0))  # injected straggler
+            wall *= self._slow_factor
         if not math.isfinite(result.loss):
             raise IslandFailed(f"island {self.spec.island} diverged: non-finite training loss at step {self.total_steps}")
         self._loss.update(result.loss)
-        self._step_time.update(result.wall_s)
+        self._step_time.update(wall)
         with self._cv:
             self.total_steps += 1
             self.total_tokens += result.tokens
             for p in range(len(self._steps)):
                 self._steps[p] += 1
                 self._tokens[p] += result.tokens
+                self._compute[p] += wall
             self._since_cut += 1
             if self._since_cut == self._every:
                 self._since_cut = 0
@@ -185,12 +212,22 @@ class LearnerIsland:
             island=self.spec.island, incarnation=self.spec.incarnation, seq=seq, fragment=p,
             base_version=self._version[p], tokens=self._tokens[p], inner_steps=self._steps[p],
             step_time_s=self._step_time.value or 0.0, train_loss=self._loss.value or math.nan,
-            payload=payload, created_at=time.time(),
+            payload=payload, created_at=time.time(), compute_s=self._compute[p], cursor=self.trainer.sampler.cursor,
         )
-        snapshot = [t.detach().clone() for t in self._theta[p]] if self._adoption.kind == "rebase" else None
-        self._inflight[sub.key] = _InFlight(p, sub.base_version, sub.tokens, snapshot)
+        self._submitted[p] += sub.tokens
         self._steps[p] = 0
         self._tokens[p] = 0
+        self._compute[p] = 0.0
+        if self._drop_next:  # injected fault: the submission is lost on the way (its tokens are lost)
+            self._drop_next -= 1
+            log.warning("island %d: dropping submission %d (injected fault)", self.spec.island, seq)
+            return
+        if self._corrupt_next:  # injected fault: NaN on the wire; the outer optimizer must refuse it
+            self._corrupt_next -= 1
+            sub.payload = [_corrupt(c) for c in sub.payload]
+            log.warning("island %d: corrupting submission %d (injected fault)", self.spec.island, seq)
+        snapshot = [t.detach().clone() for t in self._theta[p]] if self._adoption.kind == "rebase" else None
+        self._inflight[sub.key] = _InFlight(p, sub.base_version, sub.tokens, snapshot)
         self._outbox.append(sub)
         self._cv.notify_all()
 
@@ -202,8 +239,10 @@ class LearnerIsland:
                     if self._stop:
                         break
                 if not self.step():
+                    t0 = time.monotonic()
                     with self._cv:
                         self._cv.wait_for(lambda: self._stop or bool(self._updates), timeout=0.5)
+                        self._blocked_s += time.monotonic() - t0
         except Exception as err:  # noqa: BLE001 - reported through status() and next_submission()
             with self._cv:
                 self._state = "diverged" if isinstance(err, IslandFailed) else "failed"
@@ -263,8 +302,59 @@ class LearnerIsland:
                 steps=self.total_steps, tokens=self.total_tokens,
                 train_loss=self._loss.value, step_time_s=self._step_time.value,
                 versions=list(self._version), unsubmitted_tokens=list(self._tokens), outbox_tokens=outbox,
-                inflight=taken, cursor=self.trainer.sampler.cursor, error=self._error,
+                inflight=taken, cursor=self.trainer.sampler.cursor, submitted_tokens=list(self._submitted),
+                discarded_tokens=list(self._discarded), blocked_s=self._blocked_s, faults=self._faults,
+                error=self._error,
             )
+
+    def watch(self, timeout_s: float = 5.0) -> str:
+        """Wait up to `timeout_s` for the inner loop to end; returns the state. A liveness probe that
+        a caller keeps outstanding: it fails at once with the actor when the process dies."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self._state
+
+    def inject(self, kind: str, *, duration_s: float = 0.0, factor: float = 1.0) -> None:
+        """Inject a fault into this island (chaos engineering). Kinds: hang, slow, drop_submission,
+        corrupt_submission, kill_node. Killing the island itself is done from outside (ray.kill)."""
+        now = time.monotonic()
+        with self._cv:
+            self._faults += 1
+            if kind == "hang":
+                self._hang_until = now + duration_s if duration_s > 0 else math.inf
+            elif kind == "slow":
+                if factor <= 1.0:
+                    raise ValueError(f"slow fault needs factor > 1, got {factor}")
+                self._slow_factor, self._slow_until = factor, now + (duration_s if duration_s > 0 else math.inf)
+            elif kind == "drop_submission":
+                self._drop_next += 1
+            elif kind == "corrupt_submission":
+                self._corrupt_next += 1
+            elif kind == "kill_node":
+                log.warning("island %d: killing its node's raylet (injected fault)", self.spec.island)
+                os.kill(os.getppid(), signal.SIGKILL)  # a worker's parent process is its node's raylet
+            else:
+                raise ValueError(f"unknown fault kind {kind!r} for an island; use hang, slow, drop_submission, "
+                                 "corrupt_submission or kill_node")
+        log.warning("island %d: injected fault %s", self.spec.island, kind)
+
+    def resync(self, latest: list[FragmentUpdate]) -> None:
+        """Force-adopt the outer optimizer's state after it restored an older checkpoint.
+
+        Versions may go backwards, so this bypasses the version check: local progress, the outbox and
+        every in-flight submission are discarded (their tokens are counted as discarded, i.e. lost).
+        """
+        fetched = [(u, list(self._resolve(u.tensors[0]))) for u in latest]
+        with self._cv:
+            # Outbox tokens were counted as submitted; dropping them makes them "taken, never received".
+            self._outbox.clear()
+            self._inflight.clear()
+            self._updates.clear()
+            for p in range(len(self._tokens)):
+                self._discarded[p] += self._tokens[p]
+                self._tokens[p], self._steps[p], self._compute[p] = 0, 0, 0.0
+            self._resync_pending = fetched
+            self._cv.notify_all()
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """A copy of the island's current parameters by name (for tests and checkpoints)."""
@@ -282,6 +372,13 @@ class LearnerIsland:
         """The step boundary: apply every received update in (fragment, version) order. Loop thread only."""
         with self._cv:
             updates, self._updates = self._updates, []
+            forced, self._resync_pending = self._resync_pending, []
+        for update, tensors in forced:
+            with torch.no_grad():
+                for t, g in zip(self._theta[update.fragment], tensors):
+                    t.copy_(g)
+            self._base[update.fragment] = [g.detach().to(torch.float32).clone() for g in tensors]
+            self._version[update.fragment] = update.version
         for update, tensors in sorted(updates, key=lambda u: (u[0].fragment, u[0].version)):
             self._apply_one(update, tensors)
 
@@ -321,3 +418,10 @@ class LearnerIsland:
             self._base[p] = [g.detach().to(torch.float32).clone() for g in global_]
             self._version[p] = update.version
             self._cv.notify_all()
+
+
+def _corrupt(c):
+    """A copy of a compressed tensor whose decoded values are all NaN (injected corruption)."""
+    if c.scales is not None:
+        return dataclasses.replace(c, scales=torch.full_like(c.scales, math.nan))
+    return dataclasses.replace(c, payload=torch.full_like(c.payload, math.nan))

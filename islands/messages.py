@@ -37,6 +37,8 @@ class Submission:
     train_loss: float  # moving average of the inner training loss (nats per token)
     payload: list[Compressed]  # one entry per tensor of the fragment, in fragment order
     created_at: float = 0.0  # wall clock (time.time) when the island cut it
+    compute_s: float = 0.0  # wall time of the inner steps this submission covers (goodput's useful time)
+    cursor: int = 0  # the island's data cursor (batches drawn) when it cut this submission
 
     @property
     def key(self) -> SubmissionKey:

@@ -24,6 +24,9 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from islands.island import IslandSpec, LearnerIsland
 from islands.messages import FragmentUpdate, Submission
+from orchestrator.chaos_injector import ChaosInjector
+from orchestrator.checkpoint import CheckpointStore
+from orchestrator.health_monitor import HealthMonitor
 from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings, RoundResult
 from policies.fragments import FragmentPlan
 
@@ -51,31 +54,102 @@ def _quiet_worker() -> None:
     ignore_zero_copy_warnings()
 
 
-class _IslandShell(LearnerIsland):
-    """LearnerIsland with `ray.get` injected for list-wrapped refs; starts training on creation."""
+class _IslandShell:
+    """A LearnerIsland process. Created with a spec it trains at once; created without one it is a
+    warm spare (imports done, data fetched, no training) until `activate` gives it an island slot.
 
-    def __init__(self, spec: IslandSpec, data: list[Any], initial: list[FragmentUpdate], cursor: int = 0) -> None:
+    Restarting an island cold costs a new worker process and importing torch (~20 s on a busy 2-core
+    machine); activating a spare costs building the model (well under a second).
+    """
+
+    def __init__(self, spec: IslandSpec | None, data: list[Any], initial: list[FragmentUpdate] | None = None,
+                 cursor: int = 0) -> None:
         _quiet_worker()
-        super().__init__(spec, data, initial, cursor=cursor, resolve=ray.get)
-        self.start()
+        self._data = ray.get(data[0])  # fetched once, zero-copy, before any slot needs it
+        self._island: LearnerIsland | None = None
+        if spec is not None:
+            self.activate(spec, initial or [], cursor)
 
-    def ping(self) -> tuple[int, int, float]:
-        """Cheap liveness probe: (island, incarnation, wall time)."""
-        return self.spec.island, self.spec.incarnation, time.time()
+    def activate(self, spec: IslandSpec, initial: list[FragmentUpdate], cursor: int = 0) -> tuple[int, int]:
+        """Become island `spec.island`, incarnation `spec.incarnation`, and start training."""
+        if self._island is not None:
+            raise RuntimeError(f"this process already is island {self._island.spec.island}; it cannot be activated twice")
+        self._island = LearnerIsland(spec, self._data, initial, cursor=cursor, resolve=ray.get)
+        self._island.start()
+        return spec.island, spec.incarnation
+
+    def _live(self) -> LearnerIsland:
+        if self._island is None:
+            raise RuntimeError("this island process is a spare and has not been activated")
+        return self._island
+
+    def ping(self) -> tuple[int | None, int | None, float]:
+        """Liveness probe: (island, incarnation, wall time); (None, None, t) for a spare."""
+        if self._island is None:
+            return None, None, time.time()
+        return self._island.spec.island, self._island.spec.incarnation, time.time()
 
     def node_id(self) -> str:
-        """The Ray node this island runs on (placement checks)."""
+        """The Ray node this process runs on (placement checks)."""
         return ray.get_runtime_context().get_node_id()
+
+    # The island's interface, delegated (see islands.island.LearnerIsland for each method).
+    def next_submission(self, timeout_s: float = 1.0):
+        return self._live().next_submission(timeout_s)
+
+    def adopt(self, update: FragmentUpdate) -> None:
+        self._live().adopt(update)
+
+    def status(self):
+        return self._live().status()
+
+    def stop(self, timeout_s: float = 30.0):
+        return self._live().stop(timeout_s)
+
+    def watch(self, timeout_s: float = 5.0) -> str:
+        return self._live().watch(timeout_s)
+
+    def inject(self, kind: str, *, duration_s: float = 0.0, factor: float = 1.0) -> None:
+        self._live().inject(kind, duration_s=duration_s, factor=factor)
+
+    def resync(self, latest: list[FragmentUpdate]) -> None:
+        self._live().resync(latest)
+
+    def parameters(self) -> dict:
+        return self._live().parameters()
 
 
 class _OuterShell:
-    """Async shell: polls islands for submissions, feeds the core, publishes each new version once."""
+    """Async shell: polls islands for submissions, feeds the core, publishes each new version once.
 
-    def __init__(self, initial: dict, plan: FragmentPlan, settings: OuterSettings, embedding_names: frozenset[str]) -> None:
+    With a checkpoint URI it saves the core atomically every `checkpoint_every_s` and, when Ray
+    restarts it (max_restarts=-1), restores the newest valid checkpoint in __init__ and bumps its
+    epoch; the health monitor sees the new epoch, resyncs the islands and registers them again.
+    """
+
+    def __init__(self, plan: FragmentPlan, settings: OuterSettings, embedding_names: frozenset[str],
+                 checkpoint_uri: str, checkpoint_every_s: float = 30.0, checkpoint_keep: int = 3) -> None:
         _quiet_worker()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-core")
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-ckpt")
         self._t0 = time.monotonic()
+        # Start and restart are one path: the driver seeds the store with the initial parameters as
+        # checkpoint 0, so no tensor travels in the constructor arguments (which a restart would need).
+        self._store = CheckpointStore(checkpoint_uri, keep=checkpoint_keep)
+        latest = self._store.load_latest()
+        if latest is None:
+            raise RuntimeError(f"no valid checkpoint under {checkpoint_uri}; the driver seeds checkpoint 0 before starting")
+        initial = {name[len("param/"):]: t for name, t in latest.tensors.items() if name.startswith("param/")}
         self.core = OuterOptimizer(initial, plan, settings=settings, embedding_names=embedding_names, now=0.0)
+        self.core.load_state_dict(latest.tensors, latest.meta["outer"])
+        self._ckpt_every = checkpoint_every_s
+        self._ckpt_step = latest.step
+        self._last_ckpt = time.monotonic()
+        self.epoch = latest.meta.get("epoch", -1) + 1  # the seed checkpoint carries epoch -1
+        self.extra: dict = latest.meta.get("extra", {})  # driver metadata saved with each checkpoint
+        if self.epoch:
+            log.warning("outer optimizer restored checkpoint %d (versions %s), epoch %d",
+                        latest.step, self.core.versions, self.epoch)
         # The latest published version of every fragment: one ray.put each, handed out as [ref].
         self._refs = [ray.put(self.core.fragment(p)) for p in range(plan.num_fragments)]
         self._islands: dict[int, tuple[int, Any]] = {}
@@ -83,7 +157,6 @@ class _OuterShell:
         self._ticker: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
-        self._late_tokens = [0] * plan.num_fragments  # taken from islands after stop began: in flight
         self._bytes_down = 0
         self._events_cursor = (0, 0)
         self.deaths: list[dict] = []
@@ -139,7 +212,7 @@ class _OuterShell:
             if sub is None:
                 continue
             if self._stopping:
-                self._late_tokens[sub.fragment] += sub.tokens
+                await self._core(self.core.record_late, sub)
                 return
             results, refusal = await self._core(self.core.receive, sub, self._now())
             await self._publish(results)
@@ -161,6 +234,8 @@ class _OuterShell:
             if self._stopping:
                 return
             await self._publish(await self._core(self.core.poll, self._now()))
+            if time.monotonic() - self._last_ckpt >= self._ckpt_every:
+                await self.checkpoint()
 
     def _wake_up(self) -> None:
         if self._wake is not None:
@@ -207,6 +282,42 @@ class _OuterShell:
         """Copies of all current global parameters by name (evaluation, checkpoints)."""
         return await self._core(self.core.global_parameters)
 
+    async def checkpoint(self) -> int:
+        """Save the core now (snapshot on the core thread, write on the writer thread); returns the step."""
+        self._last_ckpt = time.monotonic()
+        tensors, meta = await self._core(self.core.state_dict)
+        self._ckpt_step += 1
+        step = self._ckpt_step
+        meta = {"outer": meta, "epoch": self.epoch, "extra": dict(self.extra), "saved_at": time.time()}
+        await asyncio.get_running_loop().run_in_executor(self._writer, self._store.save, step, tensors, meta)
+        return step
+
+    async def note(self, **extra) -> None:
+        """Driver metadata to keep with the next checkpoint (tokens processed, run id, ...)."""
+        self.extra.update(extra)
+
+    async def restored_extra(self) -> dict:
+        """The driver metadata this incarnation restored from its checkpoint ({} when it started fresh)."""
+        return dict(self.extra)
+
+    async def health(self) -> dict:
+        """For the health monitor: restart epoch, islands that sent non-finite values, registry."""
+        diverged = await self._core(self.core.take_diverged)
+        islands = await self._core(lambda: {str(k): v for k, v in self.core.islands.items()})
+        return {"epoch": self.epoch, "diverged": sorted(diverged), "islands": islands}
+
+    async def resume_cursor(self, island: int) -> int:
+        """The data cursor of the island's newest merged submission (where a new incarnation resumes)."""
+        return await self._core(lambda: self.core.resume_cursor.get(island, 0))
+
+    async def accounting(self) -> dict:
+        """Useful time, version advance times, and per-incarnation received tokens (goodput, token fates)."""
+        def take() -> dict:
+            c = self.core
+            return {"useful_s": c.useful_s, "advances": list(c.advances),
+                    "received": [[i, inc, toks] for (i, inc), toks in c.received.items()]}
+        return await self._core(take)
+
     async def stop(self) -> dict:
         """Stop polling; submissions already taken count as in flight. Returns the final ledger."""
         self._stopping = True
@@ -214,10 +325,12 @@ class _OuterShell:
         tasks = list(self._pollers.values()) + ([self._ticker] if self._ticker else [])
         if tasks:
             await asyncio.wait(tasks, timeout=30)
-        ledger = await self._core(self.core.ledger)
-        ledger["late"] = list(self._late_tokens)
-        return ledger
+        return await self._core(self.core.ledger)
 
 
 IslandActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=8)(_IslandShell)
-OuterOptimizerActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=64)(_OuterShell)
+# The outer optimizer restarts itself from its checkpoint; the island actors are rebuilt by the health
+# monitor instead (a new incarnation each time), and the monitor re-adopts islands when it restarts.
+OuterOptimizerActor = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=64)(_OuterShell)
+HealthMonitorActor = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=64)(HealthMonitor)
+ChaosInjectorActor = ray.remote(max_restarts=0, max_concurrency=16)(ChaosInjector)

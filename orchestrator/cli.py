@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from orchestrator.config import ConfigError, load_config
+from orchestrator.config import ConfigError, apply_overrides, build_config, load_config
 
 
 class ProgressBar:
@@ -77,18 +77,28 @@ def format_summary(summary: dict) -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from orchestrator.driver import emulation_note, train  # imports Ray: keep `diloco --help` fast
+    from orchestrator.driver import emulation_note, resume_config, train  # imports Ray: keep `--help` fast
+    from policies.chaos import parse_chaos_spec
 
     try:
-        cfg = load_config(args.config, args.set)
-    except ConfigError as err:
+        if args.resume:
+            if args.config:
+                raise ConfigError("--resume takes the run directory's own config.yaml; drop --config")
+            base = resume_config(args.resume).model_dump(mode="json")
+            cfg = build_config(apply_overrides(base, args.set))
+        else:
+            cfg = load_config(args.config, args.set)
+        if args.chaos:
+            spec = parse_chaos_spec(args.chaos)
+            cfg = cfg.model_copy(update={"chaos": type(cfg.chaos)(mode=spec.pop("mode"), horizon_s=cfg.chaos.horizon_s, params=spec)})
+    except (ConfigError, ValueError) as err:
         print(f"diloco train: {err}", file=sys.stderr)
         return 2
-    run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     bar = ProgressBar(sys.stderr, emulation=emulation_note(cfg)) if not args.quiet else None
     address = args.address or os.environ.get("RAY_ADDRESS")
     try:
-        summary = train(cfg, run_dir, address=address, progress=bar)
+        summary = train(cfg, run_dir, address=address, progress=bar, resume=bool(args.resume))
     except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
         if bar:
             bar.close()
@@ -116,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config field, e.g. --set outer.min_quorum=2 (repeatable)")
     t.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run whose driver died, from its checkpoints")
+    t.add_argument("--chaos", metavar="SPEC",
+                   help="inject faults: none | tape:FILE.yaml | poisson:mtbf_s=60,seed=3 | fixed:failures=3")
     t.set_defaults(func=_cmd_train)
     try:
         from orchestrator import simulate_cli

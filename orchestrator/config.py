@@ -178,6 +178,41 @@ class EvalSection(_Section):
     batch_size: int = Field(16, ge=1, description="Sequences per held-out batch.")
 
 
+class ChaosSection(_Section):
+    """Chaos engineering: which faults to inject (policies.chaos). Default: none."""
+
+    mode: Literal["none", "tape", "poisson", "fixed"] = Field("none", description="none | tape (YAML file) | poisson | fixed.")
+    horizon_s: float = Field(180.0, gt=0, description="poisson/fixed: faults are drawn over (start_s, horizon_s) seconds of the run.")
+    params: dict[str, Any] = Field(default_factory=dict, description="The mode's parameters, e.g. {mtbf_s: 60, seed: 3} or {path: tape.yaml}.")
+
+    def spec(self) -> dict[str, Any]:
+        """The dict policies.chaos.tape_from_config takes."""
+        return {"mode": self.mode, **self.params}
+
+
+class HealthSection(_Section):
+    """How the health monitor judges islands and restarts them (policies.health, policies.restart)."""
+
+    hang_factor: float = Field(20.0, gt=0, description="An island is hung after this many of its own step times without progress.")
+    hang_floor_s: float = Field(5.0, gt=0, description="Never call an island hung sooner than this, seconds.")
+    startup_s: float = Field(60.0, gt=0, description="Grace for an island's first step, seconds.")
+    unreachable_s: float = Field(10.0, gt=0, description="Status calls failing this long make an island unreachable.")
+    backoff_base_s: float = Field(0.5, gt=0, description="First restart delay; doubles per consecutive failure.")
+    backoff_cap_s: float = Field(30.0, gt=0, description="Longest restart delay, seconds.")
+    reset_after_s: float = Field(60.0, gt=0, description="Healthy this long resets an island's backoff.")
+    max_restarts: int | None = Field(None, ge=0, description="Give up on an island slot after this many restarts (None = never).")
+    tick_s: float = Field(0.25, gt=0, description="Seconds between health checks.")
+    warm_spares: int = Field(1, ge=0, description="Idle island processes kept ready per pool (imports done): a restart activates one in under a second instead of starting a process.")
+
+
+class CheckpointSection(_Section):
+    """Outer-optimizer checkpoints: atomic, checksummed, the last `keep` kept."""
+
+    uri: str | None = Field(None, description="Local path or pyarrow.fs URI; None = RUN_DIR/checkpoints.")
+    every_s: float = Field(15.0, gt=0, description="Seconds between checkpoints of the outer optimizer.")
+    keep: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted.")
+
+
 class RunSection(_Section):
     """Run-level settings: stop rule, seeds, timeouts."""
 
@@ -200,6 +235,9 @@ class RunConfig(_Section):
     inner: InnerSection = Field(default_factory=InnerSection, description="Inner AdamW settings.")
     outer: OuterSection = Field(default_factory=OuterSection, description="Outer optimizer settings.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
+    chaos: ChaosSection = Field(default_factory=ChaosSection, description="Fault injection (chaos engineering).")
+    health: HealthSection = Field(default_factory=HealthSection, description="Health monitoring and restarts.")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Outer-optimizer checkpoints.")
     pools: list[PoolConfig] = Field(
         default_factory=lambda: [
             PoolConfig(name="fast", islands=2, cpus_per_island=0.5),

@@ -1,7 +1,11 @@
-"""The run driver: builds a run from a RunConfig, places islands on their pools, watches progress,
-evaluates the global parameters, stops on the token budget and writes the run directory.
+"""The run driver: builds a run from a RunConfig, starts the outer optimizer, the health monitor (which
+places and keeps the islands) and the chaos injector, watches progress, evaluates the global
+parameters, stops on the token budget and writes the run directory.
 
-Run directory: `config.yaml` (resolved), `events/` (Parquet event log), `summary.json`, `driver.log`.
+Run directory: `config.yaml` (resolved), `run.json` (run id, sessions), `checkpoints/`, `events/`
+(Parquet event log), `summary.json`, `driver.log`. `train(..., resume=True)` continues a run whose
+driver died: the outer optimizer restores its newest valid checkpoint and the islands restart from
+their last merged data positions.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import math
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,15 +28,20 @@ from islands.data import Corpus, load_parquet_corpus, load_stdlib_corpus, unigra
 from islands.island import IslandSpec
 from islands.model import build_model, model_config
 from islands.trainer import InnerSettings
-from orchestrator.actors import NAMESPACE, WORKER_ENV, IslandActor, OuterOptimizerActor, ignore_zero_copy_warnings
-from orchestrator.config import RunConfig
+from orchestrator.accounting import run_goodput, token_fates
+from orchestrator.actors import (NAMESPACE, WORKER_ENV, ChaosInjectorActor, HealthMonitorActor, IslandActor,
+                                 OuterOptimizerActor, ignore_zero_copy_warnings)
+from orchestrator.checkpoint import CheckpointStore
+from orchestrator.config import ConfigError, RunConfig, build_config
 from orchestrator.evaluation import Evaluator
 from orchestrator.eventlog import EventLog
-from orchestrator.outer_optimizer import OuterSettings
-from orchestrator.placement import create_island_group, island_scheduling, release_group
+from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.placement import remove_run_groups
+from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
 
 log = logging.getLogger(__name__)
+_TRANSIENT = (RayActorError, RayTaskError, GetTimeoutError)
 
 
 @dataclass
@@ -47,17 +56,6 @@ class Progress:
     eval_bpb: float | None
     elapsed_s: float
     islands: dict[str, str] = field(default_factory=dict)  # "pool/island" -> state
-
-
-@dataclass
-class _Slot:
-    island: int
-    pool: Any
-    incarnation: int
-    handle: Any = None
-    group: Any = None
-    node: str | None = None
-    status: Any = None
 
 
 def load_corpus(cfg: RunConfig) -> Corpus:
@@ -80,6 +78,26 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
     )
 
 
+def island_specs(cfg: RunConfig, model_cfg, plan) -> list[IslandSpec]:
+    """Incarnation-1 specs of every island slot, pools in config order."""
+    specs, island, total = [], 0, cfg.num_islands
+    for pool in cfg.pools:
+        inner = InnerSettings(
+            lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay, beta1=cfg.inner.beta1, beta2=cfg.inner.beta2,
+            warmup_steps=cfg.inner.warmup_steps, grad_clip=cfg.inner.grad_clip, torch_threads=cfg.inner.torch_threads,
+            batch_size=cfg.data.batch_size, emulated_slowdown=pool.emulated_slowdown, emulated_jitter=pool.emulated_jitter,
+        )
+        for _ in range(pool.islands):
+            specs.append(IslandSpec(
+                island=island, incarnation=1, pool=pool.name, num_islands=total, model_config=model_cfg, plan=plan,
+                inner=inner, sync_every_steps=cfg.outer.sync_every_steps, adoption=cfg.outer.adoption,
+                compression=cfg.outer.compression, compression_block_size=cfg.outer.compression_block_size,
+                wait_for_round=cfg.outer.wait_for_round, seed=cfg.run.seed,
+            ))
+            island += 1
+    return specs
+
+
 def emulation_note(cfg: RunConfig) -> str | None:
     """The line every report carries when pool speeds are emulated by throttling."""
     parts = [f"{p.name} x{p.emulated_slowdown:g}" + (f" ±{p.emulated_jitter:.0%}" if p.emulated_jitter else "")
@@ -95,29 +113,55 @@ def ensure_ray(cfg: RunConfig, address: str | None) -> bool:
         ray.init(address=address, runtime_env={"env_vars": WORKER_ENV})
         return True
     # Logical CPUs may exceed physical cores: islands are throttled or small; Ray only counts.
-    needed = math.ceil(sum(p.cpus_per_island * p.islands for p in cfg.pools))
+    needed = math.ceil(sum(p.cpus_per_island * (p.islands + cfg.health.warm_spares) for p in cfg.pools))
     ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
              runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING)
     return True
 
 
-class Run:
-    """One training run, from placement to summary. `train()` is the usual entry point."""
+def kill_run_actors(run_id: str) -> int:
+    """Kill every named actor and placement group of a run (islands are detached: they would outlive a dead driver)."""
+    n = 0
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == NAMESPACE and run_id in entry["name"]:
+            try:
+                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+                n += 1
+            except ValueError:
+                pass  # already gone
+    return n + remove_run_groups(run_id)
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: Callable[[Progress], None] | None = None) -> None:
+
+class Run:
+    """One driver session of a training run, from placement to summary. `train()` is the entry point."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: Callable[[Progress], None] | None = None,
+                 resume: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.progress = progress
+        self.resume = resume
         self.run_id = f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}"
         self.events = EventLog(self.run_dir)
-        self.slots: list[_Slot] = []
-        self.outer = None
+        self.outer = self.monitor = self.injector = None
         self.eval_points: list[dict] = []
+        self.tokens_before = 0
+        self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
 
     # ------------------------------------------------------------------ setup
 
     def _setup(self) -> None:
         cfg = self.cfg
+        meta_path = self.run_dir / "run.json"
+        previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
+        ckpt_uri = cfg.checkpoint.uri or str(self.run_dir / "checkpoints")
+        if not self.resume and CheckpointStore(ckpt_uri).list():
+            raise ConfigError(f"{self.run_dir} already holds checkpoints; continue it with --resume or pick a new --run-dir")
+        if self.resume and previous:
+            killed = kill_run_actors(previous["run_id"])
+            log.warning("resuming run %s (killed %d leftover actors)", previous["run_id"], killed)
+        sessions = (previous or {}).get("sessions", []) + [{"run_id": self.run_id, "started": time.time()}]
+        meta_path.write_text(json.dumps({"run_id": self.run_id, "sessions": sessions}, indent=2))
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         self.corpus = load_corpus(cfg)
         self.model_cfg = model_config(cfg.model.preset, **cfg.model.overrides())
@@ -126,74 +170,80 @@ class Run:
         self.plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], cfg.outer.num_fragments)
         self.unigram_bpb = unigram_bits_per_byte(self.corpus.train, self.corpus.heldout, vocab_size=self.corpus.vocab_size)
         self.evaluator = Evaluator(self.model_cfg, self.corpus.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
-        log.info("corpus: %s; model %s (%d params); %d fragments; unigram %.3f bits/byte", self.corpus.source,
-                 cfg.model.preset, sum(t.numel() for t in initial.values()), self.plan.num_fragments, self.unigram_bpb)
-        self.outer = OuterOptimizerActor.options(
-            name=f"outer-{self.run_id}", namespace=NAMESPACE, num_cpus=0,
-        ).remote(initial, self.plan, outer_settings(cfg), model.embedding_parameter_names())
+        self.tape = tape_from_config(cfg.chaos.spec(), islands=cfg.num_islands, horizon_s=cfg.chaos.horizon_s)
+        log.info("corpus: %s; model %s (%d params); %d fragments; unigram %.3f bits/byte; %d faults on the tape",
+                 self.corpus.source, cfg.model.preset, sum(t.numel() for t in initial.values()),
+                 self.plan.num_fragments, self.unigram_bpb, len(self.tape))
+        if not self.resume:  # checkpoint 0: the initial global parameters, the outer optimizer's first state
+            seed = OuterOptimizer(initial, self.plan, settings=outer_settings(cfg))
+            tensors, meta = seed.state_dict()
+            CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
+        self.outer_name = f"outer-{self.run_id}"
+        self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0).remote(
+            self.plan, outer_settings(cfg), model.embedding_parameter_names(),
+            ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep)
+        extra = self._get(self.outer.restored_extra.remote())
+        self.tokens_before = int(extra.get("tokens_processed", 0))
+        acct = self._get(self.outer.accounting.remote())
+        self.baseline = self._get(self.outer.status.remote())["ledger"] if self.resume else None
+        # New incarnations continue above every incarnation the outer optimizer has heard of.
+        last_inc = {}
+        for island, inc, _ in acct["received"]:
+            last_inc[island] = max(last_inc.get(island, 0), inc)
+        specs = [s if s.island not in last_inc else replace(s, incarnation=last_inc[s.island] + 1)
+                 for s in island_specs(cfg, self.model_cfg, self.plan)]
+        self.first_inc = {s.island: s.incarnation for s in specs}
         self.data_ref = ray.put(self.corpus.train)
-        island = 0
-        for pool in cfg.pools:
-            for _ in range(pool.islands):
-                self.slots.append(_Slot(island, pool, 1))
-                island += 1
-        for slot in self.slots:
-            self._start_island(slot)
-        for slot in self.slots:
-            self._await_island(slot)
-
-    def _spec(self, slot: _Slot) -> IslandSpec:
-        cfg, pool = self.cfg, slot.pool
-        inner = InnerSettings(
-            lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay, beta1=cfg.inner.beta1, beta2=cfg.inner.beta2,
-            warmup_steps=cfg.inner.warmup_steps, grad_clip=cfg.inner.grad_clip, torch_threads=cfg.inner.torch_threads,
-            batch_size=cfg.data.batch_size, emulated_slowdown=pool.emulated_slowdown, emulated_jitter=pool.emulated_jitter,
+        h = cfg.health
+        self.monitor_name = f"monitor-{self.run_id}"
+        self.monitor = HealthMonitorActor.options(name=self.monitor_name, namespace=NAMESPACE, num_cpus=0).remote(
+            run_id=self.run_id, namespace=NAMESPACE, pools=cfg.pools, specs=specs, data=[self.data_ref],
+            outer_name=self.outer_name, island_cls=IslandActor, placement_timeout_s=cfg.run.placement_timeout_s,
+            call_timeout_s=cfg.run.call_timeout_s, tick_s=h.tick_s,
+            health={"factor": h.hang_factor, "floor_s": h.hang_floor_s, "startup_s": h.startup_s, "unreachable_s": h.unreachable_s},
+            restart={"base_s": h.backoff_base_s, "cap_s": h.backoff_cap_s, "reset_after_s": h.reset_after_s,
+                     "max_restarts": h.max_restarts},
+            warm_spares=h.warm_spares,
         )
-        return IslandSpec(
-            island=slot.island, incarnation=slot.incarnation, pool=pool.name, num_islands=len(self.slots),
-            model_config=self.model_cfg, plan=self.plan, inner=inner, sync_every_steps=cfg.outer.sync_every_steps,
-            adoption=cfg.outer.adoption, compression=cfg.outer.compression,
-            compression_block_size=cfg.outer.compression_block_size, wait_for_round=cfg.outer.wait_for_round,
-            seed=cfg.run.seed,
-        )
-
-    def _start_island(self, slot: _Slot, cursor: int = 0) -> None:
-        name = f"{self.run_id}-island{slot.island}-inc{slot.incarnation}"
-        slot.group = create_island_group(slot.pool, name=name, timeout_s=self.cfg.run.placement_timeout_s)
-        initial = ray.get(self.outer.latest.remote(), timeout=self.cfg.run.call_timeout_s)
-        slot.handle = IslandActor.options(
-            name=name, namespace=NAMESPACE, num_cpus=slot.pool.cpus_per_island, resources=dict(slot.pool.resources),
-            scheduling_strategy=island_scheduling(slot.group),
-        ).remote(self._spec(slot), [self.data_ref], initial, cursor)
-
-    def _await_island(self, slot: _Slot) -> None:
         try:
-            slot.node = ray.get(slot.handle.node_id.remote(), timeout=self.cfg.run.placement_timeout_s)
-        except (RayActorError, RayTaskError) as err:
+            self._get(self.monitor.ensure_started.remote(), timeout=cfg.run.placement_timeout_s + 60)
+        except RayTaskError as err:
             cause = str(err).strip().splitlines()[-1]
-            raise RuntimeError(f"island {slot.island} (pool {slot.pool.name}) failed to start: {cause}") from None
-        ray.get(self.outer.register.remote(slot.island, slot.incarnation, slot.handle), timeout=self.cfg.run.call_timeout_s)
+            raise RuntimeError(f"islands failed to start: {cause}") from None
+        # Goodput's clock starts when every island of the first placement trains (startup is the same
+        # for every method and is reported apart in driver.log); the chaos tape counts from here too.
+        self.run_start = time.time()
+        if len(self.tape):
+            self.injector = ChaosInjectorActor.options(name=f"chaos-{self.run_id}", namespace=NAMESPACE, num_cpus=0).remote(
+                self.tape, namespace=NAMESPACE, monitor_name=self.monitor_name, run_start=self.run_start,
+                protected_node=ray.get_runtime_context().get_node_id())
+            self._get(self.injector.start.remote())
+
+    def _get(self, ref: Any, timeout: float | None = None) -> Any:
+        return ray.get(ref, timeout=timeout or self.cfg.run.call_timeout_s)
 
     # ------------------------------------------------------------------ loop
 
-    def _poll_islands(self) -> None:
-        refs = {s.island: s.handle.status.remote() for s in self.slots if s.handle is not None}
-        for slot in self.slots:
-            if slot.island not in refs:
-                continue
-            try:
-                slot.status = ray.get(refs[slot.island], timeout=self.cfg.run.call_timeout_s)
-            except (RayActorError, GetTimeoutError) as err:
-                log.warning("island %d unreachable: %s", slot.island, str(err).splitlines()[0])
-                slot.handle = None  # the outer optimizer has unregistered it through its poller
+    def _refresh(self) -> None:
+        self._get(self.monitor.ensure_started.remote())  # re-adopts islands after a monitor restart
+        self.snapshot = self._get(self.monitor.snapshot.remote())
+
+    def _statuses(self) -> tuple[list, list]:
+        live, dead = [], []
+        for slot in self.snapshot["slots"].values():
+            if slot["status"] is not None:
+                live.append(slot["status"])
+            dead.extend(slot["finals"])
+        return live, dead
 
     def _tokens(self) -> int:
-        return sum(s.status.tokens for s in self.slots if s.status is not None)
+        live, dead = self._statuses()
+        return self.tokens_before + sum(s.tokens for s in live) + sum(s.tokens for s in dead)
 
     def _evaluate(self, t0: float) -> dict:
-        params = ray.get(self.outer.global_parameters.remote(), timeout=self.cfg.run.call_timeout_s)
+        params = self._get(self.outer.global_parameters.remote())
         loss, bpb = self.evaluator.evaluate(params)
-        status = ray.get(self.outer.status.remote(), timeout=self.cfg.run.call_timeout_s)
+        status = self._get(self.outer.status.remote())
         merged = sum(status["ledger"]["merged"]) / len(status["ledger"]["merged"])
         point = {"wall_s": time.monotonic() - t0, "tokens_processed": self._tokens(), "tokens_merged": merged,
                  "versions": list(status["versions"]), "eval_loss": loss, "eval_bits_per_byte": bpb}
@@ -203,20 +253,21 @@ class Run:
         return point
 
     def _drain_events(self) -> None:
-        got = ray.get(self.outer.drain_events.remote(), timeout=self.cfg.run.call_timeout_s)
+        got = self._get(self.outer.drain_events.remote())
         self.events.add("rounds", got["rounds"])
         self.events.add("refusals", got["refusals"])
 
-    def _report(self, t0: float, versions: list[int], rounds: int) -> None:
+    def _report(self, t0: float, status: dict) -> None:
         if self.progress is None:
             return
-        losses = [s.status.train_loss for s in self.slots if s.status is not None and s.status.train_loss is not None]
+        live, _ = self._statuses()
+        losses = [s.train_loss for s in live if s.train_loss is not None]
         self.progress(Progress(
-            tokens=self._tokens(), budget=self.cfg.run.token_budget, versions=versions, rounds=rounds,
+            tokens=self._tokens(), budget=self.cfg.run.token_budget, versions=status["versions"], rounds=status["rounds"],
             train_loss=sum(losses) / len(losses) if losses else None,
             eval_bpb=self.eval_points[-1]["eval_bits_per_byte"] if self.eval_points else None,
             elapsed_s=time.monotonic() - t0,
-            islands={f"{s.pool.name}/{s.island}": (s.status.state if s.status else "starting") for s in self.slots},
+            islands={f"{s['pool']}/{i}": s["state"] for i, s in self.snapshot["slots"].items()},
         ))
 
     def train(self) -> dict:
@@ -224,68 +275,88 @@ class Run:
         self._setup()
         t0 = time.monotonic()
         self._evaluate(t0)  # the starting point, so every run shows how far the loss fell
-        next_eval = t0 + self.cfg.eval.interval_s
-        next_flush = t0 + 5.0
-        try:
-            while True:
-                self._poll_islands()
-                status = ray.get(self.outer.status.remote(), timeout=self.cfg.run.call_timeout_s)
-                self._report(t0, status["versions"], status["rounds"])
-                now = time.monotonic()
-                if self._tokens() >= self.cfg.run.token_budget:
-                    break
-                if self.cfg.run.max_wall_s is not None and now - t0 >= self.cfg.run.max_wall_s:
-                    log.warning("stopping on max_wall_s=%s before the token budget", self.cfg.run.max_wall_s)
-                    break
-                if all(s.handle is None for s in self.slots):
-                    raise RuntimeError("every island has died; see driver.log and the islands' logs")
-                if now >= next_eval:
-                    self._evaluate(t0)
-                    next_eval = now + self.cfg.eval.interval_s
-                if now >= next_flush:
-                    self._drain_events()
-                    self.events.flush()
-                    next_flush = now + 5.0
+        next_eval, next_flush = t0 + self.cfg.eval.interval_s, t0 + 5.0
+        status = {"versions": [], "rounds": 0}
+        while True:
+            try:
+                self._refresh()
+                status = self._get(self.outer.status.remote())
+                self._get(self.outer.note.remote(tokens_processed=self._tokens(), run_id=self.run_id))
+            except _TRANSIENT as err:  # an actor restarting: Ray brings it back, try again next tick
+                log.warning("control call failed (retrying): %s", str(err).strip().splitlines()[-1][:200])
                 time.sleep(0.5)
-            return self._finish(t0)
-        finally:
-            self._teardown()
+                continue
+            self._report(t0, status)
+            now = time.monotonic()
+            if self._tokens() >= self.cfg.run.token_budget:
+                break
+            if self.cfg.run.max_wall_s is not None and now - t0 >= self.cfg.run.max_wall_s:
+                log.warning("stopping on max_wall_s=%s before the token budget", self.cfg.run.max_wall_s)
+                break
+            if now >= next_eval:
+                self._evaluate(t0)
+                next_eval = now + self.cfg.eval.interval_s
+            if now >= next_flush:
+                self._drain_events()
+                self.events.flush()
+                next_flush = now + 5.0
+            time.sleep(0.5)
+        return self._finish(t0)
 
     def _finish(self, t0: float) -> dict:
-        finals = ray.get([s.handle.stop.remote() for s in self.slots if s.handle is not None], timeout=self.cfg.run.call_timeout_s)
+        self.snapshot = self._get(self.monitor.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
+        run_end = time.time()
         wall = time.monotonic() - t0
-        for st in finals:
-            self.slots[st.island].status = st
-        ledger = ray.get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
-        status = ray.get(self.outer.status.remote(), timeout=self.cfg.run.call_timeout_s)
+        ledger = self._get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
+        acct = self._get(self.outer.accounting.remote())
+        status = self._get(self.outer.status.remote())
+        self._get(self.outer.checkpoint.remote())
+        faults = self._get(self.injector.report.remote()) if self.injector is not None else []
         self._drain_events()
         final_eval = self._evaluate(t0)
-        self._report(t0, status["versions"], status["rounds"])
-        self.events.add("islands", [{**asdict(s.status), "node": s.node} for s in self.slots if s.status is not None])
+        self._report(t0, status)
+        live, dead = self._statuses()
+        received = {(i, inc): toks for i, inc, toks in acct["received"] if inc >= self.first_inc.get(i, 1)}
+        fates = token_fates(fragments=self.plan.num_fragments, ledger=ledger, baseline=self.baseline,
+                            received=received, live=live, dead=dead)
+        good = run_goodput(timeline=self.snapshot["timeline"], useful_s=acct["useful_s"], run_start=self.run_start,
+                           run_end=run_end, islands=self.cfg.num_islands, advances=acct["advances"], fates=fates)
+        self.events.add("islands", [{**asdict(s), "alive_at_stop": s in live} for s in live + dead])
+        self.events.add("timeline", [{"at": t, "island": i, "incarnation": inc, "state": st}
+                                     for t, i, inc, st in self.snapshot["timeline"]])
+        self.events.add("faults", faults)
         self.events.flush()
-        summary = self._summary(ledger, status, final_eval, wall)
+        summary = self._summary(fates, good, status, final_eval, wall, faults)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-    def _summary(self, ledger: dict, status: dict, final_eval: dict, wall: float) -> dict:
+    def _summary(self, fates: dict, good: dict, status: dict, final_eval: dict, wall: float, faults: list) -> dict:
         P = self.plan.num_fragments
-        processed = self._tokens()
-        in_flight = [ledger["pending"][p] + ledger["late"][p]
-                     + sum(s.status.outbox_tokens[p] + s.status.unsubmitted_tokens[p] for s in self.slots if s.status)
-                     for p in range(P)]
         mean = lambda xs: sum(xs) / P  # noqa: E731 - tokens count once per fragment; report the fragment mean
+        slots = self.snapshot["slots"].values()
+        detect, rejoin = self.snapshot["detect_s"], self.snapshot["rejoin_s"]
         return {
             "mode": self.cfg.mode,
             "emulation": emulation_note(self.cfg),
             "eval_loss": final_eval["eval_loss"],
             "eval_bits_per_byte": final_eval["eval_bits_per_byte"],
             "unigram_bits_per_byte": self.unigram_bpb,
-            "tokens_processed": processed,
-            "tokens_merged": mean(ledger["merged"]),
-            "tokens_refused": mean(ledger["refused"]),
-            "tokens_in_flight": mean(in_flight),
-            "token_ledger": {"processed": processed, "merged": ledger["merged"], "refused": ledger["refused"],
-                             "in_flight": in_flight},
+            "tokens_processed": self._tokens(),
+            "tokens_merged": mean(fates["merged"]),
+            "tokens_refused": mean(fates["refused"]),
+            "tokens_lost": mean(fates["lost"]),
+            "tokens_in_flight": mean(fates["in_flight"]),
+            "token_ledger": fates,
+            "goodput": good["goodput"],
+            "uptime": good["uptime"],
+            "time_by_state_s": good["time_by_state_s"],
+            "useful_s": good["useful_s"],
+            "allocated_s": good["allocated_s"],
+            "failures": sum(s["failures"] for s in slots),
+            "restarts": sum(s["restarts"] for s in slots),
+            "faults_injected": sum(1 for f in faults if f["outcome"] == "fired"),
+            "mean_time_to_detect_s": sum(detect) / len(detect) if detect else None,
+            "mean_time_to_rejoin_s": sum(rejoin) / len(rejoin) if rejoin else None,
             "rounds": status["rounds"],
             "refusals": status["refusals"],
             "versions": status["versions"],
@@ -293,25 +364,28 @@ class Run:
             "bytes_down": status["bytes_down"],
             "bytes_sent": status["bytes_up"] + status["bytes_down"],
             "wall_s": wall,
+            "resumed": self.resume,
             "corpus": self.corpus.source,
-            "islands": [{"island": s.island, "pool": s.pool.name, "node": s.node, "incarnation": s.incarnation,
-                         "steps": s.status.steps if s.status else 0, "tokens": s.status.tokens if s.status else 0,
-                         "state": s.status.state if s.status else "unknown"} for s in self.slots],
+            "islands": [{"island": s["island"], "pool": s["pool"], "node": s["node"], "incarnation": s["incarnation"],
+                         "failures": s["failures"], "restarts": s["restarts"], "state": s["state"],
+                         "steps": s["status"].steps if s["status"] else 0,
+                         "tokens": (s["status"].tokens if s["status"] else 0) + sum(f.tokens for f in s["finals"])}
+                        for s in slots],
             "evals": self.eval_points,
         }
 
-    def _teardown(self) -> None:
-        for slot in self.slots:
-            if slot.handle is not None:
-                ray.kill(slot.handle, no_restart=True)
-            if slot.group is not None:
-                release_group(slot.group)
-        if self.outer is not None:
-            ray.kill(self.outer, no_restart=True)
+    def teardown(self) -> None:
+        """Kill the run's actors and placement groups (islands are detached: they would outlive us)."""
+        if self.monitor is not None:
+            try:
+                self._get(self.monitor.teardown.remote())
+            except Exception as err:  # noqa: BLE001 - fall through to killing by name
+                log.warning("monitor teardown: %s", err)
+        kill_run_actors(self.run_id)
 
 
 def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
-          progress: Callable[[Progress], None] | None = None) -> dict:
+          progress: Callable[[Progress], None] | None = None, resume: bool = False) -> dict:
     """Run one training job: start or join Ray, train to the token budget, write RUN_DIR, return the summary."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -320,10 +394,20 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     logging.getLogger().addHandler(handler)
     started = ensure_ray(cfg, address)
     ignore_zero_copy_warnings()
+    run = Run(cfg, run_dir, progress=progress, resume=resume)
     try:
-        return Run(cfg, run_dir, progress=progress).train()
+        return run.train()
     finally:
+        run.teardown()
         logging.getLogger().removeHandler(handler)
         handler.close()
         if started:
             ray.shutdown()
+
+
+def resume_config(run_dir: str | Path) -> RunConfig:
+    """The config a run directory was started with (for `diloco train --resume RUN_DIR`)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} has no config.yaml; --resume needs the directory of an earlier run")
+    return build_config(yaml.safe_load(path.read_text()))

@@ -137,9 +137,17 @@ class OuterOptimizer:
         self.sync_time = MovingAverage(0.2)
         self.tokens_merged = [0] * P
         self.tokens_refused = [0] * P
+        self.tokens_late = [0] * P  # taken from islands after stop began
         self.bytes_received = 0
         self.rounds: list[RoundRecord] = []
         self.refusals: list[Refusal] = []
+        # Per (island, incarnation), per fragment: tokens received (accepted or refused). With the
+        # islands' own counters this gives every token its fate, even across outer restarts.
+        self.received: dict[tuple[int, int], list[int]] = {}
+        self.useful_s = 0.0  # inner-step time whose effect reached the global parameters, / P
+        self.resume_cursor: dict[int, int] = {}  # island slot -> data cursor of its newest merged submission
+        self.advances: list[float] = []  # wall times of version advances (uptime)
+        self._diverged: set[tuple[int, int]] = set()  # (island, incarnation) that sent non-finite values
 
     # ---------------------------------------------------------------- membership
 
@@ -197,7 +205,11 @@ class OuterOptimizer:
     def receive(self, sub: Submission, now: float) -> tuple[list[RoundResult], Refusal | None]:
         """Take one submission; refuse it or queue it, then close any round that is due."""
         reason, staleness, deltas = self._check(sub)
+        if 0 <= sub.fragment < self.plan.num_fragments:
+            self.received.setdefault((sub.island, sub.incarnation), [0] * self.plan.num_fragments)[sub.fragment] += max(sub.tokens, 0)
         if reason is not None:
+            if "non-finite" in reason:
+                self._diverged.add((sub.island, sub.incarnation))
             refusal = Refusal(sub.island, sub.incarnation, sub.seq, sub.fragment, max(sub.tokens, 0), reason)
             if 0 <= sub.fragment < self.plan.num_fragments:
                 self.tokens_refused[sub.fragment] += refusal.tokens
@@ -267,6 +279,10 @@ class OuterOptimizer:
             wait_s=now - self._round_open[p], merge_s=merge_s, reason=reason,
         )
         self.tokens_merged[p] += record.tokens
+        self.useful_s += sum(s.compute_s for s in subs) / self.plan.num_fragments
+        for s in subs:
+            self.resume_cursor[s.island] = max(self.resume_cursor.get(s.island, 0), s.cursor)
+        self.advances.append(record.wall_time)
         self.rounds.append(record)
         self._pending[p] = []
         self._quorum_at[p] = None
@@ -297,6 +313,61 @@ class OuterOptimizer:
         """Per fragment: tokens in accepted submissions waiting for their round."""
         return [sum(s.tokens for s, _, _ in pend) for pend in self._pending]
 
+    def record_late(self, sub: Submission) -> None:
+        """A submission taken after stop began: received, never merged (in flight at stop)."""
+        if 0 <= sub.fragment < self.plan.num_fragments:
+            self.received.setdefault((sub.island, sub.incarnation), [0] * self.plan.num_fragments)[sub.fragment] += sub.tokens
+            self.tokens_late[sub.fragment] += sub.tokens
+
+    def take_diverged(self) -> set[tuple[int, int]]:
+        """(island, incarnation) pairs that sent non-finite outer gradients since the last call."""
+        out, self._diverged = self._diverged, set()
+        return out
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors, JSON metadata) for a checkpoint: parameters, outer momentum, versions, ledger, cursors."""
+        tensors: dict[str, torch.Tensor] = {}
+        for p, (names, frag) in enumerate(zip(self.plan.fragments, self.params)):
+            state = self._opts[p].state_dict()["sgd"]["state"]
+            for i, (name, t) in enumerate(zip(names, frag)):
+                tensors[f"param/{name}"] = t.clone()
+                buf = state.get(i, {}).get("momentum_buffer")
+                if buf is not None:
+                    tensors[f"momentum/{name}"] = buf.clone()
+        meta = {
+            "versions": list(self.versions), "tokens_merged": list(self.tokens_merged),
+            "tokens_refused": list(self.tokens_refused), "bytes_received": self.bytes_received,
+            "received": [[i, inc, toks] for (i, inc), toks in self.received.items()],
+            "useful_s": self.useful_s, "resume_cursor": {str(k): v for k, v in self.resume_cursor.items()},
+            "rounds": len(self.rounds), "fragments": [list(f) for f in self.plan.fragments],
+        }
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore from `state_dict()` output; refuses a checkpoint of another model or fragment plan."""
+        if [list(f) for f in self.plan.fragments] != meta.get("fragments"):
+            raise ValueError("checkpoint was written for another model or fragment plan; start a new run directory")
+        for p, names in enumerate(self.plan.fragments):
+            with torch.no_grad():
+                for t, name in zip(self.params[p], names):
+                    t.copy_(tensors[f"param/{name}"])
+            sgd = self._opts[p].state_dict()
+            sgd["sgd"]["state"] = {i: {"momentum_buffer": tensors[f"momentum/{n}"].clone()}
+                                   for i, n in enumerate(names) if f"momentum/{n}" in tensors}
+            self._opts[p].load_state_dict(sgd)
+            self._rings[p] = VersionRing(self.settings.max_staleness + 1)
+            self._rings[p].push(meta["versions"][p], [t.clone() for t in self.params[p]])
+            self._pending[p] = []
+            self._quorum_at[p] = None
+        self.versions = list(meta["versions"])
+        self.tokens_merged = list(meta["tokens_merged"])
+        self.tokens_refused = list(meta["tokens_refused"])
+        self.bytes_received = meta["bytes_received"]
+        self.received = {(i, inc): list(toks) for i, inc, toks in meta["received"]}
+        self.useful_s = meta["useful_s"]
+        self.resume_cursor = {int(k): v for k, v in meta["resume_cursor"].items()}
+
     def ledger(self) -> dict[str, list[int]]:
         """Per-fragment token ledger: merged, refused, pending."""
-        return {"merged": list(self.tokens_merged), "refused": list(self.tokens_refused), "pending": self.pending_tokens()}
+        return {"merged": list(self.tokens_merged), "refused": list(self.tokens_refused), "pending": self.pending_tokens(),
+                "late": list(self.tokens_late)}

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (PlacementGroup, get_placement_group, placement_group, placement_group_table,
+                                     remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import PoolConfig
@@ -26,16 +27,18 @@ def island_bundle(pool: PoolConfig) -> dict[str, float]:
     return {"CPU": pool.cpus_per_island, **pool.resources}
 
 
-def create_island_group(pool: PoolConfig, *, name: str, timeout_s: float) -> PlacementGroup:
+def create_island_group(pool: PoolConfig, *, name: str, timeout_s: float, lifetime: str | None = None) -> PlacementGroup:
     """Reserve one island's placement group on `pool`, waiting up to `timeout_s`.
 
     Raises PlacementError (after removing the pending group) when no node of the pool can host it.
+    `lifetime="detached"` keeps the group when its creator (the health monitor) restarts.
     """
     bundle = island_bundle(pool)
     pg = placement_group(
         [bundle],
         strategy="STRICT_PACK",
         name=name,
+        lifetime=lifetime,
         bundle_label_selector=[dict(pool.labels)] if pool.labels else None,
     )
     if not pg.wait(timeout_s):
@@ -59,3 +62,17 @@ def release_group(pg: PlacementGroup) -> None:
         remove_placement_group(pg)
     except Exception as err:  # noqa: BLE001 - teardown goes on; the group dies with the job anyway
         log.warning("could not remove placement group: %s", err)
+
+
+def remove_run_groups(run_id: str) -> int:
+    """Remove every live placement group whose name contains `run_id` (detached groups of a dead run)."""
+    n = 0
+    for info in placement_group_table().values():
+        name = info.get("name") or ""
+        if run_id in name and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(name))
+                n += 1
+            except ValueError:
+                pass  # removed meanwhile
+    return n

@@ -1,0 +1,85 @@
+"""Every token has a fate, and goodput is useful time over allocated time (DESIGN.md section 6).
+
+Per fragment p (each inner step's tokens count once for every fragment), from independent sources:
+
+  processed_p = merged_p + refused_p + in_flight_p + lost_p
+
+- merged, refused: the outer optimizer's ledger (since this driver session began);
+- in flight at stop: pending in the outer optimizer, taken after stop began, in live islands' outboxes,
+  and not yet cut into a submission;
+- lost: for a live incarnation, submitted tokens the outer optimizer never received (dropped on the
+  way, or received by an outer optimizer that then restored an older checkpoint) plus unsubmitted
+  progress thrown away by a resync; for a dead incarnation, everything it processed that the outer
+  optimizer never received;
+- processed: live incarnations' token counts, and for dead ones the larger of their last reported
+  count and what the outer optimizer received from them (work after the last heartbeat is unseen).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from policies.goodput import goodput_report, merge_timeline, uptime_window_from_rounds
+
+
+def token_fates(
+    *,
+    fragments: int,
+    ledger: dict[str, list[int]],
+    baseline: dict[str, list[int]] | None,
+    received: dict[tuple[int, int], list[int]],
+    live: Iterable[Any],
+    dead: Iterable[Any],
+) -> dict[str, list[int]]:
+    """Per-fragment processed / merged / refused / in_flight / lost token counts.
+
+    `live` and `dead` are island statuses (islands.island.IslandStatus) of live and dead incarnations;
+    `received` maps (island, incarnation) to per-fragment tokens the outer optimizer received;
+    `baseline` is the ledger at the start of this driver session (after a resume), subtracted.
+    """
+    P = fragments
+    base = baseline or {"merged": [0] * P, "refused": [0] * P}
+    merged = [ledger["merged"][p] - base["merged"][p] for p in range(P)]
+    refused = [ledger["refused"][p] - base["refused"][p] for p in range(P)]
+    in_flight = [ledger["pending"][p] + ledger["late"][p] for p in range(P)]
+    lost = [0] * P
+    processed = [0] * P
+    zero = [0] * P
+    for st in live:
+        got = received.get((st.island, st.incarnation), zero)
+        for p in range(P):
+            in_flight[p] += st.outbox_tokens[p] + st.unsubmitted_tokens[p]
+            lost[p] += st.submitted_tokens[p] - st.outbox_tokens[p] - got[p] + st.discarded_tokens[p]
+            processed[p] += st.tokens
+    for st in dead:
+        got = received.get((st.island, st.incarnation), zero)
+        for p in range(P):
+            seen = max(st.tokens, got[p])
+            processed[p] += seen
+            lost[p] += seen - got[p]
+    return {"processed": processed, "merged": merged, "refused": refused, "in_flight": in_flight, "lost": lost}
+
+
+def run_goodput(
+    *,
+    timeline: Sequence[tuple[float, int, int, str]],
+    useful_s: float,
+    run_start: float,
+    run_end: float,
+    islands: int,
+    advances: Sequence[float],
+    fates: dict[str, list[int]],
+) -> dict:
+    """Goodput, uptime and time per island state for the run, from the health monitor's timeline."""
+    P = len(fates["merged"])
+    mean = lambda xs: round(sum(xs) / P)  # noqa: E731 - token counts are per fragment; report the mean
+    inside = [t for t in advances if run_start <= t <= run_end]
+    window = uptime_window_from_rounds(inside)
+    report = goodput_report(
+        intervals=merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end), useful_s=min(useful_s, islands * (run_end - run_start)),
+        run_start=run_start, run_end=run_end, islands=islands, version_advances=inside, uptime_window_s=window,
+        tokens_merged=mean(fates["merged"]), tokens_lost=mean(fates["lost"]), tokens_refused=mean(fates["refused"]),
+        tokens_in_flight=mean(fates["in_flight"]),
+    )
+    return {"goodput": report.goodput, "uptime": report.uptime, "uptime_window_s": window,
+            "allocated_s": report.allocated_s, "useful_s": report.useful_s, "time_by_state_s": report.by_state_s}

@@ -1,0 +1,426 @@
+"""HealthMonitor: keeps every island slot alive. Detects, kills, rebuilds whole, reintegrates.
+
+Liveness of an island comes from two sources: an outstanding `watch` call (fails at once when the
+process dies) and periodic `status` heartbeats judged by policies.health (hangs are measured against
+the island's own step time, so a slow pool is not a dead pool). A broken island is killed, its
+placement group removed, and after a backoff (policies.restart) a new incarnation is placed in the
+same pool, started from the outer optimizer's current versions and its last merged data position.
+
+Islands are detached and named `<run_id>-island<i>-inc<n>`, so a restarted monitor re-adopts them by
+name instead of taking them down (actors die with their creator otherwise). The monitor starts its
+loop lazily on the first call, which also covers a restart by Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import get_placement_group
+
+from islands.island import IslandSpec
+from orchestrator.config import PoolConfig
+from orchestrator.placement import create_island_group, island_scheduling, release_group
+from policies.health import assess_island
+from policies.restart import RestartBudget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SlotState:
+    """What the monitor knows about one island slot."""
+
+    island: int
+    pool: str
+    incarnation: int = 0
+    state: str = "restarting"  # training | blocked | dead | restarting | reintegrating | stopped
+    name: str | None = None
+    node: str | None = None
+    steps: int = 0
+    last_progress_at: float = 0.0
+    last_status_at: float = 0.0
+    status: Any = None
+    failures: int = 0
+    restarts: int = 0
+    finals: list = field(default_factory=list)  # last statuses of dead incarnations (token accounting)
+
+
+def island_name(run_id: str, island: int, incarnation: int) -> str:
+    """The detached actor (and placement group) name of one island incarnation."""
+    return f"{run_id}-island{island}-inc{incarnation}"
+
+
+class HealthMonitor:
+    """Plain class driven by an asyncio loop; `ray.remote` is applied in orchestrator/actors.py."""
+
+    def __init__(self, *, run_id: str, namespace: str, pools: list[PoolConfig], specs: list[IslandSpec],
+                 data: list[Any], outer_name: str, island_cls: Any, placement_timeout_s: float,
+                 call_timeout_s: float, tick_s: float = 0.25, health: dict | None = None,
+                 restart: dict | None = None, warm_spares: int = 0) -> None:
+        self.run_id, self.namespace = run_id, namespace
+        self.pools = {p.name: p for p in pools}
+        self.specs = {s.island: s for s in specs}
+        self.data = data
+        self.outer_name = outer_name
+        self.island_cls = island_cls
+        self.placement_timeout_s, self.call_timeout_s, self.tick_s = placement_timeout_s, call_timeout_s, tick_s
+        self.health = health or {}
+        self.budget = RestartBudget(**(restart or {}))
+        self.slots = {s.island: SlotState(s.island, s.pool) for s in specs}
+        self.handles: dict[int, Any] = {}
+        self.groups: dict[int, Any] = {}
+        self.watchers: dict[int, asyncio.Task] = {}
+        self.restarting: dict[int, asyncio.Task] = {}
+        self.timeline: list[tuple[float, int, int, str]] = []
+        self.detect_s: list[float] = []
+        self.rejoin_s: list[float] = []
+        self.faults: dict[tuple[int, int], dict] = {}  # (island, incarnation) -> injected fault info
+        self.warm_spares = warm_spares
+        self.spares: dict[str, list[tuple[str, Any, Any]]] = {name: [] for name in self.pools}  # pool -> (name, handle, group)
+        self._spare_seq = 0
+        self._spare_tasks: dict[str, asyncio.Task] = {}
+        self._loop_task: asyncio.Task | None = None
+        self._outer_epoch: int | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ helpers
+
+    def _mark(self, slot: SlotState, state: str, at: float | None = None) -> None:
+        if slot.state != state:
+            slot.state = state
+            self.timeline.append((at if at is not None else time.time(), slot.island, slot.incarnation, state))
+
+    def _outer(self) -> Any:
+        return ray.get_actor(self.outer_name, namespace=self.namespace)
+
+    async def _call(self, ref: Any) -> Any:
+        return await asyncio.wait_for(ref, timeout=self.call_timeout_s)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def ensure_started(self) -> None:
+        """Start (or, after a restart of this monitor, re-adopt) every island and the monitoring loop."""
+        if self._loop_task is not None:
+            return
+        self._loop_task = asyncio.get_running_loop().create_task(self._monitor())
+        adopted = await self._adopt_existing()
+        starts = [self._start(slot) for slot in self.slots.values() if slot.island not in adopted]
+        if starts:
+            await asyncio.gather(*starts)
+        for pool in self.pools:
+            self._refill(pool)
+
+    async def _adopt_existing(self) -> set[int]:
+        # Every process of this run is named `<run_id>-...`; each says which slot it serves (spares: none).
+        found: dict[int, tuple[int, str, Any]] = {}
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry["name"]
+            if entry.get("namespace") != self.namespace or not name.startswith(f"{self.run_id}-"):
+                continue
+            handle = ray.get_actor(name, namespace=self.namespace)
+            try:
+                island, inc, _ = await asyncio.wait_for(handle.ping.remote(), timeout=self.call_timeout_s)
+            except Exception as err:  # noqa: BLE001 - a dead process is rebuilt by the normal path
+                log.warning("could not re-adopt %s: %s", name, err)
+                continue
+            if island is None:
+                pool = name.split("-spare-")[1].rsplit("-", 1)[0] if "-spare-" in name else None
+                if pool in self.spares:
+                    self.spares[pool].append((name, handle, get_placement_group(name)))
+            elif island in self.slots and inc > found.get(island, (0,))[0]:
+                found[island] = (inc, name, handle)
+        for island, (inc, name, handle) in found.items():
+            slot = self.slots[island]
+            slot.incarnation, slot.name = inc, name
+            self.handles[island] = handle
+            self.groups[island] = get_placement_group(name)
+            self._mark(slot, "training")
+            slot.last_progress_at = slot.last_status_at = time.monotonic()
+            self.watchers[island] = asyncio.get_running_loop().create_task(self._watch(slot, inc))
+            log.warning("re-adopted island %d incarnation %d (%s) after a monitor restart", island, inc, name)
+        return set(found)
+
+    # ------------------------------------------------------------------ warm spares
+
+    def _refill(self, pool: str) -> None:
+        if self.warm_spares and not self._stopping and pool not in self._spare_tasks:
+            self._spare_tasks[pool] = asyncio.get_running_loop().create_task(self._ensure_spares(pool))
+
+    async def _ensure_spares(self, pool_name: str) -> None:
+        # Best effort: a spare needs free capacity in its pool. Its group is given a short wait and
+        # removed if it cannot be placed, so a pending spare never holds capacity a restart needs.
+        pool = self.pools[pool_name]
+        loop = asyncio.get_running_loop()
+        try:
+            while len(self.spares[pool_name]) < self.warm_spares and not self._stopping:
+                self._spare_seq += 1
+                name = f"{self.run_id}-spare-{pool_name}-{self._spare_seq}"
+                try:
+                    group = await loop.run_in_executor(None, lambda: create_island_group(
+                        pool, name=name, timeout_s=5.0, lifetime="detached"))
+                except Exception as err:  # noqa: BLE001 - no room now; restarts will start cold
+                    log.info("no warm spare for pool %s: %s", pool_name, err)
+                    return
+                handle = self.island_cls.options(
+                    name=name, namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
+                    resources=dict(pool.resources), scheduling_strategy=island_scheduling(group),
+                ).remote(None, self.data)
+                try:
+                    await asyncio.wait_for(handle.ping.remote(), timeout=self.placement_timeout_s)
+                except Exception as err:  # noqa: BLE001
+                    log.warning("warm spare %s failed to start: %s", name, err)
+                    ray.kill(handle, no_restart=True)
+                    release_group(group)
+                    return
+                self.spares[pool_name].append((name, handle, group))
+                log.info("warm spare %s ready in pool %s", name, pool_name)
+        finally:
+            self._spare_tasks.pop(pool_name, None)
+
+    async def _activate_spare(self, slot: SlotState, spec: IslandSpec, latest: list, cursor: int) -> Any | None:
+        while self.spares[slot.pool]:
+            name, handle, group = self.spares[slot.pool].pop(0)
+            try:
+                await asyncio.wait_for(handle.activate.remote(spec, latest, cursor), timeout=self.call_timeout_s)
+            except Exception as err:  # noqa: BLE001 - e.g. the spare's node died too: try the next, then cold
+                log.warning("warm spare %s unusable: %s", name, err)
+                ray.kill(handle, no_restart=True)
+                release_group(group)
+                continue
+            slot.name = name
+            self.groups[slot.island] = group
+            return handle
+        return None
+
+    async def _start(self, slot: SlotState, *, cursor: int | None = None) -> None:
+        """Place a new incarnation of `slot` in its pool and reintegrate it from the global state.
+
+        A warm spare of the pool is activated when there is one; otherwise a new process is placed
+        (waiting for pool capacity without blocking the other islands).
+        """
+        slot.incarnation += 1
+        self._mark(slot, "restarting")
+        pool = self.pools[slot.pool]
+        loop = asyncio.get_running_loop()
+        outer = self._outer()
+        if cursor is None:
+            cursor = (await self._call(outer.resume_cursor.remote(slot.island))) or 0
+        latest = await self._call(outer.latest.remote())
+        spec = dataclasses.replace(self.specs[slot.island], incarnation=slot.incarnation)
+        handle = await self._activate_spare(slot, spec, latest, cursor)
+        if handle is not None:
+            self._refill(slot.pool)
+        else:
+            slot.name = island_name(self.run_id, slot.island, slot.incarnation)
+            while True:
+                try:
+                    group = await loop.run_in_executor(None, lambda: create_island_group(
+                        pool, name=slot.name, timeout_s=self.placement_timeout_s, lifetime="detached"))
+                    break
+                except Exception as err:  # noqa: BLE001 - PlacementError: keep waiting, say so once per try
+                    log.warning("island %d: %s; retrying", slot.island, err)
+                    if self._stopping:
+                        return
+            self.groups[slot.island] = group
+            handle = self.island_cls.options(
+                name=slot.name, namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
+                resources=dict(pool.resources), scheduling_strategy=island_scheduling(group),
+            ).remote(spec, self.data, latest, cursor)
+        self._mark(slot, "reintegrating")
+        try:
+            slot.node = await asyncio.wait_for(handle.node_id.remote(), timeout=self.placement_timeout_s)
+            await self._call(outer.register.remote(slot.island, slot.incarnation, handle))
+        except BaseException:
+            ray.kill(handle, no_restart=True)  # never leave a half-started detached island behind
+            raise
+        # Health checks see the island only from here on: construction time is not a hang.
+        slot.steps, slot.status = 0, None
+        slot.last_progress_at = slot.last_status_at = time.monotonic()
+        self.handles[slot.island] = handle
+        self.watchers[slot.island] = loop.create_task(self._watch(slot, slot.incarnation))
+        log.info("island %d incarnation %d up on node %s (cursor %d)", slot.island, slot.incarnation, slot.node, cursor)
+
+    async def _watch(self, slot: SlotState, incarnation: int) -> None:
+        # One outstanding call per island: an error here is the fastest death signal there is.
+        handle = self.handles[slot.island]
+        while not self._stopping and slot.incarnation == incarnation:
+            try:
+                state = await handle.watch.remote(5.0)
+            except (RayActorError, RayTaskError) as err:
+                if not self._stopping and slot.incarnation == incarnation:
+                    await self._fail(slot, "dead", str(err).strip().splitlines()[-1][:200])
+                return
+            if state in ("failed", "diverged") and slot.incarnation == incarnation:
+                await self._fail(slot, state, f"inner loop {state}")
+                return
+
+    async def _fail(self, slot: SlotState, kind: str, reason: str) -> None:
+        if slot.island in self.restarting or slot.state in ("dead", "restarting"):
+            return
+        now_wall = time.time()
+        fault = self.faults.get((slot.island, slot.incarnation))
+        died_at = fault["at"] if fault else now_wall
+        if fault:
+            self.detect_s.append(max(0.0, now_wall - fault["at"]))
+        slot.failures += 1
+        log.warning("island %d incarnation %d %s: %s", slot.island, slot.incarnation, kind, reason)
+        self._mark(slot, "dead", at=died_at)
+        if slot.status is not None:
+            slot.finals.append(slot.status)
+            slot.status = None
+        await self._teardown(slot)
+        decision = self.budget.on_failure(slot.island, time.monotonic())
+        if not decision.restart:
+            log.error("island %d will not be restarted: %s", slot.island, decision.reason)
+            return
+        delay = max(decision.at - time.monotonic(), fault.get("recovery_delay_s", 0.0) if fault else 0.0)
+        self.restarting[slot.island] = asyncio.get_running_loop().create_task(self._restart(slot, delay, died_at))
+
+    async def _teardown(self, slot: SlotState) -> None:
+        # Rebuild whole: kill the actor, then remove its group (never the reverse; see placement.py).
+        handle = self.handles.pop(slot.island, None)
+        if handle is not None:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as err:  # noqa: BLE001 - already gone is fine
+                log.info("kill island %d: %s", slot.island, err)
+        try:
+            await self._call(self._outer().unregister.remote(slot.island))
+        except Exception as err:  # noqa: BLE001 - the outer optimizer may itself be restarting
+            log.warning("unregister island %d: %s", slot.island, err)
+        group = self.groups.pop(slot.island, None)
+        if group is not None:
+            release_group(group)
+
+    async def _restart(self, slot: SlotState, delay: float, died_at: float) -> None:
+        # Retried with backoff until it succeeds or the run stops; each try rebuilds the island whole.
+        while not self._stopping:
+            await asyncio.sleep(delay)
+            if self._stopping:
+                break
+            try:
+                await self._start(slot)
+            except Exception as err:  # noqa: BLE001 - e.g. the new actor died while starting
+                log.error("restart of island %d incarnation %d failed: %s", slot.island, slot.incarnation, err)
+                await self._teardown(slot)
+                self._mark(slot, "restarting")
+                delay = self.budget.on_failure(slot.island, time.monotonic()).at - time.monotonic()
+                continue
+            slot.restarts += 1
+            self.rejoin_s.append(time.time() - died_at)
+            break
+        self.restarting.pop(slot.island, None)
+
+    # ------------------------------------------------------------------ monitoring
+
+    async def _monitor(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.tick_s)
+            try:
+                await self._check_outer()
+                await asyncio.gather(*(self._check(slot) for slot in self.slots.values()))
+            except Exception as err:  # noqa: BLE001 - the monitor itself must keep going
+                log.warning("health check round failed: %s", err)
+
+    async def _check_outer(self) -> None:
+        outer = self._outer()
+        info = await self._call(outer.health.remote())
+        if self._outer_epoch is not None and info["epoch"] != self._outer_epoch:
+            log.warning("outer optimizer restarted (epoch %s -> %s): resyncing islands", self._outer_epoch, info["epoch"])
+            latest = await self._call(outer.latest.remote())
+            for island, handle in list(self.handles.items()):
+                slot = self.slots[island]
+                await self._call(handle.resync.remote(latest))
+                await self._call(outer.register.remote(island, slot.incarnation, handle))
+        self._outer_epoch = info["epoch"]
+        for island, inc in info["diverged"]:
+            slot = self.slots.get(island)
+            if slot is not None and slot.incarnation == inc:
+                await self._fail(slot, "diverged", "sent a non-finite outer gradient")
+        registered = {int(k): v for k, v in info["islands"].items()}
+        for island, handle in list(self.handles.items()):  # reconcile after any outer restart
+            slot = self.slots[island]
+            if slot.state in ("training", "blocked") and registered.get(island) != slot.incarnation:
+                await self._call(outer.register.remote(island, slot.incarnation, handle))
+
+    async def _check(self, slot: SlotState) -> None:
+        handle = self.handles.get(slot.island)
+        if handle is None or slot.island in self.restarting or slot.state in ("dead", "restarting", "stopped"):
+            return
+        now = time.monotonic()
+        ok = True
+        try:
+            st = await asyncio.wait_for(handle.status.remote(), timeout=min(2.0, self.call_timeout_s))
+            slot.status, slot.last_status_at = st, now
+            if st.steps != slot.steps:
+                slot.steps, slot.last_progress_at = st.steps, now
+                if slot.state == "reintegrating":
+                    self.budget.on_healthy(slot.island, now)
+            self._mark(slot, "blocked" if st.state == "blocked" else ("training" if st.steps else slot.state))
+        except RayTaskError as err:  # the call ran and raised: a bug, not a slow island; say what it is
+            log.error("island %d status() raised: %s", slot.island, str(err).strip().splitlines()[-1][:300])
+            ok, st = False, slot.status
+        except (asyncio.TimeoutError, RayActorError):
+            ok, st = False, slot.status
+        verdict = assess_island(
+            now=now, state=st.state if st else "starting", steps=slot.steps, last_progress_at=slot.last_progress_at,
+            step_time_s=st.step_time_s if st else None, status_ok=ok, last_status_at=slot.last_status_at, **self.health,
+        )
+        if verdict.healthy:
+            self.budget.on_healthy(slot.island, now)
+        else:
+            await self._fail(slot, verdict.kind, verdict.reason)
+
+    # ------------------------------------------------------------------ interface
+
+    def note_fault(self, island: int, incarnation: int, kind: str, at: float, recovery_delay_s: float = 0.0) -> None:
+        """The chaos injector reports a fault it caused (for time-to-detect and the recovery delay)."""
+        self.faults[(island, incarnation)] = {"kind": kind, "at": at, "recovery_delay_s": recovery_delay_s}
+
+    def current(self, island: int) -> tuple[int, str | None, str | None]:
+        """(incarnation, actor name, node id) of the live incarnation of a slot."""
+        slot = self.slots[island]
+        return slot.incarnation, slot.name if island in self.handles else None, slot.node
+
+    def snapshot(self) -> dict:
+        """Slots, their latest statuses, the timeline so far, detect and rejoin times."""
+        return {
+            "slots": {i: dataclasses.asdict(s) | {"status": s.status, "finals": list(s.finals)} for i, s in self.slots.items()},
+            "timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),
+            "spares": {pool: len(sp) for pool, sp in self.spares.items()},
+        }
+
+    async def stop(self) -> dict:
+        """Stop monitoring and every island (outboxes freeze); returns the final snapshot."""
+        self._stopping = True
+        for task in list(self.restarting.values()):
+            task.cancel()
+        finals = {}
+        for island, handle in list(self.handles.items()):
+            try:
+                finals[island] = await self._call(handle.stop.remote())
+            except Exception as err:  # noqa: BLE001 - a dying island at stop is reported, not fatal
+                log.warning("stop island %d: %s", island, err)
+        for island, st in finals.items():
+            self.slots[island].status = st
+            self._mark(self.slots[island], "stopped")
+        return self.snapshot()
+
+    async def teardown(self) -> None:
+        """Kill every island and warm spare of this run and remove their placement groups."""
+        self._stopping = True
+        for slot in self.slots.values():
+            await self._teardown(slot)
+        for spares in self.spares.values():
+            for _, handle, group in spares:
+                ray.kill(handle, no_restart=True)
+                release_group(group)
+            spares.clear()
