@@ -147,6 +147,7 @@ class _OuterShell:
         self._last_ckpt = time.monotonic()
         self.epoch = latest.meta.get("epoch", -1) + 1  # the seed checkpoint carries epoch -1
         self.extra: dict = latest.meta.get("extra", {})  # driver metadata saved with each checkpoint
+        self._monitor_state: dict | None = None
         if self.epoch:
             log.warning("outer optimizer restored checkpoint %d (versions %s), epoch %d",
                         latest.step, self.core.versions, self.epoch)
@@ -299,6 +300,14 @@ class _OuterShell:
     async def restored_extra(self) -> dict:
         """The driver metadata this incarnation restored from its checkpoint ({} when it started fresh)."""
         return dict(self.extra)
+
+    async def keep_monitor_state(self, state: dict) -> None:
+        """Hold the health monitor's bookkeeping so a restarted monitor can pick it up."""
+        self._monitor_state = state
+
+    async def monitor_state(self) -> dict | None:
+        """The bookkeeping the health monitor last parked here (None before the first)."""
+        return self._monitor_state
 
     async def health(self) -> dict:
         """For the health monitor: restart epoch, islands that sent non-finite values, registry."""

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import ray
 import yaml
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from islands.data import Corpus, load_parquet_corpus, load_stdlib_corpus, unigram_bits_per_byte
 from islands.island import IslandSpec
@@ -147,6 +148,11 @@ class Run:
         self.eval_points: list[dict] = []
         self.tokens_before = 0
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
+        self._stop_requested = False
+
+    def request_stop(self) -> None:
+        """Ask a running `train()` to finish now (from another thread, e.g. a notebook or a test)."""
+        self._stop_requested = True
 
     # ------------------------------------------------------------------ setup
 
@@ -178,8 +184,11 @@ class Run:
             seed = OuterOptimizer(initial, self.plan, settings=outer_settings(cfg))
             tensors, meta = seed.state_dict()
             CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
+        # The control plane lives beside the driver (the head node on a cluster), soft so it can move if needed.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.outer_name = f"outer-{self.run_id}"
-        self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0).remote(
+        self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0,
+                                                 scheduling_strategy=here).remote(
             self.plan, outer_settings(cfg), model.embedding_parameter_names(),
             ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep)
         extra = self._get(self.outer.restored_extra.remote())
@@ -187,7 +196,7 @@ class Run:
         acct = self._get(self.outer.accounting.remote())
         self.baseline = self._get(self.outer.status.remote())["ledger"] if self.resume else None
         # New incarnations continue above every incarnation the outer optimizer has heard of.
-        last_inc = {}
+        last_inc = {int(i): inc for i, inc in extra.get("incarnations", {}).items()}
         for island, inc, _ in acct["received"]:
             last_inc[island] = max(last_inc.get(island, 0), inc)
         specs = [s if s.island not in last_inc else replace(s, incarnation=last_inc[s.island] + 1)
@@ -196,7 +205,8 @@ class Run:
         self.data_ref = ray.put(self.corpus.train)
         h = cfg.health
         self.monitor_name = f"monitor-{self.run_id}"
-        self.monitor = HealthMonitorActor.options(name=self.monitor_name, namespace=NAMESPACE, num_cpus=0).remote(
+        self.monitor = HealthMonitorActor.options(name=self.monitor_name, namespace=NAMESPACE, num_cpus=0,
+                                                  scheduling_strategy=here).remote(
             run_id=self.run_id, namespace=NAMESPACE, pools=cfg.pools, specs=specs, data=[self.data_ref],
             outer_name=self.outer_name, island_cls=IslandActor, placement_timeout_s=cfg.run.placement_timeout_s,
             call_timeout_s=cfg.run.call_timeout_s, tick_s=h.tick_s,
@@ -205,6 +215,7 @@ class Run:
                      "max_restarts": h.max_restarts},
             warm_spares=h.warm_spares,
         )
+        self._evaluate(time.monotonic())  # the starting point (before any island trains): how far the loss fell
         try:
             self._get(self.monitor.ensure_started.remote(), timeout=cfg.run.placement_timeout_s + 60)
         except RayTaskError as err:
@@ -214,7 +225,9 @@ class Run:
         # for every method and is reported apart in driver.log); the chaos tape counts from here too.
         self.run_start = time.time()
         if len(self.tape):
-            self.injector = ChaosInjectorActor.options(name=f"chaos-{self.run_id}", namespace=NAMESPACE, num_cpus=0).remote(
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            self.injector = ChaosInjectorActor.options(name=f"chaos-{self.run_id}", namespace=NAMESPACE, num_cpus=0,
+                                                       scheduling_strategy=here).remote(
                 self.tape, namespace=NAMESPACE, monitor_name=self.monitor_name, run_start=self.run_start,
                 protected_node=ray.get_runtime_context().get_node_id())
             self._get(self.injector.start.remote())
@@ -274,21 +287,22 @@ class Run:
         """Run to the token budget (or max_wall_s) and return the summary (also written to summary.json)."""
         self._setup()
         t0 = time.monotonic()
-        self._evaluate(t0)  # the starting point, so every run shows how far the loss fell
         next_eval, next_flush = t0 + self.cfg.eval.interval_s, t0 + 5.0
         status = {"versions": [], "rounds": 0}
         while True:
             try:
                 self._refresh()
                 status = self._get(self.outer.status.remote())
-                self._get(self.outer.note.remote(tokens_processed=self._tokens(), run_id=self.run_id))
+                incarnations = {str(i): s["incarnation"] for i, s in self.snapshot["slots"].items()}
+                self._get(self.outer.note.remote(tokens_processed=self._tokens(), run_id=self.run_id,
+                                                 incarnations=incarnations))
             except _TRANSIENT as err:  # an actor restarting: Ray brings it back, try again next tick
                 log.warning("control call failed (retrying): %s", str(err).strip().splitlines()[-1][:200])
                 time.sleep(0.5)
                 continue
             self._report(t0, status)
             now = time.monotonic()
-            if self._tokens() >= self.cfg.run.token_budget:
+            if self._tokens() >= self.cfg.run.token_budget or self._stop_requested:
                 break
             if self.cfg.run.max_wall_s is not None and now - t0 >= self.cfg.run.max_wall_s:
                 log.warning("stopping on max_wall_s=%s before the token budget", self.cfg.run.max_wall_s)

@@ -74,7 +74,8 @@ class HealthMonitor:
         self.placement_timeout_s, self.call_timeout_s, self.tick_s = placement_timeout_s, call_timeout_s, tick_s
         self.health = health or {}
         self.budget = RestartBudget(**(restart or {}))
-        self.slots = {s.island: SlotState(s.island, s.pool) for s in specs}
+        # A slot's next start uses incarnation + 1: a resumed run continues above the previous driver's.
+        self.slots = {s.island: SlotState(s.island, s.pool, incarnation=s.incarnation - 1) for s in specs}
         self.handles: dict[int, Any] = {}
         self.groups: dict[int, Any] = {}
         self.watchers: dict[int, asyncio.Task] = {}
@@ -111,6 +112,9 @@ class HealthMonitor:
         if self._loop_task is not None:
             return
         self._loop_task = asyncio.get_running_loop().create_task(self._monitor())
+        saved = await self._call(self._outer().monitor_state.remote())
+        if saved:
+            self._restore(saved)
         adopted = await self._adopt_existing()
         starts = [self._start(slot) for slot in self.slots.values() if slot.island not in adopted]
         if starts:
@@ -322,13 +326,34 @@ class HealthMonitor:
     # ------------------------------------------------------------------ monitoring
 
     async def _monitor(self) -> None:
+        last_saved = 0.0
         while not self._stopping:
             await asyncio.sleep(self.tick_s)
             try:
                 await self._check_outer()
                 await asyncio.gather(*(self._check(slot) for slot in self.slots.values()))
+                if time.monotonic() - last_saved >= 1.0:
+                    # What the monitor knows must survive its own restart: park it with the outer optimizer.
+                    await self._call(self._outer().keep_monitor_state.remote(self._state()))
+                    last_saved = time.monotonic()
             except Exception as err:  # noqa: BLE001 - the monitor itself must keep going
                 log.warning("health check round failed: %s", err)
+
+    def _state(self) -> dict:
+        return {"timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),
+                "slots": {i: {"failures": s.failures, "restarts": s.restarts, "finals": list(s.finals),
+                              "incarnation": s.incarnation} for i, s in self.slots.items()},
+                "faults": dict(self.faults)}
+
+    def _restore(self, saved: dict) -> None:
+        self.timeline = list(saved["timeline"])
+        self.detect_s, self.rejoin_s = list(saved["detect_s"]), list(saved["rejoin_s"])
+        self.faults = dict(saved["faults"])
+        for i, st in saved["slots"].items():
+            slot = self.slots[int(i)]
+            slot.failures, slot.restarts, slot.finals = st["failures"], st["restarts"], list(st["finals"])
+            slot.incarnation = st["incarnation"]  # a slot found dead restarts above this
+        log.warning("health monitor restored its state (%d timeline events)", len(self.timeline))
 
     async def _check_outer(self) -> None:
         outer = self._outer()

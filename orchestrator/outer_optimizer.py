@@ -337,11 +337,19 @@ class OuterOptimizer:
         meta = {
             "versions": list(self.versions), "tokens_merged": list(self.tokens_merged),
             "tokens_refused": list(self.tokens_refused), "bytes_received": self.bytes_received,
-            "received": [[i, inc, toks] for (i, inc), toks in self.received.items()],
+            # Pending submissions are not saved: after a restore they were never received (and so lost).
+            "received": [[i, inc, toks] for (i, inc), toks in self._received_without_pending().items()],
             "useful_s": self.useful_s, "resume_cursor": {str(k): v for k, v in self.resume_cursor.items()},
             "rounds": len(self.rounds), "fragments": [list(f) for f in self.plan.fragments],
         }
         return tensors, meta
+
+    def _received_without_pending(self) -> dict[tuple[int, int], list[int]]:
+        out = {k: list(v) for k, v in self.received.items()}
+        for pend in self._pending:
+            for sub, _, _ in pend:
+                out[(sub.island, sub.incarnation)][sub.fragment] -= sub.tokens
+        return out
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore from `state_dict()` output; refuses a checkpoint of another model or fragment plan."""

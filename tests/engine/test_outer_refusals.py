@@ -149,3 +149,35 @@ def test_token_weights_and_rda_in_a_round():
     # w = tokens * tokens/steps: 100*10 and 300*30 -> 1000 : 9000
     assert w == pytest.approx([0.1, 0.9])
     assert results[0].record.participants == [0, 1]
+
+
+def test_checkpoint_round_trip_continues_bitwise():
+    a = make_outer(momentum=0.9)
+    for seq in range(3):
+        a.receive(good(a, island=seq % 2, seq=seq, base_version=seq), now=float(seq))
+    b = make_outer(momentum=0.9)
+    b.load_state_dict(*a.state_dict())
+    assert b.versions == a.versions == [3, 0] and b.ledger() == a.ledger()
+    # Same state -> the same next outer step, bitwise (the Nesterov momentum came along).
+    for o in (a, b):
+        o.receive(good(o, island=1, seq=10, base_version=3), now=9.0)
+    assert all(torch.equal(a.global_parameters()[n], b.global_parameters()[n]) for n in SHAPES)
+    assert not all(torch.equal(a.global_parameters()[n], make_outer().global_parameters()[n]) for n in SHAPES)
+
+
+def test_checkpoint_forgets_pending_submissions_as_never_received():
+    a = make_outer(min_quorum=2, grace_gamma=0.0)
+    a.receive(good(a, island=0, fragment=1, seq=1), now=1.0)  # waits for a second island
+    assert a.ledger()["pending"] == [0, 100] and a.received[(0, 1)] == [0, 100]
+    b = make_outer(min_quorum=2)
+    b.load_state_dict(*a.state_dict())
+    assert b.ledger()["pending"] == [0, 0]
+    assert b.received[(0, 1)] == [0, 0], "lost with the restart: the island sees it as taken, never received"
+
+
+def test_checkpoint_of_another_model_is_refused():
+    a = make_outer()
+    tensors, meta = a.state_dict()
+    meta = {**meta, "fragments": [["w"], ["emb.weight", "b"]]}
+    with pytest.raises(ValueError, match="another model or fragment plan"):
+        make_outer().load_state_dict(tensors, meta)

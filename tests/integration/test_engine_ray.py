@@ -45,9 +45,12 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
 
     # Every token has a fate, per fragment: processed = merged + refused + in flight at stop.
     ledger = summary["token_ledger"]
-    assert ledger["processed"] == summary["tokens_processed"] >= 400_000
+    assert summary["tokens_processed"] >= 400_000
     for p in range(len(ledger["merged"])):
-        assert ledger["processed"] == ledger["merged"][p] + ledger["refused"][p] + ledger["in_flight"][p]
+        assert ledger["processed"][p] == summary["tokens_processed"]
+        assert ledger["processed"][p] == ledger["merged"][p] + ledger["refused"][p] + ledger["in_flight"][p]
+        assert ledger["lost"][p] == 0, "no failure, no loss"
+    assert summary["failures"] == 0 and summary["goodput"] > 0.5
     assert summary["tokens_merged"] > 0 and summary["rounds"] > 0
 
     # Islands land on nodes whose labels their pool selects.

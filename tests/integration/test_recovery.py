@@ -1,0 +1,107 @@
+"""Recovery from losing a node and from losing the driver, on a real local Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+
+from orchestrator.checkpoint import CheckpointStore
+from orchestrator.config import apply_overrides, build_config
+from orchestrator.driver import Run, resume_config, train
+from tests.conftest import POOL_NODES
+from tests.integration.test_self_healing import finish, start, wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small_config(**over) -> dict:
+    cfg = {
+        "run": {"token_budget": 10**9, "seed": 5, "call_timeout_s": 20},
+        "data": {"max_bytes": 2_000_000},
+        "eval": {"interval_s": 5.0, "batches": 2},
+        "outer": {"sync_every_steps": 20},
+        "checkpoint": {"every_s": 1.0, "keep": 5},
+        "health": {"warm_spares": 0, "tick_s": 0.2},
+        "pools": [
+            {"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5},
+            {"name": "b", "islands": 1, "labels": {"pool": "b"}, "cpus_per_island": 0.5},
+        ],
+    }
+    return apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])
+
+
+def labels_of(node_id: str) -> dict:
+    return next(n["Labels"] for n in ray.nodes() if n["NodeID"] == node_id)
+
+
+def test_losing_a_node_rebuilds_the_island_on_its_pool_never_another(ray_cluster, tmp_path):
+    cluster, nodes = ray_cluster
+    run = Run(build_config(small_config()), tmp_path / "run")
+    th, out = start(run)
+    try:
+        wait_for("island 0 to train", lambda: run.snapshot["slots"][0]["state"] == "training")
+        first = run.snapshot["slots"][0]["node"]
+        assert labels_of(first)["pool"] == "a"
+        name = next(n for n, node in nodes.items() if node.node_id == first)
+        cluster.remove_node(nodes.pop(name), allow_graceful=False)
+        wait_for("island 0 to come back as incarnation 2",
+                 lambda: run.snapshot["slots"][0]["incarnation"] >= 2 and run.snapshot["slots"][0]["state"] == "training")
+        second = run.snapshot["slots"][0]["node"]
+        assert second != first and labels_of(second)["pool"] == "a", "rebuilt in the same pool"
+        assert run.snapshot["slots"][1]["incarnation"] == 1, "the other pool's island was not touched"
+    finally:
+        summary = finish(run, th, out)
+        # Give the session's cluster its node back for the tests that follow.
+        _, pool, region = next(p for p in POOL_NODES if p[0] == name)
+        nodes[name] = cluster.add_node(num_cpus=1, object_store_memory=150 << 20, labels={"pool": pool, "region": region})
+        cluster.wait_for_nodes()
+    assert summary["failures"] == 1 and summary["restarts"] == 1
+
+
+def test_resume_after_the_driver_dies_skipping_a_corrupt_checkpoint(ray_cluster, tmp_path):
+    cluster, _ = ray_cluster
+    run_dir = tmp_path / "run"
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(small_config()))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "train", "--address", cluster.address, "--config", str(cfg_path),
+         "--run-dir", str(run_dir), "--quiet"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    try:
+        wait_for("a few checkpoints with merged rounds",
+                 lambda: len(store.list()) >= 3 and sum(store.load_latest().meta["outer"]["versions"]) >= 2, timeout_s=180)
+    finally:
+        driver.send_signal(signal.SIGKILL)  # the driver dies without any cleanup
+        driver.wait(30)
+    old_run = json.loads((run_dir / "run.json").read_text())["run_id"]
+    steps = store.list()
+    newest, previous = store.load(steps[-1]), store.load(steps[-2])
+    payload = Path(newest.path) / "tensors.bin"
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # flip one byte: the checksum must catch it
+    payload.write_bytes(bytes(data))
+
+    cfg = build_config(apply_overrides(resume_config(run_dir).model_dump(mode="json"), ["run.max_wall_s=12"]))
+    summary = train(cfg, run_dir, resume=True)
+
+    assert summary["resumed"] is True
+    # The corrupt newest checkpoint was skipped: the resumed run started from the previous one.
+    assert summary["evals"][0]["versions"] == previous.meta["outer"]["versions"]
+    assert summary["evals"][0]["tokens_processed"] == previous.meta["extra"]["tokens_processed"] > 0
+    assert summary["tokens_processed"] > summary["evals"][0]["tokens_processed"]
+    assert summary["versions"] > previous.meta["outer"]["versions"] or sum(summary["versions"]) > sum(previous.meta["outer"]["versions"])
+    # New incarnations continue above the dead driver's, and nothing of the old run is left behind.
+    assert all(isl["incarnation"] >= 2 for isl in summary["islands"])
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if old_run in a["name"]]
+    sessions = json.loads((run_dir / "run.json").read_text())["sessions"]
+    assert len(sessions) == 2

@@ -1,0 +1,152 @@
+"""Self-healing on a real local Ray cluster: faults from a tape, state checks instead of tuned sleeps."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Callable
+
+import pytest
+import ray
+
+from orchestrator.actors import NAMESPACE
+from orchestrator.config import build_config
+from orchestrator.driver import Run
+from orchestrator.eventlog import read_events
+from policies.chaos import Fault, FaultTape
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 150.0) -> None:
+    """Poll a state check; the timeout only bounds a broken run, it is not a tuned delay."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except Exception:  # noqa: BLE001 - an actor restarting mid-check: look again
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for: {what}")
+
+
+def config(tmp_path, tape: FaultTape | None = None, **health) -> dict:
+    chaos = {"mode": "none"}
+    if tape is not None:
+        tape.to_yaml(tmp_path / "tape.yaml")
+        chaos = {"mode": "tape", "params": {"path": str(tmp_path / "tape.yaml")}}
+    return {
+        "run": {"token_budget": 10**9, "seed": 3, "call_timeout_s": 20},
+        "data": {"max_bytes": 3_000_000},
+        "eval": {"interval_s": 5.0, "batches": 2},
+        "outer": {"sync_every_steps": 20, "num_fragments": 2},
+        "checkpoint": {"every_s": 2.0},
+        "health": {"warm_spares": 0, "hang_floor_s": 3.0, "hang_factor": 10.0, "tick_s": 0.2, **health},
+        "chaos": chaos,
+        "pools": [
+            {"name": "a", "islands": 2, "labels": {"pool": "a"}, "cpus_per_island": 0.5},
+            {"name": "b", "islands": 2, "labels": {"pool": "b"}, "cpus_per_island": 0.5},
+        ],
+    }
+
+
+def start(run: Run) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def body() -> None:
+        try:
+            out["summary"] = run.train()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test thread
+            out["error"] = err
+
+    th = threading.Thread(target=body, daemon=True)
+    th.start()
+    return th, out
+
+
+def finish(run: Run, th: threading.Thread, out: dict) -> dict:
+    run.request_stop()
+    th.join(120)
+    run.teardown()
+    if "error" in out:
+        raise out["error"]
+    return out["summary"]
+
+
+def actor(prefix: str):
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace=NAMESPACE)
+
+
+def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
+    tape = FaultTape((
+        Fault(island=1, kind="kill_island", at_step=12),
+        Fault(island=2, kind="corrupt_submission", at_step=12),
+        Fault(island=3, kind="hang", at_step=12),
+    ))
+    run = Run(build_config(config(tmp_path, tape)), tmp_path / "run")
+    th, out = start(run)
+    try:
+        wait_for("the run to start", lambda: run.monitor is not None and run.snapshot["slots"])
+        monitor = lambda: actor(f"monitor-{run.run_id}")  # noqa: E731
+        outer = lambda: actor(f"outer-{run.run_id}")  # noqa: E731
+
+        def healed() -> bool:
+            slots = ray.get(monitor().snapshot.remote(), timeout=10)["slots"]
+            return all(slots[i]["incarnation"] >= 2 and slots[i]["state"] == "training" for i in (1, 2, 3))
+
+        # Killed, corrupted (NaN refused -> restarted) and hung islands all come back as incarnation 2.
+        wait_for("islands 1, 2, 3 to rejoin as incarnation 2", healed)
+        snap = ray.get(monitor().snapshot.remote(), timeout=10)
+        assert [snap["slots"][i]["failures"] for i in range(4)] == [0, 1, 1, 1]
+        assert snap["slots"][0]["incarnation"] == 1
+        for i in (1, 2, 3):
+            assert ray.get(actor(f"{run.run_id}-island{i}-inc2").ping.remote(), timeout=10)[:2] == (i, 2)
+
+        # Killing the health monitor takes no island with it; the restarted monitor re-adopts them.
+        before = {i: s["name"] for i, s in snap["slots"].items()}
+        ids = {i: actor(n)._actor_id.hex() for i, n in before.items()}
+        ray.kill(monitor(), no_restart=False)
+        wait_for("the monitor to re-adopt the islands", lambda: ray.get(monitor().snapshot.remote(), timeout=10)["slots"][0]["name"] == before[0])
+        after = ray.get(monitor().snapshot.remote(), timeout=10)
+        assert {i: s["name"] for i, s in after["slots"].items()} == before
+        assert {i: actor(n)._actor_id.hex() for i, n in before.items()} == ids
+        assert [after["slots"][i]["failures"] for i in range(4)] == [0, 1, 1, 1], "its bookkeeping survived"
+
+        # Killing the outer optimizer: it restores its newest checkpoint and rounds go on.
+        ray.get(outer().checkpoint.remote(), timeout=20)
+        versions_before = ray.get(outer().status.remote(), timeout=10)["versions"]
+        ray.kill(outer(), no_restart=False)
+        wait_for("the outer optimizer to come back from its checkpoint", lambda: ray.get(outer().health.remote(), timeout=10)["epoch"] >= 1)
+        restored = ray.get(outer().status.remote(), timeout=10)["versions"]
+        assert restored == versions_before, "restored exactly the checkpoint taken before the kill"
+        wait_for("rounds to continue after the restore",
+                 lambda: sum(ray.get(outer().status.remote(), timeout=10)["versions"]) > sum(restored) + 2)
+    finally:
+        summary = finish(run, th, out)
+
+    # The run finished with every token accounted for.
+    ledger = summary["token_ledger"]
+    for p in range(2):
+        assert ledger["processed"][p] == (ledger["merged"][p] + ledger["refused"][p] + ledger["in_flight"][p]
+                                          + ledger["lost"][p])
+    assert summary["tokens_lost"] > 0 and summary["tokens_refused"] > 0
+    assert summary["failures"] == 3 and summary["restarts"] == 3 and summary["faults_injected"] == 3
+    assert math.isfinite(summary["eval_loss"]) and summary["eval_loss"] < summary["evals"][0]["eval_loss"]
+    refusals = read_events(tmp_path / "run", "refusals").to_pylist()
+    assert any(r["island"] == 2 and "non-finite" in r["reason"] for r in refusals)
+
+    # Global versions kept advancing while island 1 was down (no global stall).
+    timeline = read_events(tmp_path / "run", "timeline").to_pylist()
+    down = min(e["at"] for e in timeline if e["island"] == 1 and e["state"] == "dead")
+    up = min(e["at"] for e in timeline if e["island"] == 1 and e["incarnation"] == 2 and e["state"] == "training")
+    rounds = read_events(tmp_path / "run", "rounds").to_pylist()
+    assert any(down < r["wall_time"] < up for r in rounds)
+    # The hang was detected within the island's own timeout (factor x step time, at least the floor).
+    faults = {f["island"]: f for f in read_events(tmp_path / "run", "faults").to_pylist()}
+    hung_dead = min(e["at"] for e in timeline if e["island"] == 3 and e["state"] == "dead")
+    assert set(faults) == {1, 2, 3} and all(f["outcome"] == "fired" for f in faults.values())
+    assert 3.0 <= hung_dead - faults[3]["at"] <= 30.0
