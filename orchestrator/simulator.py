@@ -201,7 +201,7 @@ def run_rounds(sub_t, sub_learner, sub_chip_s, *, live_at, min_quorum, grace_s, 
             close(t)
         elif reached is not None:
             deadline = t + d.wait_s
-    if pending and (deadline <= horizon_s or len(pending) >= min_quorum):
+    if len(pending) >= min_quorum:  # the run's final round: close now, or at a grace deadline before T
         close(min(deadline, horizon_s))
     return merged, np.asarray(merge_times)
 
@@ -283,7 +283,7 @@ def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
         "grace_s": grace,
         "min_quorum": cfg.min_quorum,
         "max_merge_gap_s": float(gaps.max()),
-        "unmerged_chip_s": float(sub_c.sum() - merged),
+        "unmerged_chip_s": max(float(sub_c.sum() - merged), 0.0),  # clip summation round-off
         "wipes": int(sum(len(tl.wipes) for tl in timelines)),
         "straggler_efficiency": straggler_efficiency(len(groups[0]), cfg.step_jitter_sigma),
         "per_learner_goodput_before_merge": per_learner,
