@@ -112,6 +112,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from orchestrator.report import ReportError, write_report  # matplotlib is imported only when plotting
+
+    try:
+        paths = write_report(args.run_dir, args.out)
+    except ReportError as err:
+        print(f"diloco report: {err}", file=sys.stderr)
+        return 2
+    for path in paths.values():
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `diloco` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="diloco", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--chaos", metavar="SPEC",
                    help="inject faults: none | tape:FILE.yaml | poisson:mtbf_s=60,seed=3 | fixed:failures=3")
     t.set_defaults(func=_cmd_train)
+    r = sub.add_parser("report", help="plots and a markdown summary of a finished run",
+                       description="Write loss.png, timeline.png and report.md for a run directory.\n\nExample:\n"
+                                   "  diloco report runs/demo --out /tmp/demo-report",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `diloco train`")
+    r.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/report)")
+    r.set_defaults(func=_cmd_report)
     try:
         from orchestrator import simulate_cli
     except ImportError:  # the simulator is optional at import time only while it is being built

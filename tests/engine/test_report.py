@@ -1,0 +1,159 @@
+"""`diloco report`: plots and report.md from a synthetic run directory (no Ray, no training)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.eventlog import EventLog
+from orchestrator.report import ReportError, timeline_intervals, write_report
+
+EMULATION = "EMULATION: pool speeds emulated by throttling on one machine (slow x1.6 ±10%)"
+T0 = 1_700_000_000.0  # epoch seconds of the first timeline event
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def summary() -> dict:
+    """The key set `Run._summary` writes (taken from a real run), with small hand-made values."""
+    islands = [
+        {"island": 0, "pool": "fast", "node": "n0", "incarnation": 2, "failures": 1, "restarts": 1,
+         "state": "stopped", "steps": 40, "tokens": 81920},
+        {"island": 1, "pool": "slow", "node": "n0", "incarnation": 1, "failures": 0, "restarts": 0,
+         "state": "stopped", "steps": 25, "tokens": 51200},
+    ]
+    evals = [{"wall_s": w, "tokens_processed": t, "tokens_merged": m, "versions": [v, v], "eval_loss": loss,
+              "eval_bits_per_byte": loss / 0.6931471805599453}
+             for w, t, m, v, loss in [(0.3, 0, 0.0, 0, 4.9), (10.0, 50_000, 40_960.0, 2, 3.2), (20.0, 133_120, 110_000.0, 5, 2.8)]]
+    return {
+        "mode": "decoupled", "emulation": EMULATION, "eval_loss": 2.8, "eval_bits_per_byte": 2.8 / 0.6931471805599453,
+        "unigram_bits_per_byte": 4.845, "tokens_processed": 133_120, "tokens_merged": 110_000.0,
+        "tokens_refused": 0.0, "tokens_lost": 12_000.0, "tokens_in_flight": 11_120.0,
+        "token_ledger": {"processed": [133_120], "merged": [110_000], "refused": [0], "in_flight": [11_120], "lost": [12_000]},
+        "goodput": 0.625, "uptime": 0.9, "useful_s": 25.0, "allocated_s": 40.0,
+        "time_by_state_s": {"training": 32.0, "blocked": 0.0, "dead": 1.0, "restarting": 2.0, "reintegrating": 5.0},
+        "failures": 1, "restarts": 1, "faults_injected": 1, "mean_time_to_detect_s": 0.05, "mean_time_to_rejoin_s": 4.0,
+        "rounds": 6, "refusals": 0, "versions": [5, 5], "bytes_up": 2_000_000, "bytes_down": 6_000_000,
+        "bytes_sent": 8_000_000, "wall_s": 20.5, "resumed": False, "corpus": "synthetic", "islands": islands,
+        "evals": evals,
+    }
+
+
+# (seconds after T0, island, incarnation, state): island 0 fails at 8 s and rejoins as incarnation 2 at 12 s.
+TIMELINE = [(0.0, 0, 1, "reintegrating"), (0.0, 1, 1, "reintegrating"), (2.0, 0, 1, "training"),
+            (2.5, 1, 1, "training"), (8.0, 0, 1, "dead"), (9.0, 0, 2, "restarting"), (11.0, 0, 2, "reintegrating"),
+            (12.0, 0, 2, "training"), (20.0, 0, 2, "stopped"), (20.0, 1, 1, "stopped")]
+
+
+def make_run(root: Path, *, timeline: bool = True, with_summary: bool = True) -> Path:
+    """A run directory as `diloco train` leaves it: events/ part files and summary.json."""
+    run = root / "run"
+    s = summary()
+    log = EventLog(run)
+    log.add("evals", s["evals"])
+    log.add("islands", [{"island": 0, "incarnation": 1, "pool": "fast", "state": "dead", "steps": 15, "tokens": 30720},
+                        {"island": 0, "incarnation": 2, "pool": "fast", "state": "stopped", "steps": 25, "tokens": 51200},
+                        {"island": 1, "incarnation": 1, "pool": "slow", "state": "stopped", "steps": 25, "tokens": 51200}])
+    if timeline:
+        log.add("timeline", [{"at": T0 + t, "island": i, "incarnation": inc, "state": st} for t, i, inc, st in TIMELINE])
+    log.add("faults", [{"island": 0, "incarnation": 1, "kind": "kill_island", "outcome": "fired", "at": T0 + 8.0, "run_s": 9.5}])
+    log.flush()
+    if with_summary:
+        (run / "summary.json").write_text(json.dumps(s))
+    return run
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert len(data) > 10_000, f"{path} is only {len(data)} bytes"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """One full report, rendered once for the tests that read it (plotting is the slow part)."""
+    run = make_run(tmp_path_factory.mktemp("full"))
+    return run, write_report(run)
+
+
+def test_report_writes_both_plots(report):
+    run, paths = report
+    assert set(paths) == {"loss", "timeline", "report"}
+    assert all(p.parent == run / "report" for p in paths.values())
+    assert_png(paths["loss"])
+    assert_png(paths["timeline"])
+
+
+def test_report_md_carries_emulation_goodput_islands_and_faults(report):
+    md = report[1]["report"].read_text()
+    assert EMULATION in md.splitlines()
+    assert "| goodput | 0.625 (62.5%) |" in md
+    island_rows = [line for line in md.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
+    assert island_rows == ["| 0 | fast | 2 | 1 | 1 | 40 | 81,920 |", "| 1 | slow | 1 | 0 | 0 | 25 | 51,200 |"]
+    assert "- 9.5 s: kill_island on island 0 (incarnation 1): fired" in md
+    assert "![held-out loss](loss.png)" in md and "![island timeline](timeline.png)" in md
+
+
+def test_timeline_intervals_mark_failure_and_rejoin():
+    rows = [{"at": T0 + t, "island": i, "incarnation": inc, "state": st} for t, i, inc, st in TIMELINE]
+    intervals, t0 = timeline_intervals(rows)
+    assert t0 == T0
+    island0 = [(iv.incarnation, iv.state, iv.start, iv.end) for iv in intervals if iv.island == 0]
+    assert island0 == [(1, "reintegrating", 0.0, 2.0), (1, "training", 2.0, 8.0), (1, "dead", 8.0, 9.0),
+                       (2, "restarting", 9.0, 11.0), (2, "reintegrating", 11.0, 12.0), (2, "training", 12.0, 20.0)]
+    assert all(iv.state != "stopped" for iv in intervals)
+
+
+def test_missing_summary_is_a_one_line_error(tmp_path, capsys):
+    run = make_run(tmp_path, with_summary=False)
+    with pytest.raises(ReportError, match=r"has no summary\.json; is it a finished run directory\?") as err:
+        write_report(run)
+    assert str(run) in str(err.value) and "\n" not in str(err.value)
+    assert main(["report", str(run)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().count("\n") == 0 and "has no summary.json" in captured.err
+
+
+def test_run_without_timeline_still_reports(tmp_path):
+    run = make_run(tmp_path, timeline=False)
+    for kind in ("timeline", "faults"):  # an older run: these event kinds did not exist yet
+        shutil.rmtree(run / "events" / kind)
+    paths = write_report(run, tmp_path / "out")
+    assert set(paths) == {"loss", "report"}
+    assert_png(paths["loss"])
+    md = paths["report"].read_text()
+    assert "timeline is missing" in md and "![island timeline]" not in md
+    assert "n/a: this run directory has no `faults` events" in md
+
+
+def test_cli_passes_out_dir_and_prints_written_paths(tmp_path, capsys, monkeypatch):
+    import orchestrator.report
+
+    calls = []
+
+    def fake(run_dir, out_dir):
+        calls.append((run_dir, out_dir))
+        return {"loss": Path(out_dir) / "loss.png", "report": Path(out_dir) / "report.md"}
+
+    monkeypatch.setattr(orchestrator.report, "write_report", fake)
+    assert main(["report", "runs/x", "--out", str(tmp_path)]) == 0
+    assert calls == [("runs/x", str(tmp_path))]
+    assert capsys.readouterr().out.split() == [str(tmp_path / "loss.png"), str(tmp_path / "report.md")]
+
+
+def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    run = make_run(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(ReportError, match=r'pip install "decoupled-diloco\[plots\]"'):
+        write_report(run)
+
+
+def test_report_module_imports_neither_ray_nor_matplotlib():
+    code = "import sys, orchestrator.report; sys.exit(bool({'ray', 'matplotlib'} & set(sys.modules)))"
+    root = Path(__file__).resolve().parents[2]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
