@@ -28,7 +28,7 @@ class InnerSettings:
     beta2: float = 0.99
     warmup_steps: int = 20
     grad_clip: float | None = 1.0
-    torch_threads: int = 1
+    torch_threads: int = 1  # applied to the whole process by the island's actor shell, not here
     batch_size: int = 16
     emulated_slowdown: float = 1.0  # EMULATION: stretch each step to this multiple of its compute time
     emulated_jitter: float = 0.0  # EMULATION: uniform +- fraction on the stretch
@@ -61,7 +61,6 @@ class InnerTrainer:
         num_shards: int,
         seed: int,
     ) -> None:
-        torch.set_num_threads(settings.torch_threads)
         self.settings = settings
         self.model = build_model(model_config, seed=seed)
         self.params: dict[str, torch.Tensor] = dict(self.model.named_parameters())

@@ -19,6 +19,7 @@ import warnings
 from typing import Any
 
 import ray
+import torch
 from ray._private.tensor_serialization_utils import ZeroCopyTensorsWarning
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -74,6 +75,7 @@ class _IslandShell:
         """Become island `spec.island`, incarnation `spec.incarnation`, and start training."""
         if self._island is not None:
             raise RuntimeError(f"this process already is island {self._island.spec.island}; it cannot be activated twice")
+        torch.set_num_threads(spec.inner.torch_threads)  # the process is this island's alone
         self._island = LearnerIsland(spec, self._data, initial, cursor=cursor, resolve=ray.get)
         self._island.start()
         return spec.island, spec.incarnation

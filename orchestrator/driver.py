@@ -115,7 +115,8 @@ def ensure_ray(cfg: RunConfig, address: str | None) -> bool:
         return True
     # Logical CPUs may exceed physical cores: islands are throttled or small; Ray only counts.
     needed = math.ceil(sum(p.cpus_per_island * (p.islands + cfg.health.warm_spares) for p in cfg.pools))
-    ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
+    # address="local": never join some other cluster running on this machine by accident.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
              runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING)
     return True
 
@@ -184,8 +185,9 @@ class Run:
             seed = OuterOptimizer(initial, self.plan, settings=outer_settings(cfg))
             tensors, meta = seed.state_dict()
             CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
-        # The control plane lives beside the driver (the head node on a cluster), soft so it can move if needed.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # The control plane lives beside the driver (the head node on a cluster): losing a worker node must
+        # never take it along. Hard affinity: soft affinity does not pin zero-CPU actors (measured on 2.60).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.outer_name = f"outer-{self.run_id}"
         self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0,
                                                  scheduling_strategy=here).remote(
@@ -225,7 +227,7 @@ class Run:
         # for every method and is reported apart in driver.log); the chaos tape counts from here too.
         self.run_start = time.time()
         if len(self.tape):
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self.injector = ChaosInjectorActor.options(name=f"chaos-{self.run_id}", namespace=NAMESPACE, num_cpus=0,
                                                        scheduling_strategy=here).remote(
                 self.tape, namespace=NAMESPACE, monitor_name=self.monitor_name, run_start=self.run_start,
@@ -258,7 +260,7 @@ class Run:
         loss, bpb = self.evaluator.evaluate(params)
         status = self._get(self.outer.status.remote())
         merged = sum(status["ledger"]["merged"]) / len(status["ledger"]["merged"])
-        point = {"wall_s": time.monotonic() - t0, "tokens_processed": self._tokens(), "tokens_merged": merged,
+        point = {"wall_s": time.monotonic() - t0, "at": time.time(), "tokens_processed": self._tokens(), "tokens_merged": merged,
                  "versions": list(status["versions"]), "eval_loss": loss, "eval_bits_per_byte": bpb}
         self.eval_points.append(point)
         self.events.add("evals", [point])
@@ -339,6 +341,7 @@ class Run:
         self.events.add("timeline", [{"at": t, "island": i, "incarnation": inc, "state": st}
                                      for t, i, inc, st in self.snapshot["timeline"]])
         self.events.add("faults", faults)
+        self.events.add("detections", self.snapshot.get("detections", []))
         self.events.flush()
         summary = self._summary(fates, good, status, final_eval, wall, faults)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -378,6 +381,7 @@ class Run:
             "bytes_down": status["bytes_down"],
             "bytes_sent": status["bytes_up"] + status["bytes_down"],
             "wall_s": wall,
+            "run_start": self.run_start,  # wall clock (time.time) that goodput, chaos tapes and `at` fields count from
             "resumed": self.resume,
             "corpus": self.corpus.source,
             "islands": [{"island": s["island"], "pool": s["pool"], "node": s["node"], "incarnation": s["incarnation"],

@@ -82,6 +82,7 @@ class HealthMonitor:
         self.restarting: dict[int, asyncio.Task] = {}
         self.timeline: list[tuple[float, int, int, str]] = []
         self.detect_s: list[float] = []
+        self.detections: list[dict] = []  # one per failure: what, why, when detected, when the fault was injected
         self.rejoin_s: list[float] = []
         self.faults: dict[tuple[int, int], dict] = {}  # (island, incarnation) -> injected fault info
         self.warm_spares = warm_spares
@@ -116,6 +117,12 @@ class HealthMonitor:
         if saved:
             self._restore(saved)
         adopted = await self._adopt_existing()
+        for slot in self.slots.values():
+            if saved and slot.island not in adopted and slot.state not in ("dead", "restarting"):
+                # It was live before this monitor restarted and is gone now: a failure nobody saw.
+                slot.failures += 1
+                self._mark(slot, "dead")
+                log.warning("island %d incarnation %d found dead after a monitor restart", slot.island, slot.incarnation)
         starts = [self._start(slot) for slot in self.slots.values() if slot.island not in adopted]
         if starts:
             await asyncio.gather(*starts)
@@ -272,6 +279,8 @@ class HealthMonitor:
         now_wall = time.time()
         fault = self.faults.get((slot.island, slot.incarnation))
         died_at = fault["at"] if fault else now_wall
+        self.detections.append({"island": slot.island, "incarnation": slot.incarnation, "kind": kind, "reason": reason,
+                                "detected_at": now_wall, "fault_at": fault["at"] if fault else None})
         if fault:
             self.detect_s.append(max(0.0, now_wall - fault["at"]))
         slot.failures += 1
@@ -341,18 +350,21 @@ class HealthMonitor:
 
     def _state(self) -> dict:
         return {"timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),
+                "detections": list(self.detections),
                 "slots": {i: {"failures": s.failures, "restarts": s.restarts, "finals": list(s.finals),
-                              "incarnation": s.incarnation} for i, s in self.slots.items()},
+                              "incarnation": s.incarnation, "state": s.state} for i, s in self.slots.items()},
                 "faults": dict(self.faults)}
 
     def _restore(self, saved: dict) -> None:
         self.timeline = list(saved["timeline"])
         self.detect_s, self.rejoin_s = list(saved["detect_s"]), list(saved["rejoin_s"])
+        self.detections = list(saved["detections"])
         self.faults = dict(saved["faults"])
         for i, st in saved["slots"].items():
             slot = self.slots[int(i)]
             slot.failures, slot.restarts, slot.finals = st["failures"], st["restarts"], list(st["finals"])
             slot.incarnation = st["incarnation"]  # a slot found dead restarts above this
+            slot.state = st.get("state", slot.state)
         log.warning("health monitor restored its state (%d timeline events)", len(self.timeline))
 
     async def _check_outer(self) -> None:
@@ -382,8 +394,11 @@ class HealthMonitor:
             return
         now = time.monotonic()
         ok = True
+        incarnation = slot.incarnation
         try:
             st = await asyncio.wait_for(handle.status.remote(), timeout=min(2.0, self.call_timeout_s))
+            if slot.incarnation != incarnation or slot.island in self.restarting:
+                return  # the slot failed and moved on while we waited: this answer is about the past
             slot.status, slot.last_status_at = st, now
             if st.steps != slot.steps:
                 slot.steps, slot.last_progress_at = st.steps, now
@@ -395,6 +410,8 @@ class HealthMonitor:
             ok, st = False, slot.status
         except (asyncio.TimeoutError, RayActorError):
             ok, st = False, slot.status
+        if slot.incarnation != incarnation or slot.island in self.restarting:
+            return
         verdict = assess_island(
             now=now, state=st.state if st else "starting", steps=slot.steps, last_progress_at=slot.last_progress_at,
             step_time_s=st.step_time_s if st else None, status_ok=ok, last_status_at=slot.last_status_at, **self.health,
@@ -420,7 +437,7 @@ class HealthMonitor:
         return {
             "slots": {i: dataclasses.asdict(s) | {"status": s.status, "finals": list(s.finals)} for i, s in self.slots.items()},
             "timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),
-            "spares": {pool: len(sp) for pool, sp in self.spares.items()},
+            "spares": {pool: len(sp) for pool, sp in self.spares.items()}, "detections": list(self.detections),
         }
 
     async def stop(self) -> dict:

@@ -198,7 +198,9 @@ class OuterOptimizer:
         for i, d in enumerate(deltas):
             if tuple(d.shape) != shapes[i]:
                 return f"tensor {i}: decoded shape {tuple(d.shape)} != {shapes[i]}", 0, []
-            if not torch.isfinite(d).all():
+            # NaN/Inf propagate into a sum, so one reduction clears the common case; only a non-finite
+            # sum (which finite values can also reach by overflow) pays for the elementwise scan.
+            if not torch.isfinite(d.sum()) and not torch.isfinite(d).all():
                 return f"tensor {i}: non-finite values (NaN/Inf)", 0, []
         return None, decision.staleness, deltas
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from ray.util.placement_group import (PlacementGroup, get_placement_group, placement_group, placement_group_table,
-                                     remove_placement_group)
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import PoolConfig
@@ -65,14 +65,15 @@ def release_group(pg: PlacementGroup) -> None:
 
 
 def remove_run_groups(run_id: str) -> int:
-    """Remove every live placement group whose name contains `run_id` (detached groups of a dead run)."""
+    """Remove every live placement group whose name contains `run_id` (detached groups of a dead run).
+
+    By id, not by name: names resolve only in the creating job's namespace, and a resumed run is a
+    new job.
+    """
     n = 0
-    for info in placement_group_table().values():
+    for pg_id, info in placement_group_table().items():
         name = info.get("name") or ""
         if run_id in name and info.get("state") != "REMOVED":
-            try:
-                remove_placement_group(get_placement_group(name))
-                n += 1
-            except ValueError:
-                pass  # removed meanwhile
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+            n += 1
     return n

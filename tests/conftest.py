@@ -47,3 +47,29 @@ def ray_cluster():
     yield cluster, nodes
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(request):
+    """After a test on the shared cluster: every CPU is free again and no placement group is left.
+
+    A leak here would silently starve the next test's islands (they would wait for capacity).
+    """
+    yield
+    if "ray_cluster" not in request.fixturenames:
+        return
+    import time
+
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    deadline = time.monotonic() + 20
+    while True:
+        total, free = ray.cluster_resources().get("CPU", 0), ray.available_resources().get("CPU", 0)
+        groups = {i["name"]: i["state"] for i in placement_group_table().values() if i["state"] != "REMOVED"}
+        if free == total and not groups:
+            return
+        if time.monotonic() > deadline:
+            actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+            pytest.fail(f"leftovers after the test: {free}/{total} CPUs free, groups {groups}, named actors {actors}")
+        time.sleep(0.5)

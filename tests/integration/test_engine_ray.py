@@ -14,16 +14,16 @@ from orchestrator.eventlog import read_events
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def two_pool_config(outer: dict | None = None, **run) -> dict:
+def two_pool_config(outer: dict | None = None, islands: int = 2, **run) -> dict:
     return {
         "mode": run.pop("mode", "decoupled"),
         "outer": outer or {},
-        "run": {"token_budget": 400_000, "seed": 1, **run},
+        "run": {"token_budget": 300_000, "seed": 1, **run},
         "data": {"max_bytes": 3_000_000},
         "eval": {"interval_s": 4.0, "batches": 4},
         "pools": [
-            {"name": "a", "islands": 2, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "region": "us-east"},
-            {"name": "b", "islands": 2, "labels": {"pool": "b"}, "cpus_per_island": 0.5, "region": "eu-west",
+            {"name": "a", "islands": islands, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "region": "us-east"},
+            {"name": "b", "islands": islands, "labels": {"pool": "b"}, "cpus_per_island": 0.5, "region": "eu-west",
              "emulated_slowdown": 1.5},
         ],
     }
@@ -45,12 +45,12 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
 
     # Every token has a fate, per fragment: processed = merged + refused + in flight at stop.
     ledger = summary["token_ledger"]
-    assert summary["tokens_processed"] >= 400_000
+    assert summary["tokens_processed"] >= 300_000
     for p in range(len(ledger["merged"])):
         assert ledger["processed"][p] == summary["tokens_processed"]
         assert ledger["processed"][p] == ledger["merged"][p] + ledger["refused"][p] + ledger["in_flight"][p]
         assert ledger["lost"][p] == 0, "no failure, no loss"
-    assert summary["failures"] == 0 and summary["goodput"] > 0.5
+    assert summary["failures"] == 0 and 0.0 < summary["goodput"] <= 1.0 and summary["uptime"] > 0.0
     assert summary["tokens_merged"] > 0 and summary["rounds"] > 0
 
     # Islands land on nodes whose labels their pool selects.
@@ -75,11 +75,12 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
 
 
 def test_sync_diloco_rounds_take_every_island(ray_cluster, tmp_path):
-    summary = train(build_config(two_pool_config({"sync_every_steps": 8}, mode="sync-diloco", token_budget=250_000)), tmp_path / "sync")
+    cfg = two_pool_config({"sync_every_steps": 8}, islands=1, mode="sync-diloco", token_budget=80_000)
+    summary = train(build_config(cfg), tmp_path / "sync")
     rounds = read_events(tmp_path / "sync", "rounds").to_pylist()
-    assert rounds, "at least one synchronous round"
+    assert len(rounds) >= 2, "synchronous rounds happened"
     for r in rounds:
-        assert sorted(r["participants"]) == [0, 1, 2, 3]
-        assert r["weights"] == pytest.approx([0.25] * 4)
+        assert sorted(r["participants"]) == [0, 1]
+        assert r["weights"] == pytest.approx([0.5, 0.5])
         assert r["fragment"] == 0
     assert summary["versions"] == [len(rounds)]

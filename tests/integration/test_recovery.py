@@ -31,9 +31,9 @@ def small_config(**over) -> dict:
         "outer": {"sync_every_steps": 20},
         "checkpoint": {"every_s": 1.0, "keep": 5},
         "health": {"warm_spares": 0, "tick_s": 0.2},
-        "pools": [
-            {"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5},
-            {"name": "b", "islands": 1, "labels": {"pool": "b"}, "cpus_per_island": 0.5},
+        "pools": [  # throttled (EMULATION): leave CPU for the restarts under test
+            {"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "emulated_slowdown": 3.0},
+            {"name": "b", "islands": 1, "labels": {"pool": "b"}, "cpus_per_island": 0.5, "emulated_slowdown": 3.0},
         ],
     }
     return apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])
