@@ -33,7 +33,7 @@ from policies.chaos import fixed_tape  # noqa: E402
 
 
 def run_one(name: str, overrides: list[str], root: Path) -> dict:
-    cfg = build_config(apply_overrides(RunConfig().model_dump(mode="json"), overrides))
+    cfg = build_config(apply_overrides({}, overrides))
     t0 = time.monotonic()
     summary = train(cfg, root / name)
     print(f"  {name}: {time.monotonic() - t0:.0f}s, goodput {summary['goodput']:.3f}, "
