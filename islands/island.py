@@ -59,8 +59,6 @@ class IslandSpec:
 @dataclass
 class _InFlight:
     fragment: int
-    base_version: int
-    tokens: int
     snapshot: list[torch.Tensor] | None  # theta[p] at submission, kept (and shifted) only for rebase
 
 
@@ -227,7 +225,7 @@ class LearnerIsland:
             sub.payload = [_corrupt(c) for c in sub.payload]
             log.warning("island %d: corrupting submission %d (injected fault)", self.spec.island, seq)
         snapshot = [t.detach().clone() for t in self._theta[p]] if self._adoption.kind == "rebase" else None
-        self._inflight[sub.key] = _InFlight(p, sub.base_version, sub.tokens, snapshot)
+        self._inflight[sub.key] = _InFlight(p, snapshot)
         self._outbox.append(sub)
         self._cv.notify_all()
 

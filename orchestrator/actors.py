@@ -162,7 +162,6 @@ class _OuterShell:
         self._stopping = False
         self._bytes_down = 0
         self._events_cursor = (0, 0)
-        self.deaths: list[dict] = []
 
     def _now(self) -> float:
         return time.monotonic() - self._t0
@@ -208,7 +207,6 @@ class _OuterShell:
             except (RayActorError, RayTaskError) as err:
                 reason = str(err).strip().splitlines()[-1][:300]
                 log.warning("island %d incarnation %d lost: %s", island, incarnation, reason)
-                self.deaths.append({"island": island, "incarnation": incarnation, "reason": reason, "at": self._now()})
                 if self._islands.get(island, (None,))[0] == incarnation:
                     await self.unregister(island)
                 return
@@ -269,7 +267,6 @@ class _OuterShell:
             }
         out = await self._core(snapshot)
         out["bytes_down"] = self._bytes_down
-        out["deaths"] = list(self.deaths)
         return out
 
     async def drain_events(self) -> dict:
