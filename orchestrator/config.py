@@ -17,7 +17,7 @@ from policies.adoption import parse_adoption
 from policies.compression import SCHEMES
 from policies.merge import MERGE_RULES
 
-MODES = ("decoupled", "sync-diloco")
+MODES = ("decoupled", "sync-diloco", "streaming-diloco")
 
 # What `mode: sync-diloco` means (DESIGN.md section 3): K = all islands, unbounded grace, uniform
 # weights, mean merge, P = 1, overwrite adoption, and islands wait for each round.
@@ -30,6 +30,17 @@ SYNC_DILOCO_OUTER = {
     "num_fragments": 1,
     "adoption": "overwrite",
     "wait_for_round": True,
+}
+
+# Streaming DiLoCo (Douillard et al., 2025): synchronous DiLoCo over P fragments submitted in turn,
+# so each sync moves 1/P of the parameters. Same as sync-diloco except P is the user's (default 2).
+STREAMING_DILOCO_OUTER = {k: v for k, v in SYNC_DILOCO_OUTER.items() if k != "num_fragments"}
+
+# Outer settings each preset mode fixes; an explicit conflicting value in outer: is an error.
+MODE_PRESETS: dict[str, dict[str, Any]] = {
+    "decoupled": {},
+    "sync-diloco": SYNC_DILOCO_OUTER,
+    "streaming-diloco": STREAMING_DILOCO_OUTER,
 }
 
 
@@ -159,8 +170,11 @@ class PoolConfig(_Section):
     islands: int = Field(1, ge=1, description="Number of islands (learner units) on this pool.")
     labels: dict[str, str] = Field(default_factory=dict, description="Node labels every bundle must match (bundle_label_selector), e.g. {pool: a}.")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom resources every bundle asks for, e.g. {pool_a: 1}.")
-    cpus_per_island: float = Field(1.0, gt=0, description="Logical CPUs reserved per island bundle.")
-    region: str = Field("local", description="Region name for reports (and for the network model).")
+    cpus_per_island: float = Field(1.0, gt=0, description="Logical CPUs reserved per island worker bundle.")
+    region: str = Field("local", description="Region name for reports and the network model (network.scenario).")
+    accelerator: str = Field("cpu", description="Hardware kind of this pool's nodes, e.g. 'cpu', 'H100', 'v5p'; islands use CUDA when it is not 'cpu'.")
+    workers_per_island: int = Field(1, ge=1, description="Workers per island, data-parallel inside the island (gloo on CPU, NCCL on GPU); one failure domain.")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs reserved per worker bundle (0 on CPU pools).")
     emulated_slowdown: float = Field(1.0, ge=1.0, description="EMULATION: stretch each inner step to this multiple of its compute time (sleep).")
     emulated_jitter: float = Field(0.0, ge=0.0, lt=1.0, description="EMULATION: random +- fraction on the stretched step time.")
 
@@ -226,8 +240,10 @@ class RunSection(_Section):
 class RunConfig(_Section):
     """Everything a run needs. Load with `load_config`; the defaults are the shipped configs/default.yaml."""
 
-    mode: Literal["decoupled", "sync-diloco"] = Field(
-        "decoupled", description="'decoupled' (K=1, grace, token weights, RDA) or 'sync-diloco' (K=all, mean, P=1)."
+    mode: Literal["decoupled", "sync-diloco", "streaming-diloco"] = Field(
+        "decoupled",
+        description="'decoupled' (K=1, grace, token weights, RDA), 'sync-diloco' (K=all, mean, P=1) or "
+        "'streaming-diloco' (K=all, mean, P fragments in turn).",
     )
     run: RunSection = Field(default_factory=RunSection, description="Stop rule, seed, timeouts.")
     model: ModelSection = Field(default_factory=ModelSection, description="Model preset and overrides.")
@@ -249,14 +265,15 @@ class RunConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_mode(cls, data: Any) -> Any:
-        # sync-diloco is a preset of outer settings; an explicit conflicting value is an error, not a silent override.
-        if not isinstance(data, dict) or data.get("mode") != "sync-diloco":
+        # A mode is a preset of outer settings; an explicit conflicting value is an error, not a silent override.
+        if not isinstance(data, dict) or not MODE_PRESETS.get(data.get("mode")):
             return data
+        mode = data["mode"]
         outer = dict(data.get("outer") or {})
-        for key, value in SYNC_DILOCO_OUTER.items():
+        for key, value in MODE_PRESETS[mode].items():
             if key in outer and outer[key] != value:
                 raise ValueError(
-                    f"outer.{key}={outer[key]!r} conflicts with mode sync-diloco (which uses {value!r}); "
+                    f"outer.{key}={outer[key]!r} conflicts with mode {mode} (which uses {value!r}); "
                     f"drop outer.{key} or use mode decoupled"
                 )
             outer[key] = value
