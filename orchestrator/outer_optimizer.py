@@ -238,6 +238,14 @@ class OuterOptimizer:
         """Close every round whose quorum and grace rules say so."""
         return [self._close(p, now, d.reason) for p, d in self._decisions(now) if d.close]
 
+    def close_all(self, now: float) -> list[RoundResult]:
+        """Close every fragment's round that has accepted submissions, whatever quorum and grace say.
+
+        The final flush at the end of a run: the islands have stopped and cut their last progress into
+        submissions, no more will come, so waiting for a quorum would only leave that work unmerged.
+        """
+        return [self._close(p, now, "final flush") for p in range(self.plan.num_fragments) if self._pending[p]]
+
     def next_wakeup_s(self, now: float) -> float:
         """Seconds until a round could close without a new arrival (inf when only arrivals matter)."""
         return min((d.wait_s for _, d in self._decisions(now)), default=math.inf)

@@ -181,3 +181,18 @@ def test_checkpoint_of_another_model_is_refused():
     meta = {**meta, "fragments": [["w"], ["emb.weight", "b"]]}
     with pytest.raises(ValueError, match="another model or fragment plan"):
         make_outer().load_state_dict(tensors, meta)
+
+
+def test_close_all_merges_what_waits_for_a_quorum_and_nothing_else():
+    # K = 2 of 2 live islands: one submission alone never closes its round...
+    outer = make_outer(min_quorum=2, grace_gamma=math.inf, grace_cap_s=math.inf)
+    before = [t.clone() for t in outer.params[0]]
+    results, refusal = outer.receive(good(outer, island=0, fragment=0), now=0.0)
+    assert results == [] and refusal is None and outer.poll(now=100.0) == []
+    # ...until the final flush closes it anyway; the untouched fragment 1 gets no round.
+    results = outer.close_all(now=101.0)
+    assert [(r.fragment, r.version, r.record.reason, r.record.participants) for r in results] == [(0, 1, "final flush", [0])]
+    assert outer.versions == [1, 0]
+    assert any(not torch.equal(a, b) for a, b in zip(before, outer.params[0]))
+    assert outer.tokens_merged == [100, 0] and outer.pending_tokens() == [0, 0]
+    assert outer.close_all(now=102.0) == []  # nothing pending: a second flush is a no-op
