@@ -8,6 +8,11 @@ fragments arrive through `adopt` on another thread and are applied at the next s
 
 This is a plain class: Ray applies `ray.remote` to it in orchestrator/actors.py and injects
 `resolve` (ray.get) for list-wrapped refs; tests drive it in process with `step()`.
+
+An island of several workers (`spec.workers` > 1, islands/distributed.py) is data-parallel: this
+class is rank 0, the leader, and keeps the whole interface; at every step boundary it tells its
+followers whether to step and sends them the fragments it just adopted, so all workers hold the
+same parameters.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from islands.distributed import WorkerGroup, island_device
 from islands.messages import FragmentUpdate, Submission, SubmissionKey
 from islands.model import ModelConfig
 from islands.trainer import InnerSettings, InnerTrainer
@@ -54,6 +60,8 @@ class IslandSpec:
     compression_block_size: int = 256
     wait_for_round: bool = False  # synchronous DiLoCo: block until every in-flight submission resolves
     seed: int = 0
+    workers: int = 1  # data-parallel workers in this island (rank 0 is this LearnerIsland)
+    accelerator: str = "cpu"  # 'cpu' trains on CPU with gloo; anything else on the worker's GPU with NCCL
 
 
 @dataclass
@@ -102,9 +110,17 @@ class LearnerIsland:
         *,
         cursor: int = 0,
         resolve: Callable[[Any], Any] = lambda x: x,
+        group: WorkerGroup | None = None,
     ) -> None:
         self.spec = spec
         self._resolve = resolve
+        if (group.world_size if group is not None else 1) != spec.workers:
+            raise ValueError(f"island {spec.island} has workers={spec.workers} but its worker group has "
+                             f"{group.world_size if group else 1}; build a WorkerGroup of world_size=workers (rank 0)")
+        if group is not None and group.rank != 0:
+            raise ValueError(f"a LearnerIsland is rank 0 of its group, got rank {group.rank}; use IslandFollower")
+        self._group = group
+        self._device = island_device(spec.accelerator)
         self._adoption = parse_adoption(spec.adoption)
         P = spec.plan.num_fragments
         if spec.sync_every_steps % P:
@@ -113,7 +129,7 @@ class LearnerIsland:
         train = resolve(data[0]) if isinstance(data, list) else data
         self.trainer = InnerTrainer(
             spec.model_config, np.asarray(train), settings=spec.inner,
-            shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed,
+            shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed, group=group, device=self._device,
         )
         self.trainer.sampler.load_state_dict({**self.trainer.sampler.state_dict(), "cursor": cursor})
         missing = set(self.trainer.params) - {n for frag in spec.plan.fragments for n in frag}
@@ -146,6 +162,8 @@ class LearnerIsland:
         self._state = "starting"
         self._error: str | None = None
         self._stop = False
+        self._flush = False  # stop(flush=True): cut every fragment's remaining progress and hand it out
+        self._flush_pending = False  # the final cuts are not in the outbox yet
         self._thread: threading.Thread | None = None
         self._loss = MovingAverage(0.1)
         self._step_time = MovingAverage(0.1)
@@ -163,14 +181,21 @@ class LearnerIsland:
 
     def step(self) -> bool:
         """Apply pending updates, then one inner step unless blocked. Returns False when blocked."""
-        self.apply_updates()
+        changed = self.apply_updates()
         with self._cv:
-            if self.spec.wait_for_round and self._inflight_or_outbox():
+            blocked = self.spec.wait_for_round and self._inflight_or_outbox()
+            if blocked:
                 self._state = "blocked"
-                return False
-            if self._state in ("starting", "blocked"):
+            elif self._state in ("starting", "blocked"):
                 self._state = "training"
-        if time.monotonic() < self._hang_until:
+        hung = not blocked and time.monotonic() < self._hang_until
+        if self._group is not None:
+            # Followers adopt exactly what this step boundary adopted, and step only when we do. Sent on
+            # blocked and hung calls too, so followers hear from us at least every half second.
+            self._group.lead(self._theta, changed=changed, train=not blocked and not hung)
+        if blocked:
+            return False
+        if hung:
             time.sleep(0.05)  # injected hang: no progress, control calls still answered
             return True
         result = self.trainer.step()
@@ -198,13 +223,13 @@ class LearnerIsland:
     def _inflight_or_outbox(self) -> bool:
         return bool(self._inflight) or bool(self._outbox)
 
-    def _cut_submission(self) -> None:
-        # Caller holds self._cv.
-        p = self._k % self.spec.plan.num_fragments
+    def _cut_submission(self, fragment: int | None = None) -> None:
+        # Caller holds self._cv. Fragments go round-robin (fragment = seq mod P) until the final flush names one.
+        p = self._k % self.spec.plan.num_fragments if fragment is None else fragment
         seq = self._k
         self._k += 1
         with torch.no_grad():
-            deltas = [b - t.detach() for b, t in zip(self._base[p], self._theta[p])]
+            deltas = [(b - t.detach()).cpu() for b, t in zip(self._base[p], self._theta[p])]  # .cpu(): no-op on CPU
         payload = [compress(d, self.spec.compression, block_size=self.spec.compression_block_size) for d in deltas]
         sub = Submission(
             island=self.spec.island, incarnation=self.spec.incarnation, seq=seq, fragment=p,
@@ -232,6 +257,9 @@ class LearnerIsland:
     def run(self) -> None:
         """Train until `stop()`; record a failure instead of raising so the control interface can report it."""
         try:
+            if self._group is not None:
+                self._group.connect()  # blocks until every follower joined (bounded by the group's timeout)
+                self._group.broadcast_([t for frag in self._theta for t in frag])  # followers start from our parameters
             while True:
                 with self._cv:
                     if self._stop:
@@ -248,6 +276,12 @@ class LearnerIsland:
                 self._cv.notify_all()
             log.error("island %d inner loop stopped: %s", self.spec.island, self._error)
             return
+        if self._group is not None:
+            try:
+                self._group.lead(self._theta, changed=(), train=False, stop=True)
+                self._group.close()
+            except Exception as err:  # noqa: BLE001 - stopping anyway; a dead follower is killed with the island
+                log.warning("island %d: could not stop its followers cleanly: %s", self.spec.island, err)
         with self._cv:
             self._state = "stopped"
             self._cv.notify_all()
@@ -260,25 +294,42 @@ class LearnerIsland:
             self._thread = threading.Thread(target=self.run, name=f"island-{self.spec.island}", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout_s: float = 30.0) -> IslandStatus:
-        """Stop after the current step; the outbox is frozen from here on. Returns the final status."""
+    def stop(self, timeout_s: float = 30.0, flush: bool = False) -> IslandStatus:
+        """Stop after the current step and return the final status.
+
+        Without `flush` the outbox is frozen from here on. With it (the end of a run) every fragment's
+        progress since its last submission is cut into one more submission, and `next_submission` keeps
+        handing out the outbox until it is empty, so the outer optimizer can merge the island's last work.
+        """
         with self._cv:
             self._stop = True
+            self._flush = self._flush_pending = flush
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if flush:
+            with self._cv:
+                stopped = self._thread is None or not self._thread.is_alive()
+                if stopped and self._error is None:
+                    for p in range(self.spec.plan.num_fragments):
+                        if self._steps[p] > 0 and self._base[p]:
+                            self._cut_submission(p)
+                self._flush_pending = False
+                self._cv.notify_all()
         return self.status()
 
     def next_submission(self, timeout_s: float = 1.0) -> Submission | None:
         """Hand the oldest submission to the caller (the outer optimizer), waiting up to `timeout_s`.
 
-        Returns None on timeout or once stopped; raises IslandFailed if the inner loop died.
+        Returns None on timeout, or once stopped and the outbox is empty (frozen, unless stopped with
+        flush); raises IslandFailed if the inner loop died.
         """
         with self._cv:
-            self._cv.wait_for(lambda: self._outbox or self._stop or self._error, timeout=timeout_s)
+            self._cv.wait_for(lambda: self._outbox or self._error or (self._stop and not self._flush_pending),
+                              timeout=timeout_s)
             if self._error:
                 raise IslandFailed(self._error)
-            if self._stop or not self._outbox:
+            if not self._outbox or (self._stop and not self._flush):
                 return None
             return self._outbox.popleft()
 
@@ -342,7 +393,7 @@ class LearnerIsland:
         Versions may go backwards, so this bypasses the version check: local progress, the outbox and
         every in-flight submission are discarded (their tokens are counted as discarded, i.e. lost).
         """
-        fetched = [(u, list(self._resolve(u.tensors[0]))) for u in latest]
+        fetched = [(u, self._to_device(self._resolve(u.tensors[0]))) for u in latest]
         with self._cv:
             # Outbox tokens were counted as submitted; dropping them makes them "taken, never received".
             self._outbox.clear()
@@ -356,31 +407,44 @@ class LearnerIsland:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """A copy of the island's current parameters by name (for tests and checkpoints)."""
-        return {n: p.detach().clone() for n, p in self.trainer.params.items()}
+        return {n: p.detach().cpu().clone() for n, p in self.trainer.params.items()}
 
     # ---------------------------------------------------------------- adoption
 
+    def _to_device(self, tensors: Any) -> list[torch.Tensor]:
+        # On CPU the fetched (read-only, shared) tensors are used as they are; on a GPU, copied over once.
+        if self._device.type == "cpu":
+            return list(tensors)
+        return [t.to(self._device) for t in tensors]
+
     def _queue_update(self, update: FragmentUpdate) -> None:
-        tensors = self._resolve(update.tensors[0])
+        tensors = self._to_device(self._resolve(update.tensors[0]))
         with self._cv:
-            self._updates.append((update, list(tensors)))
+            self._updates.append((update, tensors))
             self._cv.notify_all()
 
-    def apply_updates(self) -> None:
-        """The step boundary: apply every received update in (fragment, version) order. Loop thread only."""
+    def apply_updates(self) -> set[int]:
+        """The step boundary: apply every received update in (fragment, version) order. Loop thread only.
+
+        Returns the fragments whose parameters changed (what a multi-worker island's followers must copy).
+        """
         with self._cv:
             updates, self._updates = self._updates, []
             forced, self._resync_pending = self._resync_pending, []
+        changed: set[int] = set()
         for update, tensors in forced:
             with torch.no_grad():
                 for t, g in zip(self._theta[update.fragment], tensors):
                     t.copy_(g)
             self._base[update.fragment] = [g.detach().to(torch.float32).clone() for g in tensors]
             self._version[update.fragment] = update.version
+            changed.add(update.fragment)
         for update, tensors in sorted(updates, key=lambda u: (u[0].fragment, u[0].version)):
-            self._apply_one(update, tensors)
+            if self._apply_one(update, tensors):
+                changed.add(update.fragment)
+        return changed
 
-    def _apply_one(self, update: FragmentUpdate, global_: list[torch.Tensor]) -> None:
+    def _apply_one(self, update: FragmentUpdate, global_: list[torch.Tensor]) -> bool:
         p = update.fragment
         mine = [k for k in update.merged if k in self._inflight]
         with self._cv:
@@ -390,7 +454,7 @@ class LearnerIsland:
             with self._cv:  # an older update that arrived late: bookkeeping only
                 for key in mine:
                     self._inflight.pop(key, None)
-            return
+            return False
         # The parameters that not-yet-merged local progress is measured from: just after this
         # island's newest merged submission if it took part, else the fragment's base.
         anchor = self._base[p]
@@ -416,6 +480,7 @@ class LearnerIsland:
             self._base[p] = [g.detach().to(torch.float32).clone() for g in global_]
             self._version[p] = update.version
             self._cv.notify_all()
+        return True
 
 
 def _corrupt(c):

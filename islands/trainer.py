@@ -10,12 +10,16 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from islands.data import ShardSampler
 from islands.model import ModelConfig, build_model
+
+if TYPE_CHECKING:
+    from islands.distributed import WorkerGroup
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,11 @@ class InnerTrainer:
 
     The model is built from `seed` only to get its shapes; the island overwrites every parameter with
     the global ones before the first step.
+
+    With a `group` (islands/distributed.py) this is one worker of a data-parallel island: island step
+    c reads batch `c * W + rank` of the shard, gradients are averaged over the W workers before the
+    clip and the AdamW step, and a step counts the tokens of all W batches. The sampler's cursor
+    still counts island steps, so resuming from a cursor works as with one worker.
     """
 
     def __init__(
@@ -60,9 +69,17 @@ class InnerTrainer:
         shard_index: int,
         num_shards: int,
         seed: int,
+        group: WorkerGroup | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.settings = settings
+        self.group = group
+        self.world = group.world_size if group is not None else 1
+        self.rank = group.rank if group is not None else 0
+        self.device = torch.device(device)
         self.model = build_model(model_config, seed=seed)
+        if self.device.type != "cpu":
+            self.model.to(self.device)  # before the optimizer is built, so its state lives there too
         self.params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -89,11 +106,14 @@ class InnerTrainer:
     def step(self) -> StepResult:
         """Run one AdamW step on the next batch of this island's shard, then the emulated slowdown."""
         t0 = time.perf_counter()
-        x, y = self.sampler.next_batch()  # [B, T], [B, T]
+        x, y = self._next_batch()  # [B, T], [B, T]
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr_at(self.steps)
         loss = self.model.loss(x, y)
         loss.backward()
+        mean_loss = loss.detach()
+        if self.group is not None:  # every worker now holds the island's mean gradient (and loss)
+            mean_loss = self.group.average_gradients(self.model.parameters(), mean_loss)
         if self.settings.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         self.optimizer.step()
@@ -105,10 +125,21 @@ class InnerTrainer:
             stretch *= 1.0 + self._jitter_rng.uniform(-1.0, 1.0) * self.settings.emulated_jitter
         if stretch > 1.0:
             time.sleep(compute * (stretch - 1.0))
-        value = float(loss.detach())
+        value = float(mean_loss)
         return StepResult(
             loss=value if math.isfinite(value) else math.nan,
-            tokens=int(x.numel()),
+            tokens=int(x.numel()) * self.world,
             compute_s=compute,
             wall_s=time.perf_counter() - t0,
         )
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.world == 1:
+            x, y = self.sampler.next_batch()
+        else:  # island step c: batches c*W .. c*W+W-1 of the shard, one per worker; the cursor counts island steps
+            c = self.sampler.cursor
+            x, y = self.sampler.batch_at(c * self.world + self.rank)
+            self.sampler.load_state_dict({**self.sampler.state_dict(), "cursor": c + 1})
+        if self.device.type != "cpu":
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return x, y

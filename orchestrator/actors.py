@@ -1,7 +1,8 @@
 """The Ray edge: thin actor shells over the plain classes. `ray.remote` is applied here and only here.
 
 - `IslandActor` wraps islands.island.LearnerIsland (threaded: the inner loop runs in its own thread,
-  control calls are served concurrently by the actor's thread pool).
+  control calls are served concurrently by the actor's thread pool). In an island of several workers
+  it is rank 0, the leader; `IslandWorkerActor` wraps islands.distributed.IslandFollower (ranks >= 1).
 - `OuterOptimizerActor` wraps orchestrator.outer_optimizer.OuterOptimizer (async: it keeps one
   outstanding `next_submission` call per island and takes results as they arrive, so it owns every
   submission ref; core work runs on one executor thread, so the plain class needs no locks).
@@ -13,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
+import os
+import threading
 import time
 import warnings
 from typing import Any
@@ -23,6 +27,7 @@ import torch
 from ray._private.tensor_serialization_utils import ZeroCopyTensorsWarning
 from ray.exceptions import RayActorError, RayTaskError
 
+from islands.distributed import IslandFollower, WorkerGroup, backend_for
 from islands.island import IslandSpec, LearnerIsland
 from islands.messages import FragmentUpdate, Submission
 from orchestrator.chaos_injector import ChaosInjector
@@ -30,6 +35,7 @@ from orchestrator.checkpoint import CheckpointStore
 from orchestrator.health_monitor import HealthMonitor
 from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings, RoundResult
 from policies.fragments import FragmentPlan
+from policies.network import LinkSchedule, NetworkModel
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,11 @@ def ignore_zero_copy_warnings() -> None:
     """Silence Ray's zero-copy notices: fetched tensors are copied into our own, never written in place."""
     warnings.filterwarnings("ignore", category=ZeroCopyTensorsWarning)
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def _placement_group_id() -> str | None:
+    pg = ray.get_runtime_context().get_placement_group_id()
+    return pg or None
 
 
 def _quiet_worker() -> None:
@@ -68,6 +79,7 @@ class _IslandShell:
         _quiet_worker()
         self._data = ray.get(data[0])  # fetched once, zero-copy, before any slot needs it
         self._island: LearnerIsland | None = None
+        self._group: WorkerGroup | None = None
         if spec is not None:
             self.activate(spec, initial or [], cursor)
 
@@ -76,9 +88,19 @@ class _IslandShell:
         if self._island is not None:
             raise RuntimeError(f"this process already is island {self._island.spec.island}; it cannot be activated twice")
         torch.set_num_threads(spec.inner.torch_threads)  # the process is this island's alone
-        self._island = LearnerIsland(spec, self._data, initial, cursor=cursor, resolve=ray.get)
+        group = self._group = None
+        if spec.workers > 1:  # rank 0 hosts the rendezvous on its node; followers get `rendezvous()`
+            group = self._group = WorkerGroup(rank=0, world_size=spec.workers, addr=ray.util.get_node_ip_address(),
+                                              backend=backend_for(spec.accelerator))
+        self._island = LearnerIsland(spec, self._data, initial, cursor=cursor, resolve=ray.get, group=group)
         self._island.start()
         return spec.island, spec.incarnation
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, port) where this island's followers join its process group (islands of several workers)."""
+        if self._group is None:
+            raise RuntimeError(f"island {self._live().spec.island} has one worker; it has no process group to join")
+        return self._group.addr, self._group.port
 
     def _live(self) -> LearnerIsland:
         if self._island is None:
@@ -95,6 +117,10 @@ class _IslandShell:
         """The Ray node this process runs on (placement checks)."""
         return ray.get_runtime_context().get_node_id()
 
+    def placement_group_id(self) -> str | None:
+        """The id (hex) of the placement group this process runs in (placement checks)."""
+        return _placement_group_id()
+
     # The island's interface, delegated (see islands.island.LearnerIsland for each method).
     def next_submission(self, timeout_s: float = 1.0):
         return self._live().next_submission(timeout_s)
@@ -105,8 +131,8 @@ class _IslandShell:
     def status(self):
         return self._live().status()
 
-    def stop(self, timeout_s: float = 30.0):
-        return self._live().stop(timeout_s)
+    def stop(self, timeout_s: float = 30.0, flush: bool = False):
+        return self._live().stop(timeout_s, flush)
 
     def watch(self, timeout_s: float = 5.0) -> str:
         return self._live().watch(timeout_s)
@@ -121,16 +147,75 @@ class _IslandShell:
         return self._live().parameters()
 
 
+class _IslandWorker:
+    """Rank `rank` >= 1 of an island of several workers: a follower that mirrors its leader.
+
+    Created by the health monitor on bundle `rank` of the island's placement group once the leader
+    says where to join. If its loop fails (the leader died, a collective timed out) the process ends,
+    so the rest of the island fails at once too: the island is one failure domain, rebuilt whole.
+    """
+
+    def __init__(self, spec: IslandSpec, data: list[Any], rank: int, addr: str, port: int) -> None:
+        _quiet_worker()
+        torch.set_num_threads(spec.inner.torch_threads)
+        self.spec, self.rank = spec, rank
+        group = WorkerGroup(rank=rank, world_size=spec.workers, addr=addr, port=port, backend=backend_for(spec.accelerator))
+        self._follower = IslandFollower(
+            model_config=spec.model_config, inner=spec.inner, plan=spec.plan, data=ray.get(data[0]),
+            shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed, group=group,
+        )
+        self._thread = threading.Thread(target=self._run, name=f"island-{spec.island}-w{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._follower.run()
+        if self._follower.state == "failed":
+            logging.getLogger(__name__).error("island %d worker %d ends its process: %s",
+                                              self.spec.island, self.rank, self._follower.error)
+            os._exit(1)  # one failure domain: take the island's collectives down with us
+
+    def ping(self) -> tuple[int, int, int, float]:
+        """Liveness probe: (island, incarnation, rank, wall time)."""
+        return self.spec.island, self.spec.incarnation, self.rank, time.time()
+
+    def node_id(self) -> str:
+        """The Ray node this process runs on (placement checks)."""
+        return ray.get_runtime_context().get_node_id()
+
+    def placement_group_id(self) -> str | None:
+        """The id (hex) of the placement group this process runs in (placement checks)."""
+        return _placement_group_id()
+
+    def watch(self, timeout_s: float = 5.0) -> str:
+        """Wait up to `timeout_s` for the follower loop to end; returns its state."""
+        self._thread.join(timeout_s)
+        return self._follower.state
+
+    def steps(self) -> int:
+        """Inner steps this worker has taken."""
+        return self._follower.steps
+
+    def parameters(self) -> dict:
+        """A copy of this worker's parameters (tests: every worker of an island holds the same ones)."""
+        return self._follower.parameters()
+
+
 class _OuterShell:
     """Async shell: polls islands for submissions, feeds the core, publishes each new version once.
 
     With a checkpoint URI it saves the core atomically every `checkpoint_every_s` and, when Ray
     restarts it (max_restarts=-1), restores the newest valid checkpoint in __init__ and bumps its
     epoch; the health monitor sees the new epoch, resyncs the islands and registers them again.
+
+    With an EMULATED `network` (policies.network), a submission reaches the core only when its uplink
+    transfer on its island's region link completes, and a published fragment reaches an island only
+    when its downlink transfer completes (FIFO per link and direction, off the poll loop: the islands
+    keep computing). Bytes are counted per link and direction in every scenario.
     """
 
     def __init__(self, plan: FragmentPlan, settings: OuterSettings, embedding_names: frozenset[str],
-                 checkpoint_uri: str, checkpoint_every_s: float = 30.0, checkpoint_keep: int = 3) -> None:
+                 checkpoint_uri: str, checkpoint_every_s: float = 30.0, checkpoint_keep: int = 3,
+                 network: NetworkModel | None = None, island_regions: dict[int, str] | None = None) -> None:
         _quiet_worker()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-core")
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-ckpt")
@@ -155,13 +240,25 @@ class _OuterShell:
                         latest.step, self.core.versions, self.epoch)
         # The latest published version of every fragment: one ray.put each, handed out as [ref].
         self._refs = [ray.put(self.core.fragment(p)) for p in range(plan.num_fragments)]
+        self._fragment_nbytes = [sum(t.numel() * t.element_size() for t in self.core.fragment(p))
+                                 for p in range(plan.num_fragments)]
         self._islands: dict[int, tuple[int, Any]] = {}
         self._pollers: dict[int, asyncio.Task] = {}
         self._ticker: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
+        self._finishing = False  # the final flush has begun: pollers end when their island's outbox is empty
         self._bytes_down = 0
         self._events_cursor = (0, 0)
+        # Island i's traffic uses its pool region's link; no network = scenario none (count, never delay).
+        self._network = network or NetworkModel("none", "local", {}, emulated=False)
+        self._links = LinkSchedule(self._network)
+        self._regions = {int(i): r for i, r in (island_regions or {}).items()}
+        self._in_transit: dict[Any, Submission] = {}  # submission key -> submission on its uplink
+        self._transfers: set[asyncio.Task] = set()
+        self._network_wait_s = {"up": 0.0, "down": 0.0}  # delivery delay added by the emulated links
+        self._down_queue: dict[int, dict[int, tuple[FragmentUpdate, int]]] = {}  # island -> fragment -> newest waiting
+        self._down_senders: set[int] = set()  # islands whose downlink sender task is running
 
     def _now(self) -> float:
         return time.monotonic() - self._t0
@@ -211,17 +308,104 @@ class _OuterShell:
                     await self.unregister(island)
                 return
             if sub is None:
+                if self._finishing:
+                    return  # the island stopped and its outbox is empty: nothing more will come
                 continue
             if self._stopping:
                 await self._core(self.core.record_late, sub)
                 return
-            results, refusal = await self._core(self.core.receive, sub, self._now())
-            await self._publish(results)
-            if refusal is not None:
-                # Resync the refused island's fragment to the current version (or just clear its bookkeeping).
-                version = await self._core(lambda: self.core.versions[refusal.fragment]) if 0 <= refusal.fragment < len(self._refs) else None
-                if version is not None:
-                    handle.adopt.remote(FragmentUpdate(refusal.fragment, version, [self._refs[refusal.fragment]], refused=(refusal.key,)))
+            region = self._region(island)
+            if self._network.emulated:
+                # The core sees it when its uplink transfer (from when the island cut it) completes; a task,
+                # so this poller fetches the next submission meanwhile.
+                done_at = self._links.reserve(region, "up", sub.nbytes, sub.created_at or time.time())
+                self._in_transit[sub.key] = sub
+                self._spawn(self._arrive(island, sub, handle, done_at))
+                continue
+            self._links.account(region, "up", sub.nbytes)
+            await self._receive(island, sub, handle)
+
+    async def _receive(self, island: int, sub: Submission, handle: Any) -> None:
+        results, refusal = await self._core(self.core.receive, sub, self._now())
+        await self._publish(results)
+        if refusal is not None:
+            # Resync the refused island's fragment to the current version (or just clear its bookkeeping).
+            version = await self._core(lambda: self.core.versions[refusal.fragment]) if 0 <= refusal.fragment < len(self._refs) else None
+            if version is not None:
+                p = refusal.fragment
+                self._send_down(island, handle, FragmentUpdate(p, version, [self._refs[p]], refused=(refusal.key,)),
+                                self._fragment_nbytes[p])
+
+    def _region(self, island: int) -> str:
+        return self._regions.get(island, self._network.hub)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._transfers.add(task)  # keep a reference: the loop only holds tasks weakly
+        task.add_done_callback(self._transfer_done)
+
+    def _transfer_done(self, task: asyncio.Task) -> None:
+        self._transfers.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("emulated network transfer failed: %r", task.exception())
+
+    async def _arrive(self, island: int, sub: Submission, handle: Any, done_at: float) -> None:
+        """An uplink transfer: wait until it completes, then hand the submission to the core."""
+        wait = done_at - time.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        if self._in_transit.pop(sub.key, None) is None:
+            return  # stop() already counted it as in flight
+        self._network_wait_s["up"] += max(wait, 0.0)
+        if self._stopping:
+            await self._core(self.core.record_late, sub)
+            return
+        await self._receive(island, sub, handle)
+
+    def _send_down(self, island: int, handle: Any, update: FragmentUpdate, nbytes: int) -> None:
+        """Send a fragment to an island: now (scenario none) or over its EMULATED downlink.
+
+        On an emulated link each island has one sender that always sends the newest version of each
+        fragment: a version published while an older one still waits for the link replaces it (its
+        merged/refused keys carried over), so a slow link delays adoption but never builds a backlog
+        of versions nobody needs any more.
+        """
+        region = self._region(island)
+        if not self._network.emulated:
+            self._bytes_down += nbytes
+            self._links.account(region, "down", nbytes)
+            handle.adopt.remote(update)  # fire and forget: a dead island shows up in its poller
+            return
+        queue = self._down_queue.setdefault(island, {})
+        waiting = queue.get(update.fragment)
+        if waiting is not None:
+            older = waiting[0]
+            if older.version > update.version:
+                older, update = update, older
+            update = dataclasses.replace(update, merged=older.merged + update.merged, refused=older.refused + update.refused)
+        queue[update.fragment] = (update, nbytes)  # a replaced entry keeps its place in the queue
+        if island not in self._down_senders:
+            self._down_senders.add(island)
+            self._spawn(self._deliver(island, region))
+
+    async def _deliver(self, island: int, region: str) -> None:
+        """One island's downlink: the oldest waiting fragment first, one transfer at a time."""
+        try:
+            queue = self._down_queue.get(island, {})
+            while queue and not self._stopping:
+                fragment = next(iter(queue))
+                update, nbytes = queue.pop(fragment)
+                self._bytes_down += nbytes
+                done_at = self._links.reserve(region, "down", nbytes, time.time())
+                wait = done_at - time.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                self._network_wait_s["down"] += max(wait, 0.0)
+                live = self._islands.get(island)
+                if live is not None and not self._stopping:
+                    live[1].adopt.remote(update)
+        finally:
+            self._down_senders.discard(island)
 
     async def _tick(self) -> None:
         assert self._wake is not None
@@ -249,9 +433,9 @@ class _OuterShell:
             self._refs[result.fragment] = ref  # dropping the old ref lets the store free it
             update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged)
             nbytes = sum(t.numel() * t.element_size() for t in result.tensors)
-            for _, handle in list(self._islands.values()):
-                handle.adopt.remote(update)  # fire and forget: a dead island shows up in its poller
-                self._bytes_down += nbytes
+            for island, (_, handle) in list(self._islands.items()):
+                if not self._finishing:  # after the final flush nobody trains on it any more
+                    self._send_down(island, handle, update, nbytes)
             await self._core(self.core.observe_publish, time.perf_counter() - t0, result.record.merge_s)
 
     # ------------------------------------------------------------ control plane
@@ -267,6 +451,12 @@ class _OuterShell:
             }
         out = await self._core(snapshot)
         out["bytes_down"] = self._bytes_down
+        out["bytes_by_link"] = self._links.bytes_by_link()  # {region: {up, down}}, incl. refused and in flight
+        out["transfers_by_link"] = self._links.transfers_by_link()
+        out["in_transit"] = len(self._transfers)  # emulated transfers not yet delivered, both directions
+        out["network_wait_s"] = dict(self._network_wait_s)
+        out["network"] = self._network.describe()
+        out["network_emulated"] = self._network.emulated
         return out
 
     async def drain_events(self) -> dict:
@@ -326,6 +516,22 @@ class _OuterShell:
                     "received": [[i, inc, toks] for (i, inc), toks in c.received.items()]}
         return await self._core(take)
 
+    async def finish(self, timeout_s: float = 60.0) -> int:
+        """The final flush, after the islands stopped with `flush=True`: take their last submissions,
+        wait for their (emulated) uplinks, then close every round that has any, whatever the quorum
+        says. Without it the last H/P steps of every island would end the run unmerged. Returns the
+        number of rounds it closed."""
+        self._finishing = True
+        deadline = time.monotonic() + timeout_s
+        pollers = [t for t in self._pollers.values() if not t.done()]
+        if pollers:
+            await asyncio.wait(pollers, timeout=timeout_s)
+        while self._in_transit and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        results = await self._core(self.core.close_all, self._now())
+        await self._publish(results)
+        return len(results)
+
     async def stop(self) -> dict:
         """Stop polling; submissions already taken count as in flight. Returns the final ledger."""
         self._stopping = True
@@ -333,10 +539,18 @@ class _OuterShell:
         tasks = list(self._pollers.values()) + ([self._ticker] if self._ticker else [])
         if tasks:
             await asyncio.wait(tasks, timeout=30)
+        # Submissions still on an emulated uplink were taken: they count as in flight at stop.
+        late, self._in_transit = list(self._in_transit.values()), {}
+        for sub in late:
+            await self._core(self.core.record_late, sub)
+        for task in list(self._transfers):
+            task.cancel()
         return await self._core(self.core.ledger)
 
 
 IslandActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=8)(_IslandShell)
+# Followers are rebuilt with their leader (one failure domain), never restarted alone.
+IslandWorkerActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=4)(_IslandWorker)
 # The outer optimizer restarts itself from its checkpoint; the island actors are rebuilt by the health
 # monitor instead (a new incarnation each time), and the monitor re-adopts islands when it restarts.
 OuterOptimizerActor = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=64)(_OuterShell)

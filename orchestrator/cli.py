@@ -5,6 +5,9 @@ Examples:
   diloco train --run-dir runs/sync --set mode=sync-diloco
   diloco train --config configs/default.yaml --set run.token_budget=2000000 --set outer.min_quorum=2
   diloco simulate --method decoupled --chips 1200000 --learners 8 --mtbi-chip-years 1
+  diloco submit --address http://127.0.0.1:8265 --config configs/default.yaml   # as a Ray job
+  diloco status                                  # a live run's versions, islands, goodput
+  diloco baseline-dp --set run.token_budget=1000000   # synchronous data parallel on Ray Train
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def format_summary(summary: dict) -> str:
                      f"{isl['steps']} steps, {isl['tokens']:,} tokens, {isl['state']}")
     if summary.get("emulation"):
         lines.append(summary["emulation"])
+    if summary.get("network_emulated"):
+        lines.append(summary["network"])  # starts with "EMULATED network"
     return "\n".join(lines)
 
 
@@ -156,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         simulate_cli = None
     if simulate_cli is not None:
         simulate_cli.register(sub)
+    from orchestrator import jobs  # `diloco submit` and `diloco status` (Ray Jobs API, live runs)
+
+    jobs.register(sub)
+    from orchestrator import baseline_dp  # `diloco baseline-dp` (Ray Train TorchTrainer baseline; Ray imported lazily)
+
+    baseline_dp.register(sub)
     return parser
 
 

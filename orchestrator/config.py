@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from policies.adoption import parse_adoption
 from policies.compression import SCHEMES
 from policies.merge import MERGE_RULES
+from policies.network import SCENARIOS as NETWORK_SCENARIOS
 
 MODES = ("decoupled", "sync-diloco", "streaming-diloco")
 
@@ -227,6 +228,26 @@ class CheckpointSection(_Section):
     keep: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted.")
 
 
+class NetworkSection(_Section):
+    """EMULATED wide-area network between the pools' regions and the outer optimizer (policies.network).
+
+    Submissions reach the outer optimizer only after their uplink transfer, and published fragments reach
+    each island only after its downlink transfer, on per-region links scaled so that communication time /
+    compute time per step matches a 12B-parameter model on the named network (docs/network.md).
+    """
+
+    scenario: str = Field("none", description="none (no delay) | lan | wan-4-regions | wan-8-regions; pool regions must be in the scenario.")
+    hub_region: str | None = Field(None, description="Region of the outer optimizer (the star's hub); None = the scenario's (us-central for the WANs, the first pool's region otherwise).")
+    local_step_s: float | None = Field(None, gt=0, description="Inner-step compute time in seconds used for the scaling; None = measure a few inner steps of the model at setup.")
+
+    @field_validator("scenario")
+    @classmethod
+    def _scenario(cls, v: str) -> str:
+        if v not in NETWORK_SCENARIOS:
+            raise ValueError(f"unknown network scenario {v!r}; use one of {', '.join(NETWORK_SCENARIOS)}")
+        return v
+
+
 class RunSection(_Section):
     """Run-level settings: stop rule, seeds, timeouts."""
 
@@ -235,6 +256,7 @@ class RunSection(_Section):
     placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for an island's placement group.")
     call_timeout_s: float = Field(60.0, gt=0, description="Timeout of control-plane calls (status, adopt, stop).")
     max_wall_s: float | None = Field(None, gt=0, description="Hard wall-clock stop in seconds (None = only the token budget).")
+    final_flush: bool = Field(True, description="At stop, cut every island's unsubmitted progress into submissions and merge them whatever the quorum (otherwise that work is lost).")
 
 
 class RunConfig(_Section):
@@ -254,6 +276,7 @@ class RunConfig(_Section):
     chaos: ChaosSection = Field(default_factory=ChaosSection, description="Fault injection (chaos engineering).")
     health: HealthSection = Field(default_factory=HealthSection, description="Health monitoring and restarts.")
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Outer-optimizer checkpoints.")
+    network: NetworkSection = Field(default_factory=NetworkSection, description="EMULATED network between regions (none = no delay).")
     pools: list[PoolConfig] = Field(
         default_factory=lambda: [
             PoolConfig(name="fast", islands=2, cpus_per_island=0.5),

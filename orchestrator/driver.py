@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import ray
+import torch
 import yaml
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -28,18 +29,20 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from islands.data import Corpus, load_parquet_corpus, load_stdlib_corpus, unigram_bits_per_byte
 from islands.island import IslandSpec
 from islands.model import build_model, model_config
-from islands.trainer import InnerSettings
+from islands.trainer import InnerSettings, InnerTrainer
 from orchestrator.accounting import run_goodput, token_fates
 from orchestrator.actors import (NAMESPACE, WORKER_ENV, ChaosInjectorActor, HealthMonitorActor, IslandActor,
-                                 OuterOptimizerActor, ignore_zero_copy_warnings)
+                                 IslandWorkerActor, OuterOptimizerActor, ignore_zero_copy_warnings)
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import ConfigError, RunConfig, build_config
 from orchestrator.evaluation import Evaluator
 from orchestrator.eventlog import EventLog
+from orchestrator.metrics import RunMetrics
 from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
 from orchestrator.placement import remove_run_groups
 from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
+from policies.network import NetworkModel, build_network
 
 log = logging.getLogger(__name__)
 _TRANSIENT = (RayActorError, RayTaskError, GetTimeoutError)
@@ -94,6 +97,7 @@ def island_specs(cfg: RunConfig, model_cfg, plan) -> list[IslandSpec]:
                 inner=inner, sync_every_steps=cfg.outer.sync_every_steps, adoption=cfg.outer.adoption,
                 compression=cfg.outer.compression, compression_block_size=cfg.outer.compression_block_size,
                 wait_for_round=cfg.outer.wait_for_round, seed=cfg.run.seed,
+                workers=pool.workers_per_island, accelerator=pool.accelerator,
             ))
             island += 1
     return specs
@@ -106,6 +110,42 @@ def emulation_note(cfg: RunConfig) -> str | None:
     return f"EMULATION: pool speeds emulated by throttling on one machine ({', '.join(parts)})" if parts else None
 
 
+def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4) -> float:
+    """Median compute time of one inner step of the model on this machine (2 warm-up steps first).
+
+    The emulated network is scaled to it (policies.network); measured in the driver process with the
+    islands' thread count, before any island starts, so nothing else of the run competes.
+    """
+    inner = InnerSettings(lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay, beta1=cfg.inner.beta1,
+                          beta2=cfg.inner.beta2, warmup_steps=cfg.inner.warmup_steps, grad_clip=cfg.inner.grad_clip,
+                          torch_threads=cfg.inner.torch_threads, batch_size=cfg.data.batch_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.inner.torch_threads)
+    try:
+        trainer = InnerTrainer(model_cfg, train_data, settings=inner, shard_index=0, num_shards=1, seed=cfg.run.seed)
+        times = [trainer.step().compute_s for _ in range(steps + 2)][2:]
+    finally:
+        torch.set_num_threads(threads)
+    return sorted(times)[len(times) // 2]
+
+
+def build_run_network(cfg: RunConfig, model_bytes: int, step_s: Callable[[], float]) -> tuple[NetworkModel, dict[int, str]]:
+    """The run's network model (cfg.network) and island -> region (its pool's), islands in pool order.
+
+    `step_s` measures the inner-step time; it is only called for an emulated scenario without
+    network.local_step_s. Raises ConfigError (one line) for a pool region the scenario lacks.
+    """
+    regions = {i: pool.region for i, pool in enumerate(p for p in cfg.pools for _ in range(p.islands))}
+    n = cfg.network
+    local_step_s = n.local_step_s if n.local_step_s is not None or n.scenario == "none" else step_s()
+    try:
+        network = build_network(n.scenario, [p.region for p in cfg.pools], model_bytes=model_bytes,
+                                local_step_s=local_step_s or 0.0, hub_region=n.hub_region)
+    except ValueError as err:
+        raise ConfigError(f"network: {err}") from None
+    return network, regions
+
+
 def ensure_ray(cfg: RunConfig, address: str | None) -> bool:
     """Connect to `address` or start a local Ray; returns True when this call started it."""
     if ray.is_initialized():
@@ -114,7 +154,10 @@ def ensure_ray(cfg: RunConfig, address: str | None) -> bool:
         ray.init(address=address, runtime_env={"env_vars": WORKER_ENV})
         return True
     # Logical CPUs may exceed physical cores: islands are throttled or small; Ray only counts.
-    needed = math.ceil(sum(p.cpus_per_island * (p.islands + cfg.health.warm_spares) for p in cfg.pools))
+    # Every worker of an island reserves its own bundle; pools of several workers per island get no spares.
+    needed = math.ceil(sum(p.cpus_per_island * (p.islands * p.workers_per_island
+                                                + (cfg.health.warm_spares if p.workers_per_island == 1 else 0))
+                           for p in cfg.pools))
     # address="local": never join some other cluster running on this machine by accident.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
              runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING)
@@ -150,6 +193,7 @@ class Run:
         self.tokens_before = 0
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self._stop_requested = False
+        self.metrics = RunMetrics(self.run_id)  # Prometheus metrics via ray.util.metrics (docs/metrics.md)
 
     def request_stop(self) -> None:
         """Ask a running `train()` to finish now (from another thread, e.g. a notebook or a test)."""
@@ -175,6 +219,10 @@ class Run:
         model = build_model(self.model_cfg, seed=cfg.run.seed)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         self.plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], cfg.outer.num_fragments)
+        model_bytes = sum(t.numel() * 4 for t in initial.values())  # float32 bytes: the network's scaling unit
+        self.network, island_regions = build_run_network(
+            cfg, model_bytes, lambda: measure_step_s(cfg, self.model_cfg, self.corpus.train))
+        log.info("%s", self.network.describe())
         self.unigram_bpb = unigram_bits_per_byte(self.corpus.train, self.corpus.heldout, vocab_size=self.corpus.vocab_size)
         self.evaluator = Evaluator(self.model_cfg, self.corpus.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
         self.tape = tape_from_config(cfg.chaos.spec(), islands=cfg.num_islands, horizon_s=cfg.chaos.horizon_s)
@@ -192,7 +240,7 @@ class Run:
         self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0,
                                                  scheduling_strategy=here).remote(
             self.plan, outer_settings(cfg), model.embedding_parameter_names(),
-            ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep)
+            ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep, network=self.network, island_regions=island_regions)
         extra = self._get(self.outer.restored_extra.remote())
         self.tokens_before = int(extra.get("tokens_processed", 0))
         acct = self._get(self.outer.accounting.remote())
@@ -215,7 +263,7 @@ class Run:
             health={"factor": h.hang_factor, "floor_s": h.hang_floor_s, "startup_s": h.startup_s, "unreachable_s": h.unreachable_s},
             restart={"base_s": h.backoff_base_s, "cap_s": h.backoff_cap_s, "reset_after_s": h.reset_after_s,
                      "max_restarts": h.max_restarts},
-            warm_spares=h.warm_spares,
+            warm_spares=h.warm_spares, worker_cls=IslandWorkerActor,
         )
         self._evaluate(time.monotonic())  # the starting point (before any island trains): how far the loss fell
         try:
@@ -271,6 +319,7 @@ class Run:
         got = self._get(self.outer.drain_events.remote())
         self.events.add("rounds", got["rounds"])
         self.events.add("refusals", got["refusals"])
+        self.metrics.record_events(got["rounds"], got["refusals"], self.snapshot)
 
     def _report(self, t0: float, status: dict) -> None:
         if self.progress is None:
@@ -303,6 +352,7 @@ class Run:
                 time.sleep(0.5)
                 continue
             self._report(t0, status)
+            self.metrics.record_status(status, self.snapshot, tokens_processed=self._tokens())
             now = time.monotonic()
             if self._tokens() >= self.cfg.run.token_budget or self._stop_requested:
                 break
@@ -316,13 +366,20 @@ class Run:
                 self._drain_events()
                 self.events.flush()
                 next_flush = now + 5.0
+                self.metrics.record_goodput_so_far(lambda: self._get(self.outer.accounting.remote()), status=status,
+                                                   snapshot=self.snapshot, run_start=self.run_start, baseline=self.baseline)
             time.sleep(0.5)
         return self._finish(t0)
 
     def _finish(self, t0: float) -> dict:
-        self.snapshot = self._get(self.monitor.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
+        flush = self.cfg.run.final_flush
+        self.snapshot = self._get(self.monitor.stop.remote(flush=flush), timeout=self.cfg.run.call_timeout_s + 30)
         run_end = time.time()
         wall = time.monotonic() - t0
+        if flush:
+            closed = self._get(self.outer.finish.remote(self.cfg.run.call_timeout_s), timeout=self.cfg.run.call_timeout_s + 30)
+            log.info("final flush: %d rounds closed with the islands' last progress", closed)
+            self.snapshot = self._get(self.monitor.refresh_statuses.remote(), timeout=self.cfg.run.call_timeout_s + 30)
         ledger = self._get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
         acct = self._get(self.outer.accounting.remote())
         status = self._get(self.outer.status.remote())
@@ -337,6 +394,8 @@ class Run:
                             received=received, live=live, dead=dead)
         good = run_goodput(timeline=self.snapshot["timeline"], useful_s=acct["useful_s"], run_start=self.run_start,
                            run_end=run_end, islands=self.cfg.num_islands, advances=acct["advances"], fates=fates)
+        self.metrics.record_status(status, self.snapshot, tokens_processed=self._tokens())
+        self.metrics.record_goodput(good["goodput"], good["uptime"])
         self.events.add("islands", [{**asdict(s), "alive_at_stop": s in live} for s in live + dead])
         self.events.add("timeline", [{"at": t, "island": i, "incarnation": inc, "state": st}
                                      for t, i, inc, st in self.snapshot["timeline"]])
@@ -380,6 +439,10 @@ class Run:
             "bytes_up": status["bytes_up"],
             "bytes_down": status["bytes_down"],
             "bytes_sent": status["bytes_up"] + status["bytes_down"],
+            "bytes_by_link": status["bytes_by_link"],  # {region: {up, down}} bytes on each region's link to the hub
+            "network": self.network.describe(),
+            "network_emulated": self.network.emulated,
+            "network_wait_s": status["network_wait_s"],  # delivery delay the emulated links added, per direction
             "wall_s": wall,
             "run_start": self.run_start,  # wall clock (time.time) that goodput, chaos tapes and `at` fields count from
             "resumed": self.resume,

@@ -9,6 +9,12 @@ same pool, started from the outer optimizer's current versions and its last merg
 Islands are detached and named `<run_id>-island<i>-inc<n>`, so a restarted monitor re-adopts them by
 name instead of taking them down (actors die with their creator otherwise). The monitor starts its
 loop lazily on the first call, which also covers a restart by Ray.
+
+An island of several workers (pool `workers_per_island` > 1) is the leader above (rank 0, bundle 0)
+plus followers `<leader name>-w<r>` on bundles 1..W-1 of the same placement group. It is one failure
+domain: a dead follower fails the leader's next collective, and any failure kills leader and
+followers and removes the group before the island is rebuilt whole. Such pools get no warm spares
+(a spare would have to be a whole pre-joined worker group; they restart cold).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,9 +70,15 @@ class HealthMonitor:
     def __init__(self, *, run_id: str, namespace: str, pools: list[PoolConfig], specs: list[IslandSpec],
                  data: list[Any], outer_name: str, island_cls: Any, placement_timeout_s: float,
                  call_timeout_s: float, tick_s: float = 0.25, health: dict | None = None,
-                 restart: dict | None = None, warm_spares: int = 0) -> None:
+                 restart: dict | None = None, warm_spares: int = 0, worker_cls: Any = None) -> None:
         self.run_id, self.namespace = run_id, namespace
         self.pools = {p.name: p for p in pools}
+        multi = [p.name for p in pools if p.workers_per_island > 1]
+        if multi and worker_cls is None:
+            raise ValueError(f"pools {multi} have workers_per_island > 1 but no worker_cls was given; pass "
+                             "orchestrator.actors.IslandWorkerActor")
+        self.worker_cls = worker_cls
+        self.followers: dict[int, list[Any]] = {}  # island -> handles of ranks 1..W-1
         self.specs = {s.island: s for s in specs}
         self.data = data
         self.outer_name = outer_name
@@ -131,11 +144,16 @@ class HealthMonitor:
     async def _adopt_existing(self) -> set[int]:
         # Every process of this run is named `<run_id>-...`; each says which slot it serves (spares: none).
         found: dict[int, tuple[int, str, Any]] = {}
+        followers: dict[str, list[Any]] = {}  # leader name -> its followers (`<leader>-w<r>`)
         for entry in ray.util.list_named_actors(all_namespaces=True):
             name = entry["name"]
             if entry.get("namespace") != self.namespace or not name.startswith(f"{self.run_id}-"):
                 continue
             handle = ray.get_actor(name, namespace=self.namespace)
+            follower = re.fullmatch(r"(.*)-w\d+", name)
+            if follower:
+                followers.setdefault(follower.group(1), []).append(handle)
+                continue
             try:
                 island, inc, _ = await asyncio.wait_for(handle.ping.remote(), timeout=self.call_timeout_s)
             except Exception as err:  # noqa: BLE001 - a dead process is rebuilt by the normal path
@@ -152,15 +170,22 @@ class HealthMonitor:
             slot.incarnation, slot.name = inc, name
             self.handles[island] = handle
             self.groups[island] = get_placement_group(name)
+            self.followers[island] = followers.pop(name, [])
             self._mark(slot, "training")
             slot.last_progress_at = slot.last_status_at = time.monotonic()
             self.watchers[island] = asyncio.get_running_loop().create_task(self._watch(slot, inc))
             log.warning("re-adopted island %d incarnation %d (%s) after a monitor restart", island, inc, name)
+        for name, orphans in followers.items():  # followers of a leader that is gone: their island is rebuilt whole
+            log.warning("killing %d followers of %s, whose leader is gone", len(orphans), name)
+            for handle in orphans:
+                ray.kill(handle, no_restart=True)
         return set(found)
 
     # ------------------------------------------------------------------ warm spares
 
     def _refill(self, pool: str) -> None:
+        if self.pools[pool].workers_per_island > 1:
+            return  # no warm spares for islands of several workers: they restart cold (see the module docstring)
         if self.warm_spares and not self._stopping and pool not in self._spare_tasks:
             self._spare_tasks[pool] = asyncio.get_running_loop().create_task(self._ensure_spares(pool))
 
@@ -225,7 +250,7 @@ class HealthMonitor:
             cursor = (await self._call(outer.resume_cursor.remote(slot.island))) or 0
         latest = await self._call(outer.latest.remote())
         spec = dataclasses.replace(self.specs[slot.island], incarnation=slot.incarnation)
-        handle = await self._activate_spare(slot, spec, latest, cursor)
+        handle = await self._activate_spare(slot, spec, latest, cursor) if pool.workers_per_island == 1 else None
         if handle is not None:
             self._refill(slot.pool)
         else:
@@ -243,13 +268,17 @@ class HealthMonitor:
             handle = self.island_cls.options(
                 name=slot.name, namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
                 resources=dict(pool.resources), scheduling_strategy=island_scheduling(group),
+                **({"num_gpus": pool.gpus_per_worker} if pool.gpus_per_worker > 0 else {}),
             ).remote(spec, self.data, latest, cursor)
         self._mark(slot, "reintegrating")
         try:
+            if pool.workers_per_island > 1:
+                await self._start_followers(slot, spec, handle, self.groups[slot.island])
             slot.node = await asyncio.wait_for(handle.node_id.remote(), timeout=self.placement_timeout_s)
             await self._call(outer.register.remote(slot.island, slot.incarnation, handle))
         except BaseException:
             ray.kill(handle, no_restart=True)  # never leave a half-started detached island behind
+            self._kill_followers(slot.island)
             raise
         # Health checks see the island only from here on: construction time is not a hang.
         slot.steps, slot.status = 0, None
@@ -257,6 +286,27 @@ class HealthMonitor:
         self.handles[slot.island] = handle
         self.watchers[slot.island] = loop.create_task(self._watch(slot, slot.incarnation))
         log.info("island %d incarnation %d up on node %s (cursor %d)", slot.island, slot.incarnation, slot.node, cursor)
+
+    async def _start_followers(self, slot: SlotState, spec: IslandSpec, leader: Any, group: Any) -> None:
+        # The leader (rank 0) opened the rendezvous in its constructor; ranks 1..W-1 join it on their own
+        # bundles. The leader trains once all have joined (bounded by the group's timeout).
+        pool = self.pools[slot.pool]
+        addr, port = await asyncio.wait_for(leader.rendezvous.remote(), timeout=self.placement_timeout_s)
+        self.followers[slot.island] = [
+            self.worker_cls.options(
+                name=f"{slot.name}-w{rank}", namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
+                resources=dict(pool.resources), scheduling_strategy=island_scheduling(group, bundle=rank),
+                **({"num_gpus": pool.gpus_per_worker} if pool.gpus_per_worker > 0 else {}),
+            ).remote(spec, self.data, rank, addr, port)
+            for rank in range(1, pool.workers_per_island)
+        ]
+
+    def _kill_followers(self, island: int) -> None:
+        for handle in self.followers.pop(island, []):
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as err:  # noqa: BLE001 - already gone is fine
+                log.info("kill island %d follower: %s", island, err)
 
     async def _watch(self, slot: SlotState, incarnation: int) -> None:
         # One outstanding call per island: an error here is the fastest death signal there is.
@@ -297,13 +347,14 @@ class HealthMonitor:
         self.restarting[slot.island] = asyncio.get_running_loop().create_task(self._restart(slot, delay, died_at))
 
     async def _teardown(self, slot: SlotState) -> None:
-        # Rebuild whole: kill the actor, then remove its group (never the reverse; see placement.py).
+        # Rebuild whole: kill the actors (leader and followers), then remove the group (never the reverse).
         handle = self.handles.pop(slot.island, None)
         if handle is not None:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception as err:  # noqa: BLE001 - already gone is fine
                 log.info("kill island %d: %s", slot.island, err)
+        self._kill_followers(slot.island)
         try:
             await self._call(self._outer().unregister.remote(slot.island))
         except Exception as err:  # noqa: BLE001 - the outer optimizer may itself be restarting
@@ -439,20 +490,33 @@ class HealthMonitor:
             "spares": {pool: len(sp) for pool, sp in self.spares.items()}, "detections": list(self.detections),
         }
 
-    async def stop(self) -> dict:
-        """Stop monitoring and every island (outboxes freeze); returns the final snapshot."""
+    async def stop(self, flush: bool = False) -> dict:
+        """Stop monitoring and every island; returns the final snapshot.
+
+        Outboxes freeze, unless `flush`: then each island cuts its remaining progress into submissions
+        the outer optimizer still takes (see `LearnerIsland.stop`)."""
         self._stopping = True
         for task in list(self.restarting.values()):
             task.cancel()
         finals = {}
         for island, handle in list(self.handles.items()):
             try:
-                finals[island] = await self._call(handle.stop.remote())
+                finals[island] = await self._call(handle.stop.remote(flush=flush))
             except Exception as err:  # noqa: BLE001 - a dying island at stop is reported, not fatal
                 log.warning("stop island %d: %s", island, err)
         for island, st in finals.items():
             self.slots[island].status = st
             self._mark(self.slots[island], "stopped")
+        return self.snapshot()
+
+    async def refresh_statuses(self) -> dict:
+        """Ask every stopped island for its status again (after the final flush drained its outbox, so
+        that token accounting sees what the outer optimizer took); returns the snapshot."""
+        for island, handle in list(self.handles.items()):
+            try:
+                self.slots[island].status = await self._call(handle.status.remote())
+            except Exception as err:  # noqa: BLE001 - a dying island keeps its last status
+                log.warning("status of stopped island %d: %s", island, err)
         return self.snapshot()
 
     async def teardown(self) -> None:

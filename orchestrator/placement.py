@@ -3,6 +3,11 @@
 An island is its own failure domain: one group, created whole, removed whole (never partially
 rescheduled; see shared/notes/ray-2.60.md on ray-project/ray#65147). Pinning uses node labels
 (`bundle_label_selector`) and/or custom resources, both taken from the pool's config.
+
+An island of W workers (`workers_per_island`) reserves W bundles, one per worker, every one with the
+pool's selector. Strategy PACK: as few nodes as possible (NCCL inside a node is fastest) but allowed
+to span nodes of the pool, so an island larger than one node can be placed at all; STRICT_PACK
+would refuse it. One-bundle islands keep STRICT_PACK (the same thing for one bundle).
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ class PlacementError(RuntimeError):
 
 
 def island_bundle(pool: PoolConfig) -> dict[str, float]:
-    """The resources one island reserves on its pool."""
-    return {"CPU": pool.cpus_per_island, **pool.resources}
+    """The resources one worker of an island reserves on its pool (one bundle)."""
+    gpus = {"GPU": pool.gpus_per_worker} if pool.gpus_per_worker > 0 else {}
+    return {"CPU": pool.cpus_per_island, **gpus, **pool.resources}
 
 
 def create_island_group(pool: PoolConfig, *, name: str, timeout_s: float, lifetime: str | None = None) -> PlacementGroup:
@@ -34,26 +40,28 @@ def create_island_group(pool: PoolConfig, *, name: str, timeout_s: float, lifeti
     `lifetime="detached"` keeps the group when its creator (the health monitor) restarts.
     """
     bundle = island_bundle(pool)
+    workers = pool.workers_per_island
     pg = placement_group(
-        [bundle],
-        strategy="STRICT_PACK",
+        [bundle] * workers,
+        strategy="STRICT_PACK" if workers == 1 else "PACK",
         name=name,
         lifetime=lifetime,
-        bundle_label_selector=[dict(pool.labels)] if pool.labels else None,
+        bundle_label_selector=[dict(pool.labels)] * workers if pool.labels else None,
     )
     if not pg.wait(timeout_s):
         remove_placement_group(pg)
         raise PlacementError(
-            f"pool {pool.name!r}: no node with labels {pool.labels or '{}'} could host bundle {bundle} "
+            f"pool {pool.name!r}: no node with labels {pool.labels or '{}'} could host {workers} x bundle {bundle} "
             f"within {timeout_s:.0f}s; check node labels/resources with `ray status`, or lower cpus_per_island"
+            + (" or workers_per_island" if workers > 1 else "")
         )
-    log.info("placement group %s ready on pool %s (bundle %s)", name, pool.name, bundle)
+    log.info("placement group %s ready on pool %s (%d x bundle %s)", name, pool.name, workers, bundle)
     return pg
 
 
-def island_scheduling(pg: PlacementGroup) -> PlacementGroupSchedulingStrategy:
-    """Schedule an island actor (and anything it starts) inside its placement group."""
-    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+def island_scheduling(pg: PlacementGroup, bundle: int = 0) -> PlacementGroupSchedulingStrategy:
+    """Schedule an island worker (and anything it starts) on bundle `bundle` of its placement group (rank = bundle)."""
+    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=True)
 
 
 def release_group(pg: PlacementGroup) -> None:

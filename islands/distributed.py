@@ -1,0 +1,246 @@
+"""Data parallel inside one island: W workers, one torch.distributed process group, one failure domain.
+
+Rank 0 is the island's leader (islands/island.py `LearnerIsland`, which keeps the whole control
+interface); ranks 1..W-1 are followers (`IslandFollower` here) that mirror it step for step:
+
+- Rendezvous: the leader opens a `TCPStore` on its node on a free port (port 0, so no race for the
+  port) and says where; followers join with their rank. One process group per island incarnation
+  (every incarnation is new processes), gloo on CPU, NCCL on GPU, with a finite timeout so a hung
+  peer fails the island instead of hanging it forever (a dead peer fails the next collective at once).
+- Step boundary: the leader applies published fragments (its adoption policy: overwrite, rebase or
+  mix), then broadcasts a small control tensor (stop, train this step, which fragments changed) and
+  the changed fragments' parameters; followers copy them in. Adoption never touches optimizer state,
+  so copying parameters is all a follower needs.
+- Inner step: worker r trains on batch `cursor * W + r` of the island's shard; gradients (and the
+  loss, for reporting) are averaged with one all_reduce; every worker applies the same AdamW step,
+  so parameters and optimizer state stay identical. This equals one step on the W batches
+  concatenated (mean loss), which tests/integration/test_multiworker.py checks against a
+  single-process reference.
+
+Torch only: the Ray side (actors, placement) is in orchestrator/actors.py and health_monitor.py.
+The NCCL path is written but has not run on a GPU in this project's tests (CPU-only machine).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from islands.model import ModelConfig
+from islands.trainer import InnerSettings, InnerTrainer
+from policies.fragments import FragmentPlan
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Rendezvous and collective timeout: generous for a cold start on a busy machine, finite so a hung
+peer fails the island (the health monitor usually notices the missing progress sooner)."""
+
+
+def island_device(accelerator: str) -> torch.device:
+    """The device an island's workers compute on: CPU for accelerator 'cpu', else this process's GPU."""
+    if accelerator == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"pool accelerator {accelerator!r} needs CUDA but torch.cuda.is_available() is False here; "
+                           "set the pool's accelerator to 'cpu', or install a CUDA build of torch and give the pool "
+                           "gpus_per_worker > 0")
+    # Ray sets CUDA_VISIBLE_DEVICES to the worker's own GPU(s): the first visible one is ours.
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def backend_for(accelerator: str) -> str:
+    """The collective backend of an island: gloo on CPU, NCCL on GPU."""
+    return "gloo" if accelerator == "cpu" else "nccl"
+
+
+@dataclass(frozen=True)
+class Control:
+    """What the leader tells its followers at one step boundary."""
+
+    stop: bool  # the island stops: leave the loop
+    train: bool  # take an inner step now (False while the island is blocked or hung)
+    changed: tuple[int, ...]  # fragments whose parameters follow, in this order
+
+
+class WorkerGroup:
+    """This process's place in its island's process group; rank 0 (the leader) hosts the rendezvous.
+
+    Construct rank 0 first (it binds the store and learns its port), hand `(addr, port)` to the
+    followers, then every rank calls `connect()`, which blocks until all `world_size` ranks joined
+    (at most `timeout_s`). Collectives are called from one thread per process.
+    """
+
+    def __init__(self, *, rank: int, world_size: int, addr: str, port: int = 0, backend: str = "gloo",
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if world_size < 2:
+            raise ValueError(f"world_size={world_size}: a worker group needs at least 2 workers; run W=1 islands without one")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+        if rank > 0 and port <= 0:
+            raise ValueError(f"rank {rank} needs the leader's port (got {port}); ask rank 0 for `port` after it is built")
+        self.rank, self.world_size, self.addr, self.backend = rank, world_size, addr, backend
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = torch.device("cpu") if backend == "gloo" else island_device("cuda")
+        self._store: Any = None
+        if rank == 0:  # port 0: the OS picks a free port while the store binds it, so nobody can take it first
+            self._store = dist.TCPStore(addr, port, world_size, True, timeout=self.timeout, wait_for_workers=False)
+            port = self._store.port
+        self.port = port
+        self.connected = False
+
+    def connect(self) -> None:
+        """Join the island's process group; blocks until every rank is in (raises after the timeout). Idempotent."""
+        if self.connected:
+            return
+        if self._store is None:
+            self._store = dist.TCPStore(self.addr, self.port, self.world_size, False, timeout=self.timeout)
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a process group; an island worker is one process per "
+                               "island incarnation (start a new process for a new incarnation)")
+        kwargs = {"device_id": self.device} if self.backend == "nccl" else {}
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(self.backend, store=self._store, rank=self.rank, world_size=self.world_size,
+                                timeout=self.timeout, **kwargs)
+        self.connected = True
+        log.info("worker %d/%d joined its island's %s group at %s:%d", self.rank, self.world_size, self.backend,
+                 self.addr, self.port)
+
+    def close(self) -> None:
+        """Leave the process group (after a clean stop; a failed island's processes are killed instead)."""
+        if self.connected and dist.is_initialized():
+            dist.destroy_process_group()
+        self.connected = False
+
+    # ------------------------------------------------------------ collectives
+
+    def average_gradients(self, params: Iterable[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+        """Replace every parameter's gradient by its mean over the workers (one all_reduce); returns the mean loss.
+
+        With equal batches per worker this is the gradient of the mean loss over all the workers'
+        batches together. A parameter without a gradient counts as zero (so buffers line up).
+        """
+        params = list(params)
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(torch.float32) for p in params]
+        flat = torch.cat(parts + [loss.detach().reshape(1).to(device=self.device, dtype=torch.float32)])  # [N + 1]
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= self.world_size
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                mean = flat[offset:offset + n].view_as(p).to(p.dtype)
+                if p.grad is None:
+                    p.grad = mean.clone()
+                else:
+                    p.grad.copy_(mean)
+                offset += n
+        return flat[-1]
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Rank 0's values of `tensors` into every rank's tensors, in place (one broadcast per dtype)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])  # [sum of numels]
+                dist.broadcast(flat, src=0)
+                if self.rank != 0:
+                    offset = 0
+                    for t in group:
+                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
+
+    def lead(self, fragments: Sequence[Sequence[torch.Tensor]], *, changed: Iterable[int], train: bool,
+             stop: bool = False) -> None:
+        """Leader, at a step boundary: send the control tensor, then the changed fragments' parameters."""
+        changed = sorted(set(changed))
+        ctrl = torch.zeros(2 + len(fragments), dtype=torch.int64, device=self.device)  # [stop, train, changed...]
+        ctrl[0], ctrl[1] = int(stop), int(train)
+        for p in changed:
+            ctrl[2 + p] = 1
+        dist.broadcast(ctrl, src=0)
+        if changed and not stop:
+            self.broadcast_([t for p in changed for t in fragments[p]])
+
+    def follow(self, fragments: Sequence[Sequence[torch.Tensor]]) -> Control:
+        """Follower, at a step boundary: receive the control tensor and copy in the changed fragments."""
+        ctrl = torch.zeros(2 + len(fragments), dtype=torch.int64, device=self.device)
+        dist.broadcast(ctrl, src=0)
+        flags = ctrl.tolist()
+        control = Control(stop=bool(flags[0]), train=bool(flags[1]),
+                          changed=tuple(p for p, f in enumerate(flags[2:]) if f))
+        if control.changed and not control.stop:
+            self.broadcast_([t for p in control.changed for t in fragments[p]])
+        return control
+
+
+class IslandFollower:
+    """Worker rank r >= 1 of an island: a model replica that mirrors the leader step for step.
+
+    A plain class: the Ray shell (orchestrator/actors.py `_IslandWorker`) runs `run` in a thread.
+    It starts from the leader's parameters (broadcast once after joining), adopts what the leader
+    adopts, and steps when the leader steps; any collective error ends the loop with `state` =
+    "failed", which the shell turns into the end of its process (so the leader fails at once too).
+    """
+
+    def __init__(self, *, model_config: ModelConfig, inner: InnerSettings, plan: FragmentPlan, data: np.ndarray,
+                 shard_index: int, num_shards: int, seed: int, group: WorkerGroup) -> None:
+        if group.rank == 0:
+            raise ValueError("rank 0 is the island's leader (LearnerIsland); followers have rank >= 1")
+        self.group = group
+        self.trainer = InnerTrainer(model_config, np.asarray(data), settings=inner, shard_index=shard_index,
+                                    num_shards=num_shards, seed=seed, group=group, device=group.device)
+        self._fragments = [[self.trainer.params[n] for n in frag] for frag in plan.fragments]
+        self.state = "starting"  # starting | training | stopped | failed
+        self.error: str | None = None
+        self.steps = 0
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        """Join, take the leader's parameters, then mirror it until it says stop; record a failure instead of raising."""
+        try:
+            self.group.connect()
+            self.group.broadcast_([t for frag in self._fragments for t in frag])
+            self.state = "training"
+            while True:
+                control = self.group.follow(self._fragments)
+                if control.stop:
+                    break
+                if control.train:
+                    self.trainer.step()
+                    self.steps += 1
+        except Exception as err:  # noqa: BLE001 - reported through `state`/`error`; the shell ends the process
+            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+            log.error("island worker rank %d stopped: %s", self.group.rank, self.error)
+            return
+        self.group.close()
+        self.state = "stopped"
+
+    def start(self) -> None:
+        """Run the follower loop in a background thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.run, name=f"island-worker-{self.group.rank}", daemon=True)
+            self._thread.start()
+
+    def watch(self, timeout_s: float = 5.0) -> str:
+        """Wait up to `timeout_s` for the loop to end; returns the state."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self.state
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of this worker's parameters by name (tests: workers hold identical parameters)."""
+        return {n: p.detach().cpu().clone() for n, p in self.trainer.params.items()}

@@ -1,0 +1,348 @@
+"""`diloco submit` and `diloco status`: run training on a Ray cluster through the Jobs API, and look at it.
+
+- `submit` validates the config here (a typo fails before anything is sent), ships the project as the
+  job's `working_dir` and runs `python -m orchestrator.cli train` as the job's entrypoint. The job
+  supervisor sets RAY_ADDRESS for the entrypoint (ray/dashboard/modules/job/job_supervisor.py,
+  `_get_driver_env_vars`), and `diloco train` connects to $RAY_ADDRESS when it has no --address
+  (orchestrator/driver.py::ensure_ray), so the job's driver joins the job's cluster. The driver adds
+  WORKER_ENV to the job's runtime environment itself (ensure_ray's `ray.init(runtime_env=...)`); the
+  job must not set the same variables, or Ray refuses to merge the two environments.
+- `status` joins the cluster as a short-lived driver, finds the run's named actors (namespace
+  `diloco`: `outer-<run_id>` and `monitor-<run_id>`) and prints versions, islands, rounds, tokens and
+  goodput so far (orchestrator/metrics.py::goodput_so_far, the same formulas as the final summary).
+
+`register(subparsers)` adds both subcommands to the `diloco` parser (orchestrator/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shlex
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from orchestrator.config import ConfigError, load_config
+
+log = logging.getLogger(__name__)
+
+# What never travels to the cluster (Ray also honours .gitignore inside working_dir).
+EXCLUDES = ["runs/", ".git/", "**/__pycache__/", "**/*.pyc", "**/.ipynb_checkpoints/", "*.egg-info/", ".venv/",
+            ".pytest_cache/", "build/", "dist/"]
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
+
+
+class JobError(RuntimeError):
+    """A one-line, user-facing reason why submit or status cannot go on (with the fix)."""
+
+
+# ---------------------------------------------------------------------------------------------- submit
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Everything a submission sends: the same values drive the SDK call and the printed CLI line."""
+
+    address: str
+    submission_id: str
+    working_dir: str
+    entrypoint: str
+    run_dir: str
+    env_vars: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def runtime_env(self) -> dict:
+        """The job's runtime environment: the project as working_dir, minus EXCLUDES, plus --env values."""
+        env = {"working_dir": self.working_dir, "excludes": list(EXCLUDES)}
+        if self.env_vars:
+            env["env_vars"] = dict(self.env_vars)
+        return env
+
+    def ray_job_submit_line(self, *, no_wait: bool = False) -> str:
+        """The equivalent `ray job submit` command line."""
+        extra = {k: v for k, v in self.runtime_env.items() if k != "working_dir"}
+        parts = ["ray", "job", "submit", "--address", self.address, "--submission-id", self.submission_id,
+                 "--working-dir", self.working_dir, "--runtime-env-json", json.dumps(extra)]
+        if no_wait:
+            parts.append("--no-wait")
+        return " ".join(shlex.quote(p) for p in parts) + " -- " + self.entrypoint
+
+
+def project_root() -> Path:
+    """The source checkout this package runs from (what a job ships as its working_dir)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def _shell_path(path: str) -> str:
+    # A leading ~/ is left to the job's shell, so it expands to the home directory on the cluster.
+    if path.startswith("~/"):
+        return "~/" + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+def plan_job(*, address: str, config: str | None, overrides: list[str], run_dir: str | None = None,
+             working_dir: str | Path | None = None, env: list[str] | None = None,
+             submission_id: str | None = None) -> JobPlan:
+    """Validate the run config here and build the submission. Raises ConfigError or JobError (one line)."""
+    root = Path(working_dir or project_root()).resolve()
+    if not (root / "orchestrator" / "cli.py").is_file():
+        raise JobError(f"{root} is not a decoupled-diloco source checkout (no orchestrator/cli.py); "
+                       "pass --working-dir with the project root")
+    load_config(config, overrides)  # a wrong field fails here, before anything is sent
+    sid = submission_id or f"diloco-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    args = ["python", "-m", "orchestrator.cli", "train"]
+    if config is not None:
+        path = Path(config).resolve()
+        try:
+            rel = path.relative_to(root)
+        except ValueError:
+            raise JobError(f"--config {config} lies outside the project ({root}), so the job would not have it; "
+                           "copy it under the project (e.g. configs/) or use --set overrides") from None
+        args += ["--config", rel.as_posix()]
+    for item in overrides:
+        args += ["--set", item]
+    run_dir = run_dir or f"~/diloco-runs/{sid}"
+    entrypoint = " ".join(shlex.quote(a) for a in args) + " --run-dir " + _shell_path(run_dir)
+    env_vars = {}
+    for item in env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise JobError(f"--env {item!r} is not KEY=VALUE; e.g. --env HF_HOME=/data/hf")
+        env_vars[key] = value
+    return JobPlan(address=address, submission_id=sid, working_dir=str(root), entrypoint=entrypoint,
+                   run_dir=run_dir, env_vars=env_vars)
+
+
+def _client(address: str):
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except Exception as err:  # noqa: BLE001 - ConnectionError, AuthenticationError, ...: one line for the user
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise JobError(f"cannot reach the Ray dashboard at {address} ({first}); pass --address http://HEAD:8265 "
+                       "(and RAY_AUTH_MODE/RAY_AUTH_TOKEN as the cluster needs)") from None
+
+
+async def _tail(client, job_id: str, out: TextIO) -> None:
+    async for chunk in client.tail_job_logs(job_id):
+        out.write(chunk)
+        out.flush()
+
+
+def wait_for_end(client, job_id: str, *, timeout_s: float = 120.0) -> str:
+    """The job's terminal status (the log stream can end a moment before the status turns terminal)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = str(client.get_job_status(job_id).value)
+        if status in TERMINAL or time.monotonic() > deadline:
+            return status
+        time.sleep(0.5)
+
+
+def submit(plan: JobPlan, *, wait: bool = True, out: TextIO = sys.stdout) -> int:
+    """Submit the job; with `wait`, stream its log and return 0 for SUCCEEDED, 1 otherwise."""
+    client = _client(plan.address)
+    try:
+        job_id = client.submit_job(entrypoint=plan.entrypoint, runtime_env=plan.runtime_env,
+                                   submission_id=plan.submission_id, metadata={"diloco_run_dir": plan.run_dir})
+    except Exception as err:  # noqa: BLE001 - upload or HTTP failure: one line for the user
+        lines = str(err).strip().splitlines()
+        reason = lines[-1] if lines else type(err).__name__
+        raise JobError(f"the cluster at {plan.address} refused the job: {reason}") from None
+    stop = f"ray job stop {shlex.quote(job_id)} --address {shlex.quote(plan.address)}"
+    print(f"submitted job {job_id}; run directory on the cluster: {plan.run_dir}", file=out, flush=True)
+    if not wait:
+        print(f"follow it: ray job logs --follow {shlex.quote(job_id)} --address {shlex.quote(plan.address)}\n"
+              f"look at it: diloco status (on a cluster node, or with --address HEAD:6379)\nstop it: {stop}",
+              file=out, flush=True)
+        return 0
+    try:
+        asyncio.run(_tail(client, job_id, out))
+    except KeyboardInterrupt:
+        print(f"\nstopped following; job {job_id} keeps running. Stop it with: {stop}", file=out, flush=True)
+        return 130
+    status = wait_for_end(client, job_id)
+    message = ""
+    if status != "SUCCEEDED":
+        info = client.get_job_info(job_id)
+        lines = (info.message or "").strip().splitlines()
+        message = f": {lines[-1]}" if lines else ""
+    print(f"job {job_id} {status}{message}", file=out, flush=True)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+def connect(address: str | None) -> None:
+    """Join the cluster as a short-lived driver (address: GCS `HOST:PORT`, `auto` or `ray://...`)."""
+    import ray
+
+    if address and address.startswith(("http://", "https://")):
+        raise JobError(f"--address {address} is a dashboard URL; `diloco status` needs the cluster address "
+                       "HEAD:6379 (or run it on a cluster node with no --address)")
+    host, sep, port = (address or "").rpartition(":")
+    if sep and host and port.isdigit() and "://" not in address:
+        # Ray keeps retrying an unreachable GCS for minutes; a plain TCP connect answers in seconds.
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as err:
+            raise JobError(f"nothing answers at {address} ({err.strerror or err}); pass the cluster address "
+                           "HEAD:6379 to --address") from None
+    try:
+        ray.init(address=address or "auto", logging_level=logging.WARNING, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise JobError(f"cannot connect to Ray at {address or 'auto'} ({first}); pass --address HEAD:6379") from None
+
+
+def live_runs() -> list[str]:
+    """Run ids of every live run on the connected cluster (those whose outer optimizer actor is alive)."""
+    import ray
+
+    from orchestrator.actors import NAMESPACE
+
+    names = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e.get("namespace") == NAMESPACE}
+    return sorted(n[len("outer-"):] for n in names if n.startswith("outer-") and f"monitor-{n[len('outer-'):]}" in names)
+
+
+def pick_run(runs: list[str], run_id: str | None, where: str) -> str:
+    """The run to show: --run-id if given (and live), else the only live run. Raises JobError otherwise."""
+    if run_id is not None:
+        if run_id not in runs:
+            known = ", ".join(runs) if runs else "none"
+            raise JobError(f"no live run {run_id!r} at {where} (live runs: {known}); pass one of them to --run-id")
+        return run_id
+    if not runs:
+        raise JobError(f"no live diloco run at {where}; start one with `diloco submit` or `diloco train --address`")
+    if len(runs) > 1:
+        raise JobError(f"{len(runs)} live runs at {where}: {', '.join(runs)}; pick one with --run-id")
+    return runs[0]
+
+
+def run_view(run_id: str, *, timeout_s: float = 60.0) -> dict:
+    """Everything `diloco status` prints, read from the run's actors (no driver involved)."""
+    import ray
+
+    from orchestrator.actors import NAMESPACE
+    from orchestrator.metrics import estimated_run_start, goodput_so_far
+
+    outer = ray.get_actor(f"outer-{run_id}", namespace=NAMESPACE)
+    monitor = ray.get_actor(f"monitor-{run_id}", namespace=NAMESPACE)
+    status, accounting, extra, snapshot = ray.get(
+        [outer.status.remote(), outer.accounting.remote(), outer.restored_extra.remote(), monitor.snapshot.remote()],
+        timeout=timeout_s)
+    now = time.time()
+    run_start = estimated_run_start(snapshot["timeline"])
+    so_far = goodput_so_far(status=status, accounting=accounting, snapshot=snapshot, run_start=run_start, now=now)
+    return {"run_id": run_id, "status": status, "extra": extra, "snapshot": snapshot, "so_far": so_far,
+            "run_start": run_start, "now": now}
+
+
+def format_view(view: dict) -> str:
+    """The status report of one run, as printed by `diloco status`."""
+    st, snap, so_far = view["status"], view["snapshot"], view["so_far"]
+    fates = so_far["fates"]
+    P = max(1, len(st["versions"]))
+    mean = lambda xs: sum(xs) / P  # noqa: E731 - tokens count once per fragment; show the fragment mean
+    processed = view["extra"].get("tokens_processed", so_far["tokens_processed"])
+    elapsed = f"{view['now'] - view['run_start']:.0f} s" if view["run_start"] else "not yet training"
+    good = "n/a (islands not all training yet)" if so_far["goodput"] is None else (
+        f"{so_far['goodput']:.3f}, uptime {so_far['uptime']:.3f} (clock from when every island first trained)")
+    lines = [
+        f"run {view['run_id']} ({elapsed})",
+        f"fragment versions   {st['versions']}",
+        f"rounds (refusals)   {st['rounds']} ({st['refusals']})",
+        f"tokens processed    {processed:,}",
+        f"tokens merged       {mean(fates['merged']):,.0f} (refused {mean(fates['refused']):,.0f}, "
+        f"in flight {mean(fates['in_flight']):,.0f}, lost {mean(fates['lost']):,.0f}; per fragment, mean)",
+        f"bytes up / down     {st['bytes_up'] / 1e6:,.2f} MB / {st['bytes_down'] / 1e6:,.2f} MB",
+        f"goodput so far      {good}",
+        "islands:",
+    ]
+    for island, slot in sorted(snap["slots"].items(), key=lambda kv: int(kv[0])):
+        s = slot["status"]
+        steps, tokens = (s.steps, s.tokens) if s is not None else (0, 0)
+        lines.append(f"  island {island} pool {slot['pool']}: {slot['state']}, incarnation {slot['incarnation']}, "
+                     f"{steps} steps, {tokens:,} tokens, {slot['failures']} failures, {slot['restarts']} restarts")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+SUBMIT_EXAMPLES = """examples:
+  diloco submit --address http://HEAD:8265 --config configs/default.yaml
+  diloco submit --address http://127.0.0.1:8265 --set run.token_budget=1000000 --run-dir /data/runs/r1 --no-wait
+"""
+STATUS_EXAMPLES = """examples:
+  diloco status                          # on a cluster node: the only live run
+  diloco status --address HEAD:6379 --run-id r1-3fa2c1
+"""
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    address = args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or DEFAULT_DASHBOARD
+    try:
+        plan = plan_job(address=address, config=args.config, overrides=args.set, run_dir=args.run_dir,
+                        working_dir=args.working_dir, env=args.env)
+        print(f"equivalent: {plan.ray_job_submit_line(no_wait=args.no_wait)}", flush=True)
+        return submit(plan, wait=not args.no_wait)
+    except (ConfigError, JobError) as err:
+        print(f"diloco submit: {err}", file=sys.stderr)
+        return 2
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    where = address or "this machine's cluster (auto)"
+    try:
+        connect(address)
+        run_id = pick_run(live_runs(), args.run_id, where)
+        print(format_view(run_view(run_id)))
+    except JobError as err:
+        print(f"diloco status: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 - an actor gone mid-read, a timeout: one line for the user
+        first = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
+        print(f"diloco status: could not read the run ({type(err).__name__}: {first}); it may have just ended",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `submit` and `status` to the `diloco` parser."""
+    s = subparsers.add_parser("submit", help="run `diloco train` on a Ray cluster as a job (Ray Jobs API)",
+                              description="Submit a training run as a Ray job: the project is the job's working_dir; "
+                                          "the job log streams here and the exit code is the job's (0 = SUCCEEDED). "
+                                          "Ctrl-C stops following, not the job.",
+                              epilog=SUBMIT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--address", help=f"Ray dashboard URL (default: $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, "
+                                     f"else {DEFAULT_DASHBOARD})")
+    s.add_argument("--config", help="YAML run config inside the project (it travels with the working_dir)")
+    s.add_argument("--run-dir", help="run directory on the cluster's head node, absolute or ~/... "
+                                     "(default: ~/diloco-runs/<submission id>)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set outer.min_quorum=2 (repeatable)")
+    s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment variable for the job's processes (repeatable)")
+    s.add_argument("--working-dir", help="project root to ship (default: this checkout)")
+    s.add_argument("--no-wait", action="store_true", help="submit and return; do not stream the log")
+    s.set_defaults(func=_cmd_submit)
+    t = subparsers.add_parser("status", help="versions, islands, rounds, tokens and goodput of a live run",
+                              description="Attach to a live run's outer optimizer and health monitor and print "
+                                          "where it stands.",
+                              epilog=STATUS_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--address", help="cluster address HEAD:6379 (default: $RAY_ADDRESS, else this machine's cluster)")
+    t.add_argument("--run-id", help="which run, when several are live (they are listed if you leave it out)")
+    t.set_defaults(func=_cmd_status)

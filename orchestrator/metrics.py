@@ -1,0 +1,199 @@
+"""Prometheus metrics of a run (`ray.util.metrics`), emitted by the driver, and goodput so far.
+
+Ray exports every metric on each node's `--metrics-export-port` at `/metrics` with a `ray_` prefix
+(`diloco_rounds` is scraped as `ray_diloco_rounds_total`: counters get `_total`) and shows them in
+the dashboard's Grafana panels. The driver records them (orchestrator/driver.py): round and refusal
+events each time it drains them from the outer optimizer, versions, bytes, tokens and island states
+every tick, goodput at each flush and at the end. Every metric is listed in docs/metrics.md.
+
+Tag values are bounded: run id, fragment index, pool name, island index, island state, refusal kind
+(a category, not the free-text reason), round phase and direction.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterable
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from orchestrator.accounting import run_goodput, token_fates
+
+log = logging.getLogger(__name__)
+
+# Staleness is an integer; bucket edges between integers make `le="0.5"` read "staleness 0".
+STALENESS_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 8.5, 16.5]
+WEIGHT_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]
+SECONDS_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
+ISLAND_STATES = ("training", "blocked", "dead", "restarting", "reintegrating", "stopped")
+
+
+def refusal_kind(reason: str) -> str:
+    """A bounded category for a refusal's free-text reason (a metric tag must not be free text)."""
+    if "non-finite" in reason:
+        return "non_finite"
+    if "stale" in reason:
+        return "stale"
+    if "unknown or dead island" in reason:
+        return "unknown_island"
+    return "malformed"
+
+
+class RunMetrics:
+    """The run's metrics, created once per driver session (Ray registers a metric when it is built).
+
+    One `record_*` method per event kind; each takes what the driver already has in hand, so emitting
+    costs no extra remote call. Counters get deltas, gauges the latest value.
+    """
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        run, frag, pool_tags = ("run_id",), ("run_id", "fragment"), ("run_id", "pool")
+        self.rounds = Counter("diloco_rounds", description="Rounds merged by the outer optimizer.", tag_keys=frag)
+        self.version = Gauge("diloco_fragment_version", description="Current global version of each fragment.",
+                             tag_keys=frag)
+        self.tokens_merged = Counter("diloco_tokens_merged", description="Tokens whose submissions were merged.",
+                                     tag_keys=frag)
+        self.refusals = Counter("diloco_refusals", description="Submissions refused by the outer optimizer.",
+                                tag_keys=frag + ("kind",))
+        self.tokens_refused = Counter("diloco_tokens_refused", description="Tokens of refused submissions.",
+                                      tag_keys=frag)
+        self.staleness = Histogram("diloco_staleness", description="Staleness (versions behind) of each merged submission.",
+                                   boundaries=STALENESS_BUCKETS, tag_keys=frag)
+        self.weights = Histogram("diloco_merge_weight", description="Normalized merge weight of each merged submission.",
+                                 boundaries=WEIGHT_BUCKETS, tag_keys=frag + ("pool",))
+        self.participants = Histogram("diloco_round_participants", description="Submissions merged per round.",
+                                      boundaries=[1.5, 2.5, 3.5, 4.5, 8.5, 16.5, 32.5], tag_keys=frag)
+        self.round_s = Histogram("diloco_round_seconds", description="Round timing by phase: quorum (open to quorum), "
+                                 "grace (window granted), wait (open to close), merge (decode, merge, outer step).",
+                                 boundaries=SECONDS_BUCKETS, tag_keys=frag + ("phase",))
+        self.islands = Gauge("diloco_islands", description="Island slots per pool in each state.",
+                             tag_keys=pool_tags + ("state",))
+        self.failures = Gauge("diloco_island_failures", description="Failures of an island slot so far.",
+                              tag_keys=pool_tags + ("island",))
+        self.restarts = Gauge("diloco_island_restarts", description="Restarts of an island slot so far.",
+                              tag_keys=pool_tags + ("island",))
+        self.tokens_processed = Gauge("diloco_tokens_processed", description="Tokens processed by all islands so far.",
+                                      tag_keys=run)
+        self.bytes = Counter("diloco_bytes", description="Bytes of submissions received (up) and versions sent to "
+                             "islands (down).", tag_keys=run + ("direction",))
+        self.goodput = Gauge("diloco_goodput", description="Useful island time over allocated island time so far.",
+                             tag_keys=run)
+        self.uptime = Gauge("diloco_uptime", description="Fraction of wall time in which global versions advanced.",
+                            tag_keys=run)
+        self._bytes_seen = {"up": 0, "down": 0}
+
+    def _tags(self, **more: Any) -> dict[str, str]:
+        return {"run_id": self.run_id, **{k: str(v) for k, v in more.items()}}
+
+    def record_events(self, rounds: Iterable[Any], refusals: Iterable[Any], snapshot: dict) -> None:
+        """Rounds (orchestrator.outer_optimizer.RoundRecord) and refusals (Refusal) drained from the outer optimizer."""
+        pools = {int(i): s["pool"] for i, s in snapshot.get("slots", {}).items()}
+        for r in rounds:
+            tags = self._tags(fragment=r.fragment)
+            self.rounds.inc(1.0, tags=tags)
+            self.tokens_merged.inc(float(r.tokens), tags=tags)
+            self.participants.observe(float(len(r.participants)), tags=tags)
+            for island, weight, stale in zip(r.participants, r.weights, r.staleness):
+                self.staleness.observe(float(stale), tags=tags)
+                self.weights.observe(float(weight), tags={**tags, "pool": pools.get(island, "unknown")})
+            for phase, seconds in (("quorum", r.quorum_s), ("grace", r.grace_s), ("wait", r.wait_s), ("merge", r.merge_s)):
+                self.round_s.observe(max(float(seconds), 1e-9), tags={**tags, "phase": phase})
+        for f in refusals:
+            tags = self._tags(fragment=f.fragment)
+            self.refusals.inc(1.0, tags={**tags, "kind": refusal_kind(f.reason)})
+            self.tokens_refused.inc(float(f.tokens), tags=tags)
+
+    def record_status(self, status: dict, snapshot: dict, *, tokens_processed: int) -> None:
+        """One driver tick: the outer optimizer's status() and the health monitor's snapshot()."""
+        for p, v in enumerate(status.get("versions", [])):
+            self.version.set(float(v), tags=self._tags(fragment=p))
+        for direction, total in (("up", status.get("bytes_up", 0)), ("down", status.get("bytes_down", 0))):
+            # Totals restart from 0 when the outer optimizer restarts: count the new total from there.
+            seen = self._bytes_seen[direction]
+            delta = total - seen if total >= seen else total
+            if delta > 0:
+                self.bytes.inc(float(delta), tags=self._tags(direction=direction))
+            self._bytes_seen[direction] = total
+        self.tokens_processed.set(float(tokens_processed), tags=self._tags())
+        counts: dict[tuple[str, str], int] = {}
+        for island, slot in snapshot.get("slots", {}).items():
+            counts[(slot["pool"], slot["state"])] = counts.get((slot["pool"], slot["state"]), 0) + 1
+            self.failures.set(float(slot["failures"]), tags=self._tags(pool=slot["pool"], island=island))
+            self.restarts.set(float(slot["restarts"]), tags=self._tags(pool=slot["pool"], island=island))
+        # Every known state is set each tick (to 0 when empty) so a state an island left does not linger.
+        for pool in {p for p, _ in counts}:
+            for state in sorted(set(ISLAND_STATES) | {s for p, s in counts if p == pool}):
+                self.islands.set(float(counts.get((pool, state), 0)), tags=self._tags(pool=pool, state=state))
+
+    def record_goodput_so_far(self, accounting: Callable[[], dict], *, status: dict, snapshot: dict,
+                              run_start: float | None, baseline: dict | None = None) -> None:
+        """Goodput so far, at a driver flush. `accounting` fetches the outer optimizer's accounting().
+
+        A failed read (an actor restarting) is logged and skipped: a metric never stops a run.
+        """
+        try:
+            so_far = goodput_so_far(status=status, accounting=accounting(), snapshot=snapshot, run_start=run_start,
+                                    baseline=baseline)
+        except Exception as err:  # noqa: BLE001 - any failure here is the metric's, not the run's
+            reason = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
+            log.warning("goodput metric skipped this flush: %s", reason)
+            return
+        self.record_goodput(so_far["goodput"], so_far["uptime"])
+
+    def record_goodput(self, goodput: float | None, uptime: float | None) -> None:
+        """Goodput and uptime so far (DESIGN.md section 6); None (not known yet) records nothing."""
+        if goodput is not None:
+            self.goodput.set(float(goodput), tags=self._tags())
+        if uptime is not None:
+            self.uptime.set(float(uptime), tags=self._tags())
+
+
+def estimated_run_start(timeline: list) -> float | None:
+    """When every island slot had first trained (the driver starts goodput's clock about then).
+
+    For a client (`diloco status`) that cannot ask the driver; None until every slot has trained.
+    """
+    first: dict[int, float] = {}
+    slots = set()
+    for at, island, _inc, state in timeline:
+        slots.add(island)
+        if state == "training" and island not in first:
+            first[island] = at
+    return max(first.values()) if first and len(first) == len(slots) else None
+
+
+def goodput_so_far(*, status: dict, accounting: dict, snapshot: dict, run_start: float | None,
+                   now: float | None = None, baseline: dict | None = None) -> dict:
+    """Goodput, uptime and token fates of a live run, by the same formulas as the final summary.
+
+    `status` and `accounting` come from the outer optimizer, `snapshot` from the health monitor;
+    `run_start` is the wall-clock start of goodput's clock (the driver's, or `estimated_run_start`).
+    Returns {"goodput", "uptime", "fates", "tokens_processed"}; goodput and uptime are None before
+    the run started training.
+    """
+    live, dead = [], []
+    for slot in snapshot.get("slots", {}).values():
+        if slot["status"] is not None:
+            live.append(slot["status"])
+        dead.extend(slot["finals"])
+    fragments = len(status["versions"])
+    received = {(i, inc): toks for i, inc, toks in accounting["received"]}
+    fates = token_fates(fragments=fragments, ledger=status["ledger"], baseline=baseline, received=received,
+                        live=live, dead=dead)
+    # The ledger, the accounting and the islands' statuses are read at slightly different moments of a
+    # live run (a submission can be taken from an outbox and not yet counted as received), so `lost`
+    # and `in_flight` can dip below zero for an instant; the live view clamps them. Final numbers come
+    # from the driver after everything stopped, where they are exact.
+    for key in ("lost", "in_flight"):
+        fates[key] = [max(0, x) for x in fates[key]]
+    out = {"goodput": None, "uptime": None, "fates": fates,
+           "tokens_processed": sum(s.tokens for s in live) + sum(s.tokens for s in dead)}
+    now = time.time() if now is None else now
+    if run_start is None or now <= run_start or not snapshot.get("slots"):
+        return out
+    good = run_goodput(timeline=snapshot["timeline"], useful_s=accounting["useful_s"], run_start=run_start,
+                       run_end=now, islands=len(snapshot["slots"]), advances=accounting["advances"], fates=fates)
+    out.update(goodput=good["goodput"], uptime=good["uptime"])
+    return out

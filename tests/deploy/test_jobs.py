@@ -1,0 +1,340 @@
+"""`diloco submit` and `diloco status` against a real Ray cluster started with `ray start --head --block`.
+
+The cluster is this module's own (free ports, its own --temp-dir) and is stopped by terminating the
+`ray start` process we started: never `ray stop`, which would kill every Ray on the machine. The CLI
+runs as a subprocess, as a user would run it. Also checks that the driver's metrics reach the
+head's Prometheus endpoint (orchestrator/metrics.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow,
+              pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")]
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
+# A small run: nano model, 2 islands in one pool, no warm spares; it stops on max_wall_s so that it
+# lasts long enough for `diloco status` to attach whatever the machine's load.
+RUN_SETTINGS = [
+    "model.preset=nano", "run.token_budget=100000000", "run.max_wall_s=12", "data.max_bytes=400000",
+    "eval.interval_s=5", "eval.batches=2", "health.warm_spares=0", "outer.sync_every_steps=8",
+    "pools=[{name: a, islands: 2, cpus_per_island: 0.5}]",
+    # Generous: on a loaded 2-core machine starting an actor process (import torch) can take a minute.
+    "run.call_timeout_s=240", "run.placement_timeout_s=300", "health.startup_s=240",
+]
+
+
+@dataclass
+class Head:
+    proc: subprocess.Popen
+    temp_dir: str
+    gcs: str  # HOST:PORT for drivers (`diloco status --address`)
+    dashboard: str  # http URL for the Jobs API (`diloco submit --address`)
+    metrics_port: int
+    log: Path
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _process_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state letter, command line) of every process, from /proc."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(entry)] = (int(fields[1]), fields[0], cmdline)
+    return table
+
+
+def cluster_processes(head: Head) -> set[int]:
+    """Live (non-zombie) processes of the cluster: descendants of `ray start`, or naming its temp dir."""
+    table = _process_table()
+    found, frontier = set(), [head.proc.pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, (ppid, _, _) in table.items() if ppid == parent and pid not in found]
+        found.update(children)
+        frontier.extend(children)
+    found.update(pid for pid, (_, _, cmd) in table.items() if head.temp_dir in cmd)
+    return {pid for pid in found if pid in table and table[pid][1] != "Z"}
+
+
+def alive(pids: set[int]) -> set[int]:
+    table = _process_table()
+    return {pid for pid in pids if pid in table and table[pid][1] != "Z"}
+
+
+def start_head(log_dir: Path, attempt: int) -> Head | None:
+    # Short temp dir: Ray's unix sockets live under it (108-byte path limit).
+    temp_dir = tempfile.mkdtemp(prefix="dj", dir="/tmp")
+    gcs, dash, client, metrics, listen, agent_grpc, node_mgr, obj_mgr, env_agent = free_ports(9)
+    log = log_dir / f"head-{attempt}.log"
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--temp-dir", temp_dir,
+           "--port", str(gcs), "--dashboard-port", str(dash), "--ray-client-server-port", str(client),
+           "--metrics-export-port", str(metrics), "--dashboard-agent-listen-port", str(listen),
+           "--dashboard-agent-grpc-port", str(agent_grpc), "--node-manager-port", str(node_mgr),
+           "--object-manager-port", str(obj_mgr), "--runtime-env-agent-port", str(env_agent),
+           "--num-cpus", "2", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+           "--disable-usage-stats", "--system-config", json.dumps({"metrics_report_interval_ms": 1000})]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV, cwd=str(log_dir))
+    head = Head(proc, temp_dir, "", f"http://127.0.0.1:{dash}", metrics, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        # "Ray runtime started" comes once the raylet registered (it can still die before that,
+        # ray-project/ray#65983 on a loaded machine); then the Jobs endpoint must answer.
+        if "Ray runtime started" in log.read_text() and http_ok(f"{head.dashboard}/api/jobs/"):
+            address_file = Path(temp_dir, "ray_current_cluster")
+            head.gcs = address_file.read_text().strip() if address_file.exists() else f"127.0.0.1:{gcs}"
+            return head
+        time.sleep(0.5)
+    stop_head(head)
+    return None
+
+
+def stop_head(head: Head) -> set[int]:
+    """SIGTERM our `ray start --block`; it stops its node. Returns the cluster's pids still alive after 60 s."""
+    pids = cluster_processes(head)  # before the signal: orphans are re-parented and lose the link
+    if head.proc.poll() is None:
+        head.proc.send_signal(signal.SIGTERM)
+        try:
+            head.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.proc.kill()
+            head.proc.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    left = alive(pids) | cluster_processes(head)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = alive(pids) | cluster_processes(head)
+    for pid in left:  # ours: never leave them behind for the next test, but report them
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+@pytest.fixture
+def head(tmp_path_factory):
+    """Our own single-node cluster for one test, stopped (and checked gone) after it."""
+    log_dir = tmp_path_factory.mktemp("head")
+    started = None
+    for attempt in range(2):  # a head whose raylet died at start-up (#65983) gets one more try
+        started = start_head(log_dir, attempt)
+        if started is not None:
+            break
+    if started is None:
+        pytest.fail(f"ray start --head did not come up twice; see {log_dir}")
+    yield started
+    left = stop_head(started)
+    assert not left, f"processes of the test cluster left after stopping it: {sorted(left)}"
+
+
+def diloco(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=ENV, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def scrape(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            return resp.read().decode()
+    except OSError:
+        return ""
+
+
+def metric_total(text: str, name: str) -> float:
+    """Sum of a metric's samples in Prometheus text (all tag combinations)."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+
+def test_submit_runs_on_the_cluster_status_attaches_and_metrics_export(head, tmp_path):
+    run_dir = tmp_path / "run"  # absolute: the job writes where the test reads (same machine)
+    submit_args = ["submit", "--address", head.dashboard, "--run-dir", str(run_dir)]
+    for item in RUN_SETTINGS:
+        submit_args += ["--set", item]
+    out_path = tmp_path / "submit.out"
+    with out_path.open("w") as out:
+        submit = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *submit_args], cwd=ROOT, env=ENV,
+                                  stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        # While the job runs: `diloco status` attaches to the run's actors and shows both islands.
+        seen_status, got = None, None
+        deadline = time.monotonic() + 300
+        while seen_status is None and submit.poll() is None and time.monotonic() < deadline:
+            got = diloco("status", "--address", head.gcs)
+            if got.returncode == 0 and "island 1 pool a" in got.stdout:
+                seen_status = got.stdout
+        last = f"{got.stdout} {got.stderr}" if got else "no attempt"
+        assert seen_status, f"diloco status never showed the live run; last: {last}"
+        assert re.search(r"^fragment versions +\[\d+, \d+\]$", seen_status, re.M), seen_status
+        assert "island 0 pool a: " in seen_status and "goodput so far" in seen_status
+        submit.wait(timeout=300)
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    output = out_path.read_text()
+    assert submit.returncode == 0, output[-3000:]
+    assert "equivalent: ray job submit --address" in output
+    assert re.search(r"^job \S+ SUCCEEDED$", output, re.M), output[-3000:]
+
+    # The job's driver wrote the run directory we asked for, on this cluster.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] > 0 and summary["tokens_merged"] > 0
+    assert len(summary["islands"]) == 2 and {i["pool"] for i in summary["islands"]} == {"a"}
+
+    # The driver's metrics reach the head's Prometheus endpoint; the final values are the summary's
+    # (every drained round counted once; goodput recorded at the end). Reported every 1 s here.
+    deadline = time.monotonic() + 60
+    while True:
+        text = scrape(head.metrics_port)
+        rounds = metric_total(text, "ray_diloco_rounds_total")
+        goodput = metric_total(text, "ray_diloco_goodput")
+        if (rounds == summary["rounds"] and goodput == pytest.approx(summary["goodput"])) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    (tmp_path / "metrics.txt").write_text(text)  # to read when this fails
+    assert rounds > 0, "ray_diloco_rounds_total never appeared on the metrics export port"
+    assert rounds == summary["rounds"] and goodput == pytest.approx(summary["goodput"]), (rounds, goodput)
+    assert metric_total(text, "ray_diloco_tokens_merged_total") > 0 and "ray_diloco_islands{" in text
+
+    # After the run, nothing is live: one line that says so, and how to start one.
+    after = diloco("status", "--address", head.gcs)
+    assert after.returncode == 2
+    assert after.stderr.strip().startswith("diloco status: no live diloco run at") and "\n" not in after.stderr.strip()
+
+
+# ---------------------------------------------------------------- no cluster: plans, picks, live goodput
+
+
+def test_plan_job_ships_the_project_and_prints_the_same_submission():
+    from orchestrator.jobs import EXCLUDES, plan_job
+
+    plan = plan_job(address="http://h:8265", config=str(ROOT / "configs" / "default.yaml"),
+                    overrides=["run.token_budget=1000", "pools=[{name: a, islands: 2}]"], submission_id="sid-1",
+                    env=["HF_HOME=/data/hf"])
+    assert plan.entrypoint == ("python -m orchestrator.cli train --config configs/default.yaml --set run.token_budget=1000 "
+                               "--set 'pools=[{name: a, islands: 2}]' --run-dir ~/diloco-runs/sid-1")
+    assert plan.runtime_env == {"working_dir": str(ROOT), "excludes": EXCLUDES, "env_vars": {"HF_HOME": "/data/hf"}}
+    assert "runs/" in EXCLUDES and ".git/" in EXCLUDES
+    line = plan.ray_job_submit_line(no_wait=True)
+    assert line.startswith(f"ray job submit --address http://h:8265 --submission-id sid-1 --working-dir {ROOT} ")
+    assert line.endswith(" --no-wait -- " + plan.entrypoint)
+    # The runtime env JSON in the line is exactly what the SDK call sends, minus working_dir.
+    sent = json.loads(re.search(r"--runtime-env-json '([^']*)'", line).group(1))
+    assert sent == {k: v for k, v in plan.runtime_env.items() if k != "working_dir"}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"config": "/etc/hosts.yaml"}, "does not exist"),
+    ({"overrides": ["outer.min_quorm=2"]}, "unknown config field 'outer.min_quorm'"),
+    ({"env": ["NOVALUE"]}, "--env 'NOVALUE' is not KEY=VALUE"),
+])
+def test_plan_job_refuses_bad_input_in_one_line(kwargs, message):
+    from orchestrator.config import ConfigError
+    from orchestrator.jobs import JobError, plan_job
+
+    args = {"address": "http://h:8265", "config": None, "overrides": [], **kwargs}
+    with pytest.raises((ConfigError, JobError)) as err:
+        plan_job(**args)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_plan_job_refuses_a_config_outside_the_project(tmp_path):
+    from orchestrator.jobs import JobError, plan_job
+
+    outside = tmp_path / "c.yaml"
+    outside.write_text("run: {token_budget: 1000}\n")
+    with pytest.raises(JobError, match="lies outside the project"):
+        plan_job(address="http://h:8265", config=str(outside), overrides=[])
+
+
+def test_pick_run_names_the_fix():
+    from orchestrator.jobs import JobError, pick_run
+
+    assert pick_run(["r1"], None, "here") == "r1"
+    assert pick_run(["r1", "r2"], "r2", "here") == "r2"
+    for runs, run_id, message in [([], None, "no live diloco run at here"),
+                                  (["r1", "r2"], None, "2 live runs at here: r1, r2; pick one with --run-id"),
+                                  (["r1"], "r9", "no live run 'r9' at here (live runs: r1)")]:
+        with pytest.raises(JobError, match=re.escape(message)):
+            pick_run(runs, run_id, "here")
+
+
+def _status(island, tokens, submitted, outbox):
+    from islands.island import IslandStatus
+
+    return IslandStatus(island=island, incarnation=1, pool="a", state="training", steps=tokens // 512, tokens=tokens,
+                        train_loss=None, step_time_s=0.1, versions=[0], unsubmitted_tokens=[0], outbox_tokens=[outbox],
+                        inflight=0, cursor=0, submitted_tokens=[submitted], discarded_tokens=[0])
+
+
+def test_goodput_so_far_uses_the_summary_formula_and_clamps_a_torn_read():
+    from orchestrator.metrics import estimated_run_start, goodput_so_far
+
+    # Two islands trained from t=100 and t=102 (the clock starts at 102), one fragment.
+    timeline = [(99.0, 0, 1, "restarting"), (99.5, 1, 1, "restarting"), (100.0, 0, 1, "training"), (102.0, 1, 1, "training")]
+    assert estimated_run_start(timeline) == 102.0
+    assert estimated_run_start(timeline[:3]) is None  # island 1 never trained yet
+    slots = {0: {"status": _status(0, 4096, 4096, 0), "finals": []}, 1: {"status": _status(1, 2048, 2048, 0), "finals": []}}
+    status = {"versions": [3], "ledger": {"merged": [4096], "refused": [0], "pending": [0], "late": [0]}}
+    # A torn read of a live run: the outer optimizer already counts 6144 tokens received from island 0, whose last
+    # status says it submitted 4096. The formula gives lost = 4096 - 0 - 6144 = -2048, which made goodput_report
+    # raise mid-run (seen live); the live view clamps it to 0.
+    accounting = {"useful_s": 10.0, "advances": [103.0, 104.0, 110.0],
+                  "received": [[0, 1, [6144]], [1, 1, [2048]]]}
+    got = goodput_so_far(status=status, accounting=accounting, snapshot={"slots": slots, "timeline": timeline},
+                         run_start=102.0, now=112.0)
+    # Hand-computed: allocated = 2 islands x (112 - 102) s = 20 s; useful 10 s -> 0.5.
+    assert got["goodput"] == pytest.approx(0.5)
+    assert got["fates"]["lost"] == [0] and got["fates"]["merged"] == [4096]
+    assert got["tokens_processed"] == 6144
+    assert goodput_so_far(status=status, accounting=accounting, snapshot={"slots": slots, "timeline": timeline},
+                          run_start=None)["goodput"] is None
+
+
+def test_refusal_kinds_are_a_small_set():
+    from orchestrator.metrics import refusal_kind
+
+    assert refusal_kind("tensor 0: non-finite values (NaN/Inf)") == "non_finite"
+    assert refusal_kind("stale incarnation 1 of island 2 (live: 3)") == "stale"
+    assert refusal_kind("unknown or dead island 7") == "unknown_island"
+    assert refusal_kind("tensor 1: shape (2, 3) != (3, 2)") == "malformed"

@@ -1,0 +1,79 @@
+"""The final flush: at the end of a run every island's unsubmitted progress is cut and merged.
+
+Real LearnerIslands and the real OuterOptimizer core, stepped in process (no Ray).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from islands.island import IslandSpec, LearnerIsland
+from islands.messages import FragmentUpdate
+from islands.model import build_model, model_config
+from islands.trainer import InnerSettings
+from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
+from policies.fragments import plan_fragments
+
+INNER = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=2)
+
+
+def setup(m: int = 2):
+    cfg = model_config("nano")
+    model = build_model(cfg, seed=1)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
+    # K = all: a round waits for both islands, so a lone submission would wait forever without the flush.
+    outer = OuterOptimizer(init, plan, settings=OuterSettings(min_quorum=m, grace_gamma=math.inf, grace_cap_s=math.inf),
+                           embedding_names=model.embedding_parameter_names())
+    latest = [FragmentUpdate(p, 0, [outer.fragment(p)]) for p in range(2)]
+    data = np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint8)
+    islands = []
+    for i in range(m):
+        spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=m, model_config=cfg, plan=plan, inner=INNER,
+                          sync_every_steps=8, seed=1)  # P = 2: a cut every 4 steps
+        islands.append(LearnerIsland(spec, data, latest))
+        outer.register(i, 1)
+    return outer, islands
+
+
+def drain(outer, island) -> list:
+    results = []
+    while (sub := island.next_submission(0)) is not None:
+        got, refusal = outer.receive(sub, now=1.0)
+        assert refusal is None
+        results += got
+    return results
+
+
+def test_flush_merges_every_token_processed():
+    outer, (a, b, idle) = setup(3)  # the third island never steps: K = 3 is never reached
+    for _ in range(6):
+        a.step()  # a cut of fragment 0 at step 4, then 2 more steps on both fragments
+    for _ in range(3):
+        b.step()  # no cut yet
+    assert drain(outer, a) == [] and outer.versions == [0, 0], "alone, island 0 cannot make a quorum"
+    for island in (a, b, idle):
+        island.stop(flush=True)
+    assert idle.next_submission(0) is None, "no progress, nothing to flush"
+    assert a.status().unsubmitted_tokens == [0, 0] and b.status().unsubmitted_tokens == [0, 0]
+    drain(outer, a)
+    drain(outer, b)
+    assert a.next_submission(0) is None, "stopped and empty: the poller ends"
+    assert outer.versions == [0, 0], "2 of K = 3: still no quorum"
+    results = outer.close_all(now=2.0)
+    assert [(r.fragment, r.record.reason, sorted(set(r.record.participants))) for r in results] == [
+        (0, "final flush", [0, 1]), (1, "final flush", [0, 1])]
+    assert outer.versions == [1, 1] and outer.pending_tokens() == [0, 0]
+    total = a.total_tokens + b.total_tokens
+    assert outer.tokens_merged == [total, total], "every token of both islands reached the global parameters"
+
+
+def test_stop_without_flush_freezes_the_outbox():
+    outer, (a, _) = setup(2)
+    for _ in range(6):
+        a.step()
+    a.stop()
+    assert a.next_submission(0) is None, "frozen: the cut submission is not handed out any more"
+    assert a.status().unsubmitted_tokens[1] == 6 * a.total_tokens // 6 and outer.tokens_merged == [0, 0]

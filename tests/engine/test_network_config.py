@@ -1,0 +1,50 @@
+"""The network section of the config, the driver's network construction and the final table's label (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli import format_summary
+from orchestrator.config import ConfigError, load_config
+from orchestrator.driver import build_run_network
+
+POOLS = "pools=[{name: a, islands: 2, region: us-east}, {name: b, islands: 1, region: eu-west}]"
+
+
+def test_islands_take_their_pools_regions_and_the_step_is_measured_only_when_needed():
+    calls = []
+
+    def step_s() -> float:
+        calls.append(1)
+        return 0.1
+
+    cfg = load_config(None, ["network.scenario=wan-8-regions", POOLS])
+    net, regions = build_run_network(cfg, 4 * 30_000, step_s)
+    assert regions == {0: "us-east", 1: "us-east", 2: "eu-west"}
+    assert net.emulated and net.hub == "us-central" and calls == [1]
+    assert net.describe().startswith("EMULATED network wan-8-regions (hub us-central: eu-west 2 Gbps/50 ms, us-east")
+    # A configured step time is used as is; scenario none never measures.
+    cfg = load_config(None, ["network.scenario=wan-8-regions", "network.local_step_s=0.5", POOLS])
+    assert build_run_network(cfg, 4 * 30_000, step_s)[0].scale == pytest.approx(0.5 / 1.6062745)
+    none, _ = build_run_network(load_config(None, [POOLS]), 4 * 30_000, step_s)
+    assert not none.emulated and none.transfer_s(10**9, "eu-west") == 0.0 and calls == [1]
+
+
+def test_bad_network_settings_are_one_line_errors():
+    with pytest.raises(ConfigError, match=r"network.scenario': unknown network scenario 'wan'; use one of none, lan"):
+        load_config(None, ["network.scenario=wan"])
+    with pytest.raises(ConfigError, match=r"network.local_step_s"):
+        load_config(None, ["network.local_step_s=0"])
+    cfg = load_config(None, ["network.scenario=wan-4-regions"])  # default pools are in region 'local'
+    with pytest.raises(ConfigError, match=r"^network: region 'local' is not in network scenario 'wan-4-regions'; "
+                                          r"set the pool's region .* us-central, us-east, us-south, us-west$"):
+        build_run_network(cfg, 4 * 30_000, lambda: 0.1)
+
+
+def test_final_table_labels_an_emulated_network():
+    base = {"mode": "decoupled", "eval_loss": 2.0, "eval_bits_per_byte": 2.9, "unigram_bits_per_byte": 4.8,
+            "tokens_processed": 1000, "tokens_merged": 900, "tokens_refused": 0, "tokens_in_flight": 100,
+            "rounds": 3, "refusals": 0, "bytes_sent": 2e6, "wall_s": 10.0, "islands": [], "emulation": None}
+    line = "EMULATED network wan-4-regions (hub us-central: us-west 2 Gbps/20 ms), scaled ..."
+    assert line in format_summary({**base, "network": line, "network_emulated": True}).splitlines()
+    assert "EMULATED" not in format_summary({**base, "network": "network none", "network_emulated": False})

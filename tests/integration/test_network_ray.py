@@ -1,0 +1,163 @@
+"""The emulated network in the engine: the real outer-optimizer shell, core and LearnerIslands.
+
+The shell (`orchestrator.actors._OuterShell`, the class the OuterOptimizerActor wraps) runs in this
+process on the shared Ray cluster (it puts published fragments in the object store); the two islands
+are real LearnerIslands training in threads here, reached through a small stand-in for the actor
+handle (the only fake: the same two methods, run on executor threads). Links are configured
+directly, slow enough that every delay is a few hundred milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from islands.island import IslandSpec, LearnerIsland
+from islands.model import build_model, model_config
+from islands.trainer import InnerSettings
+from orchestrator.actors import _OuterShell
+from orchestrator.checkpoint import CheckpointStore
+from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
+from policies.fragments import plan_fragments
+from policies.network import Link, NetworkModel
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REGIONS = {0: "us-east", 1: "eu-west"}
+NETWORK = NetworkModel(
+    "test-wan", "hub",
+    {"hub": Link(math.inf, 0.0), "us-east": Link(16e6, 0.20), "eu-west": Link(8e6, 0.30)},
+    emulated=True,
+)
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        # A future that runs whether or not it is awaited, like an actor call's ref.
+        return asyncio.get_running_loop().run_in_executor(None, self.fn, *args)
+
+
+class LocalIsland:
+    """Stand-in for an IslandActor handle: records what it hands out and when updates arrive."""
+
+    def __init__(self, island: LearnerIsland) -> None:
+        self.island = island
+        self.taken: list = []  # submissions in the order the outer optimizer took them
+        self.adopted: list[tuple[float, object]] = []  # (arrival wall time, FragmentUpdate)
+        self.next_submission = _Method(self._next)
+        self.adopt = self  # handle.adopt.remote(update) -> self.remote(update)
+
+    def _next(self, timeout_s: float):
+        sub = self.island.next_submission(timeout_s)
+        if sub is not None:
+            self.taken.append(sub)
+        return sub
+
+    def remote(self, update):
+        # Arrival is stamped on the shell's event loop, the moment the shell delivers the update.
+        self.adopted.append((time.time(), update))
+        return asyncio.get_running_loop().run_in_executor(None, self.island.adopt, update)
+
+
+def fifo_done(items: list[tuple[float, int]], link: Link) -> list[float]:
+    """Independent reference for a FIFO link: (ready_at, nbytes) in queue order -> arrival times."""
+    free, out = -math.inf, []
+    for ready, nbytes in items:
+        start = max(ready, free)
+        free = start + 8 * nbytes / link.bandwidth_bps
+        out.append(free + link.latency_s)
+    return out
+
+
+async def run_shell(tmp_path, train_s: float) -> tuple[dict, list, list[LocalIsland], list[int]]:
+    cfg = model_config("nano")
+    model = build_model(cfg, seed=3)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
+    # K = 1 and no grace: a round closes the moment its submission reaches the core.
+    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000)
+    tensors, meta = OuterOptimizer(init, plan, settings=settings).state_dict()
+    uri = str(tmp_path / "ckpt")
+    CheckpointStore(uri).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
+    shell = _OuterShell(plan, settings, model.embedding_parameter_names(), uri, checkpoint_every_s=1e9,
+                        network=NETWORK, island_regions=REGIONS)
+    data = np.random.default_rng(0).integers(0, 256, size=50_000, dtype=np.uint8)
+    inner = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=4, emulated_slowdown=2.0)
+    handles = []
+    for i in REGIONS:
+        spec = IslandSpec(island=i, incarnation=1, pool=REGIONS[i], num_islands=2, model_config=cfg, plan=plan,
+                          inner=inner, sync_every_steps=40, seed=3)
+        island = LearnerIsland(spec, data, await shell.latest(), resolve=ray.get)
+        handles.append(LocalIsland(island))
+        await shell.register(i, 1, handles[-1])
+    for h in handles:
+        h.island.start()
+    await asyncio.sleep(train_s)  # training time, not a correctness wait
+    for h in handles:  # islands stop cutting submissions; what they sent is still on the links
+        await asyncio.get_running_loop().run_in_executor(None, h.island.stop)
+    deadline = time.monotonic() + 60
+    while (await shell.status())["in_transit"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    status = await shell.status()
+    rounds = list(shell.core.rounds)
+    fragment_bytes = [sum(t.numel() * 4 for t in shell.core.fragment(p)) for p in range(plan.num_fragments)]
+    await shell.stop()
+    return status, rounds, handles, fragment_bytes
+
+
+def test_links_delay_and_account_exactly_as_configured(ray_cluster, tmp_path):
+    status, rounds, handles, fragment_bytes = asyncio.run(run_shell(tmp_path, train_s=4.0))
+    assert status["in_transit"] == 0 and status["refusals"] == 0
+    assert status["network_emulated"] and status["network"].startswith("EMULATED network test-wan")
+    taken = {(s.island, s.seq): s for h in handles for s in h.taken}
+    assert all(len(h.taken) >= 3 for h in handles), "each island should have sent several submissions"
+
+    # Uplink: bytes per link = the submissions' own nbytes; each reached the core (its round closed) no
+    # earlier than the FIFO reference says: created_at + latency + serialization, queued per link.
+    arrival = {}
+    for i, h in enumerate(handles):
+        link = NETWORK.links[REGIONS[i]]
+        assert status["bytes_by_link"][REGIONS[i]]["up"] == sum(s.nbytes for s in h.taken)
+        assert status["transfers_by_link"][REGIONS[i]]["up"] == len(h.taken)
+        done = fifo_done([(s.created_at, s.nbytes) for s in h.taken], link)
+        for s, t in zip(h.taken, done):
+            assert t - s.created_at >= link.transfer_s(s.nbytes) - 1e-6 and link.transfer_s(s.nbytes) >= 0.2
+            arrival[(s.island, s.seq)] = t
+    assert sum(len(r.participants) for r in rounds) == len(taken), "every submission was merged"
+    for r in rounds:
+        for island, seq in zip(r.participants, r.seqs):
+            assert r.wall_time >= arrival[(island, seq)] - 1e-3, (island, seq)
+
+    # Downlink: each island's sender sends the newest waiting version of a fragment, one transfer at a
+    # time on its link. So per fragment the versions it delivers increase and end at the final one; each
+    # arrives no earlier than its publication plus the link's transfer time, and no two transfers on a
+    # link overlap; nothing merged is lost on the way (skipped versions' keys ride on the newer one);
+    # bytes are counted per transfer actually sent.
+    published = {(r.fragment, r.version): r.wall_time for r in rounds}
+    final = {p: max(v for q, v in published if q == p) for p, _ in published}
+    merged_keys = {(island, seq) for r in rounds for island, seq in zip(r.participants, r.seqs)}
+    for i, h in enumerate(handles):
+        link = NETWORK.links[REGIONS[i]]
+        got = [(u.fragment, u.version) for _, u in h.adopted]
+        assert set(got) <= set(published)
+        for p in final:
+            versions = [v for q, v in got if q == p]
+            assert versions == sorted(set(versions)) and versions[-1] == final[p], (p, versions)
+        serial = [8 * fragment_bytes[u.fragment] / link.bandwidth_bps for _, u in h.adopted]
+        for k, (t_adopt, u) in enumerate(h.adopted):
+            assert t_adopt >= published[(u.fragment, u.version)] + link.transfer_s(fragment_bytes[u.fragment]) - 1e-3
+            if k:
+                assert t_adopt - h.adopted[k - 1][0] >= serial[k] - 1e-3, "two transfers overlapped on one link"
+        assert {(key.island, key.seq) for _, u in h.adopted for key in u.merged} == merged_keys
+        assert status["bytes_by_link"][REGIONS[i]]["down"] == sum(fragment_bytes[u.fragment] for _, u in h.adopted)
+        assert status["transfers_by_link"][REGIONS[i]]["down"] == len(h.adopted)
+    assert status["bytes_down"] == sum(fragment_bytes[u.fragment] for h in handles for _, u in h.adopted)
+    assert status["network_wait_s"]["up"] > 0.2 * len(taken)
