@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import torch
 
@@ -162,7 +161,11 @@ def _dataset_files(fs: pafs.FileSystem, inner: str, path: str) -> list[str]:
     return files
 
 
-def _open_file(fs: pafs.FileSystem, file: str) -> ds.Dataset:
+def _open_file(fs: pafs.FileSystem, file: str):
+    # pyarrow.dataset pulls in pandas (~0.5 s): imported only when a user dataset is read, not in
+    # every island process.
+    import pyarrow.dataset as ds
+
     if not file.endswith(_ARROW_SUFFIXES):
         return ds.dataset(file, filesystem=fs, format="parquet")
     try:
@@ -178,6 +181,8 @@ def _read_column(fs: pafs.FileSystem, files: list[str], column: str, path: str,
     """One column of all ``files``, rows in file order, as a single dataset with one schema."""
     try:
         parts = [_open_file(fs, file) for file in files]
+        import pyarrow.dataset as ds
+
         dataset = parts[0] if len(parts) == 1 else ds.dataset(parts)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
         raise DataError(f"cannot read {path!r} as Parquet/Arrow files with one schema "

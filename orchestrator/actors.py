@@ -516,6 +516,10 @@ class _OuterShell:
                     "received": [[i, inc, toks] for (i, inc), toks in c.received.items()]}
         return await self._core(take)
 
+    async def hold(self) -> None:
+        """Before the islands stop with flush: queue what arrives, close no round until `finish`."""
+        await self._core(self.core.hold)
+
     async def finish(self, timeout_s: float = 60.0) -> int:
         """The final flush, after the islands stopped with `flush=True`: take their last submissions,
         wait for their (emulated) uplinks, then close every round that has any, whatever the quorum

@@ -373,12 +373,17 @@ class Run:
 
     def _finish(self, t0: float) -> dict:
         flush = self.cfg.run.final_flush
+        if flush:  # no round closes between the islands' last cuts and the final merge
+            self._get(self.outer.hold.remote())
+        t_stop = time.monotonic()
         self.snapshot = self._get(self.monitor.stop.remote(flush=flush), timeout=self.cfg.run.call_timeout_s + 30)
+        log.info("islands stopped in %.1fs", time.monotonic() - t_stop)
         run_end = time.time()
         wall = time.monotonic() - t0
         if flush:
             closed = self._get(self.outer.finish.remote(self.cfg.run.call_timeout_s), timeout=self.cfg.run.call_timeout_s + 30)
-            log.info("final flush: %d rounds closed with the islands' last progress", closed)
+            log.info("final flush: %d rounds closed with the islands' last progress (%.1fs after stop began)",
+                     closed, time.monotonic() - t_stop)
             self.snapshot = self._get(self.monitor.refresh_statuses.remote(), timeout=self.cfg.run.call_timeout_s + 30)
         ledger = self._get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
         acct = self._get(self.outer.accounting.remote())

@@ -140,6 +140,7 @@ class OuterOptimizer:
         self.tokens_late = [0] * P  # taken from islands after stop began
         self.bytes_received = 0
         self.rounds: list[RoundRecord] = []
+        self.holding = False  # set by hold() before the final flush: queue submissions, close no round
         self.refusals: list[Refusal] = []
         # Per (island, incarnation), per fragment: tokens received (accepted or refused). With the
         # islands' own counters this gives every token its fate, even across outer restarts.
@@ -236,18 +237,29 @@ class OuterOptimizer:
 
     def poll(self, now: float) -> list[RoundResult]:
         """Close every round whose quorum and grace rules say so."""
+        if self.holding:
+            return []
         return [self._close(p, now, d.reason) for p, d in self._decisions(now) if d.close]
+
+    def hold(self) -> None:
+        """Stop closing rounds (the final flush is coming): submissions are still checked and queued."""
+        self.holding = True
 
     def close_all(self, now: float) -> list[RoundResult]:
         """Close every fragment's round that has accepted submissions, whatever quorum and grace say.
 
         The final flush at the end of a run: the islands have stopped and cut their last progress into
         submissions, no more will come, so waiting for a quorum would only leave that work unmerged.
+        The step is the merged islands' position (`average_step`, no momentum); rounds close normally again.
         """
-        return [self._close(p, now, "final flush") for p in range(self.plan.num_fragments) if self._pending[p]]
+        out = [self._close(p, now, "final flush", final=True) for p in range(self.plan.num_fragments) if self._pending[p]]
+        self.holding = False
+        return out
 
     def next_wakeup_s(self, now: float) -> float:
         """Seconds until a round could close without a new arrival (inf when only arrivals matter)."""
+        if self.holding:
+            return math.inf
         return min((d.wait_s for _, d in self._decisions(now)), default=math.inf)
 
     def _pending_islands(self, p: int) -> int:
@@ -264,7 +276,7 @@ class OuterOptimizer:
                 quorum_reached_at=self._quorum_at[p], grace_s=self._grace[p],
             )
 
-    def _close(self, p: int, now: float, reason: str) -> RoundResult:
+    def _close(self, p: int, now: float, reason: str, final: bool = False) -> RoundResult:
         t0 = time.perf_counter()
         subs = [s for s, _, _ in self._pending[p]]
         staleness = [st for _, st, _ in self._pending[p]]
@@ -275,7 +287,10 @@ class OuterOptimizer:
             staleness_discount=self.settings.staleness_discount,
         )
         outer_grad = merge_fragment(deltas, weights, rule=self.settings.merge_rule, embedding_mask=self._embedding_mask[p])
-        self._opts[p].step(outer_grad)
+        if final:
+            self._opts[p].average_step(outer_grad)
+        else:
+            self._opts[p].step(outer_grad)
         self.versions[p] += 1
         version = self.versions[p]
         self._rings[p].push(version, [t.clone() for t in self.params[p]])

@@ -91,6 +91,20 @@ class FragmentOuterOptimizer:
             for p in self._params:
                 p.grad = None
 
+    def average_step(self, outer_grad: Sequence[Tensor]) -> None:
+        """``params -= outer_grad``: move to the merged islands' position, without lr or momentum.
+
+        The last step of a run (the final flush): with the islands stopped there is no next round
+        for momentum to accelerate, so one more Nesterov step would only overshoot by lr * mu^2 * buf.
+        The momentum buffers are left as they are (a resumed run continues from them).
+        """
+        outer_grad = list(outer_grad)
+        if len(outer_grad) != len(self._params) or any(g.shape != p.shape for p, g in zip(self._params, outer_grad)):
+            raise ValueError("outer_grad must have one tensor per parameter of the fragment, same shapes, in order")
+        with torch.no_grad():
+            for p, g in zip(self._params, outer_grad):
+                p.sub_(g.to(device=p.device, dtype=p.dtype))
+
     def state_dict(self) -> dict[str, Any]:
         """Momentum buffers and hyperparameters, deep-copied so later steps do not alter it."""
         return {"sgd": copy.deepcopy(self._sgd.state_dict())}

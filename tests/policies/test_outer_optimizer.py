@@ -1,5 +1,6 @@
 """Outer optimizer: hand values, a manual Nesterov loop, FedAvg, and exact state round trips."""
 
+import copy
 import pytest
 import torch
 
@@ -147,3 +148,18 @@ def test_param_and_grad_errors():
         opt.step([torch.zeros(2), torch.zeros(4)])
     with pytest.raises(ValueError, match="expected 'sgd'"):
         opt.load_state_dict({"state": {}})
+
+
+def test_average_step_moves_to_the_merged_position_and_keeps_momentum():
+    params = [torch.tensor([1.0, 2.0]), torch.tensor([[3.0]])]
+    opt = FragmentOuterOptimizer(params, lr=0.7, momentum=0.9)
+    opt.step([torch.tensor([0.5, 0.5]), torch.tensor([[1.0]])])  # builds a momentum buffer
+    buffers = copy.deepcopy(opt.state_dict())
+    before = [p.clone() for p in params]
+    opt.average_step([torch.tensor([0.25, -0.5]), torch.tensor([[2.0]])])
+    assert torch.equal(params[0], before[0] - torch.tensor([0.25, -0.5]))
+    assert torch.equal(params[1], before[1] - torch.tensor([[2.0]]))
+    after = opt.state_dict()["sgd"]["state"]
+    assert all(torch.equal(after[k]["momentum_buffer"], v["momentum_buffer"]) for k, v in buffers["sgd"]["state"].items())
+    with pytest.raises(ValueError, match="one tensor per parameter"):
+        opt.average_step([torch.zeros(2)])
