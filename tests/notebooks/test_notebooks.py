@@ -113,6 +113,7 @@ def _result(nb) -> dict:
     return json.loads(lines[-1])
 
 
+@pytest.mark.notebook
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPECTED)
