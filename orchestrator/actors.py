@@ -240,15 +240,14 @@ class _OuterShell:
                         latest.step, self.core.versions, self.epoch)
         # The latest published version of every fragment: one ray.put each, handed out as [ref].
         self._refs = [ray.put(self.core.fragment(p)) for p in range(plan.num_fragments)]
-        self._fragment_nbytes = [sum(t.numel() * t.element_size() for t in self.core.fragment(p))
-                                 for p in range(plan.num_fragments)]
+        # Bytes of one published fragment (float32 global parameters): fixed for the run.
+        self._fragment_nbytes = [sum(t.numel() * t.element_size() for t in frag) for frag in self.core.params]
         self._islands: dict[int, tuple[int, Any]] = {}
         self._pollers: dict[int, asyncio.Task] = {}
         self._ticker: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
         self._finishing = False  # the final flush has begun: pollers end when their island's outbox is empty
-        self._bytes_down = 0
         self._events_cursor = (0, 0)
         # Island i's traffic uses its pool region's link; no network = scenario none (count, never delay).
         self._network = network or NetworkModel("none", "local", {}, emulated=False)
@@ -372,7 +371,6 @@ class _OuterShell:
         """
         region = self._region(island)
         if not self._network.emulated:
-            self._bytes_down += nbytes
             self._links.account(region, "down", nbytes)
             handle.adopt.remote(update)  # fire and forget: a dead island shows up in its poller
             return
@@ -395,7 +393,6 @@ class _OuterShell:
             while queue and not self._stopping:
                 fragment = next(iter(queue))
                 update, nbytes = queue.pop(fragment)
-                self._bytes_down += nbytes
                 done_at = self._links.reserve(region, "down", nbytes, time.time())
                 wait = done_at - time.time()
                 if wait > 0:
@@ -432,10 +429,9 @@ class _OuterShell:
             ref = ray.put(result.tensors)
             self._refs[result.fragment] = ref  # dropping the old ref lets the store free it
             update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged)
-            nbytes = sum(t.numel() * t.element_size() for t in result.tensors)
-            for island, (_, handle) in list(self._islands.items()):
-                if not self._finishing:  # after the final flush nobody trains on it any more
-                    self._send_down(island, handle, update, nbytes)
+            if not self._finishing:  # after the final flush nobody trains on it any more
+                for island, (_, handle) in list(self._islands.items()):
+                    self._send_down(island, handle, update, self._fragment_nbytes[result.fragment])
             await self._core(self.core.observe_publish, time.perf_counter() - t0, result.record.merge_s)
 
     # ------------------------------------------------------------ control plane
@@ -450,8 +446,8 @@ class _OuterShell:
                 "step_time_s": c.step_time.value, "sync_time_s": c.sync_time.value,
             }
         out = await self._core(snapshot)
-        out["bytes_down"] = self._bytes_down
         out["bytes_by_link"] = self._links.bytes_by_link()  # {region: {up, down}}, incl. refused and in flight
+        out["bytes_down"] = sum(link["down"] for link in out["bytes_by_link"].values())  # every fragment sent
         out["transfers_by_link"] = self._links.transfers_by_link()
         out["in_transit"] = len(self._transfers)  # emulated transfers not yet delivered, both directions
         out["network_wait_s"] = dict(self._network_wait_s)

@@ -40,7 +40,7 @@ import yaml
 
 from islands.data import unigram_bits_per_byte
 from islands.model import build_model, model_config
-from islands.trainer import InnerSettings, InnerTrainer
+from islands.trainer import InnerTrainer
 from orchestrator.config import ConfigError, RunConfig, load_config
 
 log = logging.getLogger(__name__)
@@ -245,12 +245,6 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------- the driver side
 
 
-def _inner_settings(cfg: RunConfig) -> InnerSettings:
-    i = cfg.inner
-    return InnerSettings(lr=i.lr, weight_decay=i.weight_decay, beta1=i.beta1, beta2=i.beta2, warmup_steps=i.warmup_steps,
-                         grad_clip=i.grad_clip, torch_threads=i.torch_threads, batch_size=cfg.data.batch_size)
-
-
 def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
                         progress: Callable[[dict], None] | None = None, wire: str = "bf16") -> dict:
     """Train `cfg` with synchronous data parallelism on Ray Train's TorchTrainer; write RUN_DIR; return the summary.
@@ -266,7 +260,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Empty, Queue
 
-    from orchestrator.driver import build_run_network, ensure_ray, load_corpus, measure_step_s
+    from orchestrator.driver import build_run_network, ensure_ray, inner_settings, load_corpus, measure_step_s
     from orchestrator.eventlog import EventLog
 
     if wire not in WIRE_BYTES:
@@ -301,7 +295,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         here = ray.get_runtime_context().get_node_id()
         queue = Queue(maxsize=1000, actor_options={"num_cpus": 0, "label_selector": {"ray.io/node-id": here}}) if progress else None
         loop_config = {
-            "slots": slots, "model_config": model_cfg, "inner": _inner_settings(cfg), "seed": cfg.run.seed,
+            "slots": slots, "model_config": model_cfg, "inner": inner_settings(cfg), "seed": cfg.run.seed,
             "train": [ray.put(corpus.train)], "heldout": [ray.put(corpus.heldout)],
             "eval_batches": cfg.eval.batches, "eval_batch_size": cfg.eval.batch_size, "eval_interval_s": cfg.eval.interval_s,
             "steps": steps, "max_wall_s": cfg.run.max_wall_s, "allreduce_delay_s": delay_s, "wire": wire,

@@ -34,7 +34,7 @@ from orchestrator.accounting import run_goodput, token_fates
 from orchestrator.actors import (NAMESPACE, WORKER_ENV, ChaosInjectorActor, HealthMonitorActor, IslandActor,
                                  IslandWorkerActor, OuterOptimizerActor, ignore_zero_copy_warnings)
 from orchestrator.checkpoint import CheckpointStore
-from orchestrator.config import ConfigError, RunConfig, build_config
+from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config
 from orchestrator.evaluation import Evaluator
 from orchestrator.eventlog import EventLog
 from orchestrator.metrics import RunMetrics
@@ -82,15 +82,21 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
     )
 
 
+def inner_settings(cfg: RunConfig, pool: PoolConfig | None = None) -> InnerSettings:
+    """The inner AdamW settings of the config, with `pool`'s speed emulation (none without a pool)."""
+    i = cfg.inner
+    return InnerSettings(
+        lr=i.lr, weight_decay=i.weight_decay, beta1=i.beta1, beta2=i.beta2, warmup_steps=i.warmup_steps,
+        grad_clip=i.grad_clip, torch_threads=i.torch_threads, batch_size=cfg.data.batch_size,
+        **({"emulated_slowdown": pool.emulated_slowdown, "emulated_jitter": pool.emulated_jitter} if pool else {}),
+    )
+
+
 def island_specs(cfg: RunConfig, model_cfg, plan) -> list[IslandSpec]:
     """Incarnation-1 specs of every island slot, pools in config order."""
     specs, island, total = [], 0, cfg.num_islands
     for pool in cfg.pools:
-        inner = InnerSettings(
-            lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay, beta1=cfg.inner.beta1, beta2=cfg.inner.beta2,
-            warmup_steps=cfg.inner.warmup_steps, grad_clip=cfg.inner.grad_clip, torch_threads=cfg.inner.torch_threads,
-            batch_size=cfg.data.batch_size, emulated_slowdown=pool.emulated_slowdown, emulated_jitter=pool.emulated_jitter,
-        )
+        inner = inner_settings(cfg, pool)
         for _ in range(pool.islands):
             specs.append(IslandSpec(
                 island=island, incarnation=1, pool=pool.name, num_islands=total, model_config=model_cfg, plan=plan,
@@ -116,9 +122,7 @@ def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4) -> 
     The emulated network is scaled to it (policies.network); measured in the driver process with the
     islands' thread count, before any island starts, so nothing else of the run competes.
     """
-    inner = InnerSettings(lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay, beta1=cfg.inner.beta1,
-                          beta2=cfg.inner.beta2, warmup_steps=cfg.inner.warmup_steps, grad_clip=cfg.inner.grad_clip,
-                          torch_threads=cfg.inner.torch_threads, batch_size=cfg.data.batch_size)
+    inner = inner_settings(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.inner.torch_threads)
     try:
