@@ -235,6 +235,8 @@ class _OuterShell:
         self.epoch = latest.meta.get("epoch", -1) + 1  # the seed checkpoint carries epoch -1
         self.extra: dict = latest.meta.get("extra", {})  # driver metadata saved with each checkpoint
         self._monitor_state: dict | None = None
+        # What this incarnation started from, for status(): the checkpoint step and its versions.
+        self.restored_from = {"step": latest.step, "versions": list(self.core.versions)}
         if self.epoch:
             log.warning("outer optimizer restored checkpoint %d (versions %s), epoch %d",
                         latest.step, self.core.versions, self.epoch)
@@ -437,7 +439,7 @@ class _OuterShell:
     # ------------------------------------------------------------ control plane
 
     async def status(self) -> dict:
-        """Versions, live islands, round and refusal counts, token ledger, bytes."""
+        """Versions, live islands, round and refusal counts, token ledger, bytes, the checkpoint restored from."""
         def snapshot() -> dict:
             c = self.core
             return {
@@ -453,6 +455,7 @@ class _OuterShell:
         out["network_wait_s"] = dict(self._network_wait_s)
         out["network"] = self._network.describe()
         out["network_emulated"] = self._network.emulated
+        out["restored_from"] = dict(self.restored_from)  # {"step", "versions"} this incarnation loaded
         return out
 
     async def drain_events(self) -> dict:
@@ -468,15 +471,18 @@ class _OuterShell:
         """Copies of all current global parameters by name (evaluation, checkpoints)."""
         return await self._core(self.core.global_parameters)
 
-    async def checkpoint(self) -> int:
-        """Save the core now (snapshot on the core thread, write on the writer thread); returns the step."""
+    async def checkpoint(self) -> dict:
+        """Save the core now (snapshot on the core thread, write on the writer thread).
+
+        Returns {"step", "versions"}: the checkpoint's number and the fragment versions it holds,
+        taken in the same snapshot (a status() call afterwards may already see a newer round)."""
         self._last_ckpt = time.monotonic()
         tensors, meta = await self._core(self.core.state_dict)
         self._ckpt_step += 1
         step = self._ckpt_step
         meta = {"outer": meta, "epoch": self.epoch, "extra": dict(self.extra), "saved_at": time.time()}
         await asyncio.get_running_loop().run_in_executor(self._writer, self._store.save, step, tensors, meta)
-        return step
+        return {"step": step, "versions": list(meta["outer"]["versions"])}
 
     async def note(self, **extra) -> None:
         """Driver metadata to keep with the next checkpoint (tokens processed, run id, ...)."""
