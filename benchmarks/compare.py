@@ -115,7 +115,9 @@ def base_config(args: argparse.Namespace) -> dict:
 
 def methods(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     """(name, runner, config additions) of every run of the scenario, in run order."""
-    comp = {"compression": args.compression}
+    comp = {"compression": args.compression, "step_scale": args.step_scale}
+    if args.max_staleness is not None:
+        comp["max_staleness"] = args.max_staleness
     if args.scenario == "heterogeneity":
         return [("K=all", "engine", {"mode": "decoupled", "outer": {**comp, "min_quorum": "all"}}),
                 ("K=1, no grace", "engine", {"mode": "decoupled", "outer": {**comp, "grace_gamma": 0.0}}),
@@ -319,6 +321,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="smoke run: 200k tokens, H=10, short evals, every run capped at 45 s of wall clock (DP at 30 s), 1 repeat")
     ap.add_argument("--compression", choices=("int4", "int8", "bf16", "none"), default="int4",
                     help="decoupled outer-gradient wire format (default int4; see benchmarks/README.md)")
+    ap.add_argument("--step-scale", choices=("participation", "none"), default="participation",
+                    help="outer.step_scale of the decoupled runs (default participation; none = unscaled K < all rounds)")
+    ap.add_argument("--max-staleness", type=int, default=None,
+                    help="outer.max_staleness of the decoupled runs (default: the config's, 4)")
     ap.add_argument("--network", default="wan-4-regions", help="network scenario for every run (default wan-4-regions)")
     ap.add_argument("--dp-cap-s", type=float, default=None, help="wall cap of the data-parallel run (default 600; --quick 30)")
     ap.add_argument("--local-step-s", type=float, default=None, help="inner-step time the network is scaled to (default: measured once)")
@@ -327,6 +333,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: pass 1 or more")
+    if args.max_staleness is not None and args.max_staleness < 0:
+        ap.error(f"--max-staleness {args.max_staleness}: pass an int >= 0")
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)
     args.dp_cap_s = args.dp_cap_s or (30.0 if args.quick else 600.0)
     args.repeats = 1 if args.quick else args.repeats
@@ -376,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     first = runs[0]
     notes = sorted({s["network"] for s in first.values()} | {s["emulation"] for s in first.values() if s.get("emulation")})
     notes += [f"{args.repeats} repeat(s), medians; token budget {args.budget:,} per run; model {args.model}; "
-              f"decoupled outer gradients {args.compression}; started {time.strftime('%Y-%m-%d %H:%M')} UTC."]
+              f"decoupled outer gradients {args.compression}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {time.strftime('%Y-%m-%d %H:%M')} UTC."]
     table = table_het(res, notes) if het else table_wan(res, notes)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -77,8 +77,8 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
     return OuterSettings(
         min_quorum=cfg.min_quorum_count(), grace_gamma=o.grace_gamma, grace_cap_s=o.grace_cap_s,
         tau_steps=o.effective_tau_steps(), weighting=o.weighting, staleness_discount=o.staleness_discount,
-        merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum, max_staleness=o.max_staleness,
-        compression=o.compression,
+        merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum, max_staleness=cfg.max_staleness_count(),
+        compression=o.compression, step_scale=o.step_scale,
     )
 
 
@@ -245,14 +245,19 @@ class Run:
                                                  scheduling_strategy=here).remote(
             self.plan, outer_settings(cfg), model.embedding_parameter_names(),
             ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep, network=self.network, island_regions=island_regions)
-        extra = self._get(self.outer.restored_extra.remote())
+        if self.resume:
+            # New incarnations continue above every incarnation the restored outer optimizer has heard of.
+            extra = self._get(self.outer.restored_extra.remote())
+            acct = self._get(self.outer.accounting.remote())
+            self.baseline = self._get(self.outer.status.remote())["ledger"]
+            last_inc = {int(i): inc for i, inc in extra.get("incarnations", {}).items()}
+            for island, inc, _ in acct["received"]:
+                last_inc[island] = max(last_inc.get(island, 0), inc)
+        else:
+            # A fresh run has nothing to ask the outer optimizer first: the monitor (and through it the
+            # islands) starts while the outer's process is still importing, not after it (~5 s per run).
+            extra, last_inc, self.baseline = {}, {}, None
         self.tokens_before = int(extra.get("tokens_processed", 0))
-        acct = self._get(self.outer.accounting.remote())
-        self.baseline = self._get(self.outer.status.remote())["ledger"] if self.resume else None
-        # New incarnations continue above every incarnation the outer optimizer has heard of.
-        last_inc = {int(i): inc for i, inc in extra.get("incarnations", {}).items()}
-        for island, inc, _ in acct["received"]:
-            last_inc[island] = max(last_inc.get(island, 0), inc)
         specs = [s if s.island not in last_inc else replace(s, incarnation=last_inc[s.island] + 1)
                  for s in island_specs(cfg, self.model_cfg, self.plan)]
         self.first_inc = {s.island: s.incarnation for s in specs}
@@ -269,6 +274,8 @@ class Run:
                      "max_restarts": h.max_restarts},
             warm_spares=h.warm_spares, worker_cls=IslandWorkerActor,
         )
+        if not self.resume:
+            self._get(self.outer.restored_extra.remote())  # the outer optimizer is up (or says why not)
         self._evaluate(time.monotonic())  # the starting point (before any island trains): how far the loss fell
         try:
             self._get(self.monitor.ensure_started.remote(), timeout=cfg.run.placement_timeout_s + 60)

@@ -22,7 +22,7 @@ from islands.messages import Submission, SubmissionKey
 from policies.compression import Compressed, decompress
 from policies.fragments import FragmentPlan
 from policies.merge import merge_fragment
-from policies.outer_optimizer import FragmentOuterOptimizer
+from policies.outer_optimizer import FragmentOuterOptimizer, round_step_scale
 from policies.quorum import MovingAverage, decide_round, grace_window_s
 from policies.staleness import VersionRing, check_staleness
 from policies.weighting import merge_weights
@@ -47,6 +47,7 @@ class OuterSettings:
     momentum: float = 0.9
     max_staleness: int = 4
     compression: str = "none"
+    step_scale: str = "participation"
 
 
 @dataclass
@@ -68,6 +69,7 @@ class RoundRecord:
     wait_s: float  # round open -> close
     merge_s: float  # decompress + merge + outer step
     reason: str
+    step_scale: float = 1.0  # the factor on the merged outer gradient (policies.outer_optimizer.round_step_scale)
     wall_time: float = field(default_factory=time.time)
 
 
@@ -287,10 +289,13 @@ class OuterOptimizer:
             staleness_discount=self.settings.staleness_discount,
         )
         outer_grad = merge_fragment(deltas, weights, rule=self.settings.merge_rule, embedding_mask=self._embedding_mask[p])
+        scale = 1.0
         if final:
             self._opts[p].average_step(outer_grad)
         else:
-            self._opts[p].step(outer_grad)
+            scale = round_step_scale(self.settings.step_scale, participants=len({s.island for s in subs}),
+                                     live_islands=max(1, len(self.islands)))
+            self._opts[p].step(outer_grad, scale=scale)
         self.versions[p] += 1
         version = self.versions[p]
         self._rings[p].push(version, [t.clone() for t in self.params[p]])
@@ -301,7 +306,7 @@ class OuterOptimizer:
             staleness=staleness, tokens=sum(s.tokens for s in subs), inner_steps=sum(s.inner_steps for s in subs),
             bytes=sum(s.nbytes for s in subs),
             quorum_s=(self._quorum_at[p] or now) - self._round_open[p], grace_s=self._grace[p],
-            wait_s=now - self._round_open[p], merge_s=merge_s, reason=reason,
+            wait_s=now - self._round_open[p], merge_s=merge_s, reason=reason, step_scale=scale,
         )
         self.tokens_merged[p] += record.tokens
         self.useful_s += sum(s.compute_s for s in subs) / self.plan.num_fragments

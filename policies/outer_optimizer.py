@@ -14,7 +14,34 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FragmentOuterOptimizer"]
+__all__ = ["FragmentOuterOptimizer", "STEP_SCALES", "round_step_scale"]
+
+STEP_SCALES = ("participation", "none")
+
+
+def round_step_scale(rule: str, *, participants: int, live_islands: int) -> float:
+    """The factor a round's merged outer gradient is multiplied by before the Nesterov step.
+
+    ``participation``: ``min(1, participants / live_islands)``, the round's share of a full round.
+    With K = 1 a fragment gets about one round per island per H steps, each merging about one
+    island; unscaled, those rounds add up to M times the step that synchronous DiLoCo takes once
+    per H steps from the average of the same M deltas (and Nesterov amplifies the excess by up to
+    1 / (1 - momentum)). Scaled, the rounds of one H add up to the synchronous step in expectation.
+    A round with every live island (K = all) gets 1, so the degenerate settings of DESIGN.md
+    section 3 are unchanged. ``none``: always 1 (the paper's plain rule).
+
+    Args:
+        rule: one of :data:`STEP_SCALES`.
+        participants: distinct islands merged in the round, ``>= 1``.
+        live_islands: islands the outer optimizer counts as live, ``>= 1``.
+    """
+    if rule not in STEP_SCALES:
+        raise ValueError(f"step scale {rule!r} is unknown; use one of {', '.join(STEP_SCALES)}")
+    if participants < 1 or live_islands < 1:
+        raise ValueError(f"participants={participants} and live_islands={live_islands} must both be >= 1")
+    if rule == "none":
+        return 1.0
+    return min(1.0, participants / live_islands)
 
 
 class FragmentOuterOptimizer:
@@ -68,8 +95,14 @@ class FragmentOuterOptimizer:
         """The parameters this optimizer updates, the very tensors passed in."""
         return list(self._params)
 
-    def step(self, outer_grad: Sequence[Tensor]) -> None:
-        """Apply one outer step with ``outer_grad[i]`` as the gradient of ``params[i]``."""
+    def step(self, outer_grad: Sequence[Tensor], *, scale: float = 1.0) -> None:
+        """Apply one outer step with ``scale * outer_grad[i]`` as the gradient of ``params[i]``.
+
+        ``scale`` in (0, 1] is the round's share of a full round (:func:`round_step_scale`); it
+        scales the gradient that enters the momentum buffer, not the buffer already there.
+        """
+        if not 0.0 < scale <= 1.0:
+            raise ValueError(f"scale={scale} must be in (0, 1]; pass round_step_scale(...)")
         outer_grad = list(outer_grad)
         if len(outer_grad) != len(self._params):
             raise ValueError(
@@ -86,6 +119,8 @@ class FragmentOuterOptimizer:
             for p, g in zip(self._params, outer_grad):
                 # A private float32 copy: torch's foreach Nesterov path adds into grads in place.
                 p.grad = g.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                if scale != 1.0:
+                    p.grad.mul_(scale)
             self._sgd.step()
         finally:
             for p in self._params:

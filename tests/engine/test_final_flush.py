@@ -77,3 +77,25 @@ def test_stop_without_flush_freezes_the_outbox():
     a.stop()
     assert a.next_submission(0) is None, "frozen: the cut submission is not handed out any more"
     assert a.status().unsubmitted_tokens[1] == 6 * a.total_tokens // 6 and outer.tokens_merged == [0, 0]
+
+
+def test_a_lone_island_round_takes_its_share_of_a_full_step():
+    """K = 1 with 3 live islands: one island's round moves the fragment by 1/3 of an unscaled step."""
+    import torch
+
+    moved = {}
+    for rule in ("participation", "none"):
+        outer, (a, _, _) = setup(3)
+        outer.settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, step_scale=rule)
+        before = outer.fragment(0)
+        for _ in range(4):
+            a.step()  # the cut of fragment 0 at step 4
+        sub = a.next_submission(0)
+        (result,), refusal = outer.receive(sub, now=1.0)
+        assert refusal is None and result.record.participants == [0]
+        assert result.record.step_scale == (1 / 3 if rule == "participation" else 1.0)
+        moved[rule] = [(b - t).double() for b, t in zip(before, outer.fragment(0))]
+    # Same island, same data, same seed: the first Nesterov step is linear in the gradient.
+    assert any(m.abs().max() > 0 for m in moved["none"])
+    for small, full in zip(moved["participation"], moved["none"]):
+        torch.testing.assert_close(small * 3, full, rtol=1e-5, atol=1e-7)

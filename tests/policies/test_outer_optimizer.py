@@ -163,3 +163,40 @@ def test_average_step_moves_to_the_merged_position_and_keeps_momentum():
     assert all(torch.equal(after[k]["momentum_buffer"], v["momentum_buffer"]) for k, v in buffers["sgd"]["state"].items())
     with pytest.raises(ValueError, match="one tensor per parameter"):
         opt.average_step([torch.zeros(2)])
+
+
+# ------------------------------------------------------------------ the round's step scale
+
+
+def test_round_step_scale_is_the_share_of_a_full_round():
+    from policies.outer_optimizer import round_step_scale
+
+    assert round_step_scale("participation", participants=1, live_islands=4) == 0.25
+    assert round_step_scale("participation", participants=3, live_islands=4) == 0.75
+    assert round_step_scale("participation", participants=4, live_islands=4) == 1.0
+    # More distinct islands than the registry counts (one just deregistered): never above 1.
+    assert round_step_scale("participation", participants=5, live_islands=4) == 1.0
+    assert round_step_scale("none", participants=1, live_islands=4) == 1.0
+    with pytest.raises(ValueError, match="unknown"):
+        round_step_scale("half", participants=1, live_islands=2)
+    with pytest.raises(ValueError, match=">= 1"):
+        round_step_scale("participation", participants=0, live_islands=2)
+
+
+def test_scaled_step_matches_manual_loop_on_scaled_gradients():
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.randn(3, 2, generator=gen)]
+    grads = [[torch.randn_like(params[0])] for _ in range(5)]
+    scales = [0.25, 1.0, 0.5, 0.25, 0.75]
+    ref = _reference(params, [[g[0] * s] for g, s in zip(grads, scales)], lr=0.7, momentum=0.9, nesterov=True)
+    opt = FragmentOuterOptimizer(params, lr=0.7, momentum=0.9)
+    for g, s in zip(grads, scales):
+        opt.step(g, scale=s)
+    torch.testing.assert_close(params[0].double(), ref[0], rtol=1e-5, atol=1e-5)
+    # The caller's gradient is not scaled in place.
+    g = [torch.ones(3, 2)]
+    opt.step(g, scale=0.5)
+    assert torch.equal(g[0], torch.ones(3, 2))
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="scale"):
+            opt.step(g, scale=bad)
