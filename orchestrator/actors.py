@@ -75,12 +75,18 @@ class _IslandShell:
     """
 
     def __init__(self, spec: IslandSpec | None, data: list[Any], initial: list[FragmentUpdate] | None = None,
-                 cursor: int = 0) -> None:
+                 cursor: int = 0, pending: list[Any] | None = None) -> None:
+        """`pending`: [ref to the outer optimizer's `latest()`, ref to its `resume_cursor()` or None],
+        asked for while this process started; they replace `initial` (and `cursor` when not None)."""
         _quiet_worker()
         self._data = ray.get(data[0])  # fetched once, zero-copy, before any slot needs it
         self._island: LearnerIsland | None = None
         self._group: WorkerGroup | None = None
         if spec is not None:
+            if pending is not None:
+                initial = ray.get(pending[0])
+                if pending[1] is not None:
+                    cursor = ray.get(pending[1]) or 0
             self.activate(spec, initial or [], cursor)
 
     def activate(self, spec: IslandSpec, initial: list[FragmentUpdate], cursor: int = 0) -> tuple[int, int]:

@@ -77,7 +77,7 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
     return OuterSettings(
         min_quorum=cfg.min_quorum_count(), grace_gamma=o.grace_gamma, grace_cap_s=o.grace_cap_s,
         tau_steps=o.effective_tau_steps(), weighting=o.weighting, staleness_discount=o.staleness_discount,
-        merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum, max_staleness=cfg.max_staleness_count(),
+        merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum, max_staleness=o.max_staleness,
         compression=o.compression, step_scale=o.step_scale,
     )
 
@@ -274,11 +274,13 @@ class Run:
                      "max_restarts": h.max_restarts},
             warm_spares=h.warm_spares, worker_cls=IslandWorkerActor,
         )
-        if not self.resume:
-            self._get(self.outer.restored_extra.remote())  # the outer optimizer is up (or says why not)
-        self._evaluate(time.monotonic())  # the starting point (before any island trains): how far the loss fell
+        started = self.monitor.ensure_started.remote(fresh=not self.resume)
+        self._get(self.outer.restored_extra.remote())  # the outer optimizer is up (or says why not) while islands start
+        # The starting point, how far the loss fell from: islands are still starting here (their process
+        # start takes longer than the outer optimizer's), and the point records the versions it saw.
+        self._evaluate(time.monotonic())
         try:
-            self._get(self.monitor.ensure_started.remote(), timeout=cfg.run.placement_timeout_s + 60)
+            self._get(started, timeout=cfg.run.placement_timeout_s + 60)
         except RayTaskError as err:
             cause = str(err).strip().splitlines()[-1]
             raise RuntimeError(f"islands failed to start: {cause}") from None

@@ -120,15 +120,19 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def ensure_started(self) -> None:
-        """Start (or, after a restart of this monitor, re-adopt) every island and the monitoring loop."""
+    async def ensure_started(self, fresh: bool = False) -> None:
+        """Start (or, after a restart of this monitor, re-adopt) every island and the monitoring loop.
+
+        `fresh`: the driver's first call on a new run. Nothing of the run exists yet, so there is no
+        parked state to restore and no island to re-adopt, and the islands start without waiting for
+        the outer optimizer's process to come up (they fetch its versions themselves)."""
         if self._loop_task is not None:
             return
         self._loop_task = asyncio.get_running_loop().create_task(self._monitor())
-        saved = await self._call(self._outer().monitor_state.remote())
+        saved = None if fresh else await self._call(self._outer().monitor_state.remote())
         if saved:
             self._restore(saved)
-        adopted = await self._adopt_existing()
+        adopted = set() if fresh else await self._adopt_existing()
         for slot in self.slots.values():
             if saved and slot.island not in adopted and slot.state not in ("dead", "restarting"):
                 # It was live before this monitor restarted and is gone now: a failure nobody saw.
@@ -171,6 +175,9 @@ class HealthMonitor:
             self.handles[island] = handle
             self.groups[island] = get_placement_group(name)
             self.followers[island] = followers.pop(name, [])
+            if slot.state in ("restarting", "reintegrating") and slot.failures > slot.restarts:
+                # The previous monitor died after placing this incarnation but before it parked the count.
+                slot.restarts += 1
             self._mark(slot, "training")
             slot.last_progress_at = slot.last_status_at = time.monotonic()
             self.watchers[island] = asyncio.get_running_loop().create_task(self._watch(slot, inc))
@@ -246,14 +253,21 @@ class HealthMonitor:
         pool = self.pools[slot.pool]
         loop = asyncio.get_running_loop()
         outer = self._outer()
-        if cursor is None:
-            cursor = (await self._call(outer.resume_cursor.remote(slot.island))) or 0
-        latest = await self._call(outer.latest.remote())
         spec = dataclasses.replace(self.specs[slot.island], incarnation=slot.incarnation)
-        handle = await self._activate_spare(slot, spec, latest, cursor) if pool.workers_per_island == 1 else None
+        handle = None
+        if pool.workers_per_island == 1 and self.spares[slot.pool]:
+            if cursor is None:
+                cursor = (await self._call(outer.resume_cursor.remote(slot.island))) or 0
+            latest = await self._call(outer.latest.remote())
+            handle = await self._activate_spare(slot, spec, latest, cursor)
         if handle is not None:
             self._refill(slot.pool)
         else:
+            # A cold start asks the outer optimizer for the versions (and the data cursor) without waiting:
+            # the new process fetches the answers itself, so its start-up (worker, imports, model) overlaps
+            # the outer optimizer's own at the start of a run. Nested in a list, the refs are not resolved
+            # before the process starts.
+            pending = [outer.latest.remote(), None if cursor is not None else outer.resume_cursor.remote(slot.island)]
             slot.name = island_name(self.run_id, slot.island, slot.incarnation)
             while True:
                 try:
@@ -269,7 +283,7 @@ class HealthMonitor:
                 name=slot.name, namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
                 resources=dict(pool.resources), scheduling_strategy=island_scheduling(group),
                 **({"num_gpus": pool.gpus_per_worker} if pool.gpus_per_worker > 0 else {}),
-            ).remote(spec, self.data, latest, cursor)
+            ).remote(spec, self.data, None, cursor or 0, pending=pending)
         self._mark(slot, "reintegrating")
         try:
             if pool.workers_per_island > 1:
@@ -285,7 +299,8 @@ class HealthMonitor:
         slot.last_progress_at = slot.last_status_at = time.monotonic()
         self.handles[slot.island] = handle
         self.watchers[slot.island] = loop.create_task(self._watch(slot, slot.incarnation))
-        log.info("island %d incarnation %d up on node %s (cursor %d)", slot.island, slot.incarnation, slot.node, cursor)
+        log.info("island %d incarnation %d up on node %s (cursor %s)", slot.island, slot.incarnation, slot.node,
+                 "asked of the outer optimizer" if cursor is None else cursor)
 
     async def _start_followers(self, slot: SlotState, spec: IslandSpec, leader: Any, group: Any) -> None:
         # The leader (rank 0) opened the rendezvous in its constructor; ranks 1..W-1 join it on their own
@@ -379,6 +394,10 @@ class HealthMonitor:
                 continue
             slot.restarts += 1
             self.rejoin_s.append(time.time() - died_at)
+            try:  # park the count now, not at the next tick: a monitor restart in between would lose it
+                await self._call(self._outer().keep_monitor_state.remote(self._state()))
+            except Exception as err:  # noqa: BLE001 - the periodic park retries
+                log.warning("could not park the monitor state: %s", err)
             break
         self.restarting.pop(slot.island, None)
 
