@@ -179,10 +179,10 @@ def _open_file(fs: pafs.FileSystem, file: str):
 def _read_column(fs: pafs.FileSystem, files: list[str], column: str, path: str,
                  arg: str) -> pa.ChunkedArray:
     """One column of all ``files``, rows in file order, as a single dataset with one schema."""
+    import pyarrow.dataset as ds  # lazily, as in _open_file
+
     try:
         parts = [_open_file(fs, file) for file in files]
-        import pyarrow.dataset as ds
-
         dataset = parts[0] if len(parts) == 1 else ds.dataset(parts)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
         raise DataError(f"cannot read {path!r} as Parquet/Arrow files with one schema "

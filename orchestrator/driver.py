@@ -275,7 +275,8 @@ class Run:
             warm_spares=h.warm_spares, worker_cls=IslandWorkerActor,
         )
         started = self.monitor.ensure_started.remote(fresh=not self.resume)
-        self._get(self.outer.restored_extra.remote())  # the outer optimizer is up (or says why not) while islands start
+        if not self.resume:  # (a resumed run asked it for its metadata above)
+            self._get(self.outer.restored_extra.remote())  # the outer optimizer is up (or says why not) while islands start
         # The starting point, how far the loss fell from: islands are still starting here (their process
         # start takes longer than the outer optimizer's), and the point records the versions it saw.
         self._evaluate(time.monotonic())

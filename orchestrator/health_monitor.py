@@ -395,7 +395,7 @@ class HealthMonitor:
             slot.restarts += 1
             self.rejoin_s.append(time.time() - died_at)
             try:  # park the count now, not at the next tick: a monitor restart in between would lose it
-                await self._call(self._outer().keep_monitor_state.remote(self._state()))
+                await self._park_state()
             except Exception as err:  # noqa: BLE001 - the periodic park retries
                 log.warning("could not park the monitor state: %s", err)
             break
@@ -411,11 +411,14 @@ class HealthMonitor:
                 await self._check_outer()
                 await asyncio.gather(*(self._check(slot) for slot in self.slots.values()))
                 if time.monotonic() - last_saved >= 1.0:
-                    # What the monitor knows must survive its own restart: park it with the outer optimizer.
-                    await self._call(self._outer().keep_monitor_state.remote(self._state()))
+                    await self._park_state()
                     last_saved = time.monotonic()
             except Exception as err:  # noqa: BLE001 - the monitor itself must keep going
                 log.warning("health check round failed: %s", err)
+
+    async def _park_state(self) -> None:
+        # What the monitor knows must survive its own restart: park it with the outer optimizer.
+        await self._call(self._outer().keep_monitor_state.remote(self._state()))
 
     def _state(self) -> dict:
         return {"timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),

@@ -264,6 +264,10 @@ class OuterOptimizer:
             return math.inf
         return min((d.wait_s for _, d in self._decisions(now)), default=math.inf)
 
+    def _live_islands(self) -> int:
+        # What "every island" means for K = all and for a round's share of a full round (at least 1).
+        return max(1, len(self.islands))
+
     def _pending_islands(self, p: int) -> int:
         # Quorum counts islands, not submissions: a fast island's second submission is not a second vote.
         return len({s.island for s, _, _ in self._pending[p]})
@@ -274,7 +278,7 @@ class OuterOptimizer:
                 continue
             yield p, decide_round(
                 now=now, pending=self._pending_islands(p),
-                min_quorum=self.settings.min_quorum, live_islands=max(1, len(self.islands)),
+                min_quorum=self.settings.min_quorum, live_islands=self._live_islands(),
                 quorum_reached_at=self._quorum_at[p], grace_s=self._grace[p],
             )
 
@@ -294,7 +298,7 @@ class OuterOptimizer:
             self._opts[p].average_step(outer_grad)
         else:
             scale = round_step_scale(self.settings.step_scale, participants=len({s.island for s in subs}),
-                                     live_islands=max(1, len(self.islands)))
+                                     live_islands=self._live_islands())
             self._opts[p].step(outer_grad, scale=scale)
         self.versions[p] += 1
         version = self.versions[p]
