@@ -25,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -33,66 +33,19 @@ import torch
 
 from islands.distributed import WorkerGroup, island_device
 from islands.messages import FragmentUpdate, Submission, SubmissionKey
-from islands.model import ModelConfig
-from islands.trainer import InnerSettings, InnerTrainer
+from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: plain values live in islands.spec
+from islands.trainer import InnerTrainer
 from policies.adoption import adopt_fragment, parse_adoption
 from policies.compression import compress
-from policies.fragments import FragmentPlan
 from policies.quorum import MovingAverage
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class IslandSpec:
-    """Everything that defines one island slot and incarnation, as plain values."""
-
-    island: int
-    incarnation: int
-    pool: str
-    num_islands: int  # number of data shards; the island reads shard `island`
-    model_config: ModelConfig
-    plan: FragmentPlan
-    inner: InnerSettings
-    sync_every_steps: int  # H
-    adoption: str = "overwrite"
-    compression: str = "none"
-    compression_block_size: int = 256
-    wait_for_round: bool = False  # synchronous DiLoCo: block until every in-flight submission resolves
-    seed: int = 0
-    workers: int = 1  # data-parallel workers in this island (rank 0 is this LearnerIsland)
-    accelerator: str = "cpu"  # 'cpu' trains on CPU with gloo; anything else on the worker's GPU with NCCL
 
 
 @dataclass
 class _InFlight:
     fragment: int
     snapshot: list[torch.Tensor] | None  # theta[p] at submission, kept (and shifted) only for rebase
-
-
-@dataclass
-class IslandStatus:
-    """A snapshot of one island for heartbeats, progress and token accounting."""
-
-    island: int
-    incarnation: int
-    pool: str
-    state: str  # starting | training | blocked | stopped | diverged | failed
-    steps: int
-    tokens: int
-    train_loss: float | None
-    step_time_s: float | None
-    versions: list[int]  # fragment versions this island has adopted
-    unsubmitted_tokens: list[int]  # per fragment: tokens not yet cut into a submission
-    outbox_tokens: list[int]  # per fragment: submitted, not yet taken by the outer optimizer
-    inflight: int  # submissions taken by the outer, not yet merged or refused
-    cursor: int  # data batches drawn
-    submitted_tokens: list[int] = field(default_factory=list)  # per fragment: cut into submissions (incl. dropped)
-    discarded_tokens: list[int] = field(default_factory=list)  # per fragment: never submitted, dropped by a resync
-    blocked_s: float = 0.0  # time spent waiting for rounds (synchronous modes)
-    faults: int = 0  # faults injected into this incarnation
-    error: str | None = None
-    at: float = field(default_factory=time.time)
 
 
 class IslandFailed(RuntimeError):

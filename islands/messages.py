@@ -8,9 +8,10 @@ list-wrapped object ref, so the receiver decides when to fetch it and the publis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from policies.compression import Compressed
+if TYPE_CHECKING:  # a type only: holders of messages (the health monitor) need not import torch
+    from policies.compression import Compressed
 
 
 @dataclass(frozen=True)

@@ -11,78 +11,16 @@ island and the global torch RNG is neither read nor advanced.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from islands.spec import PRESETS, ModelConfig, model_config  # noqa: F401 - re-exported: the model's shapes live in islands.spec
+
 # GPT-2's init scale for weights; residual projections are scaled down further by depth.
 INIT_STD = 0.02
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a :class:`ByteTransformer`. Frozen so one config can be shared by all islands."""
-
-    vocab_size: int = 256
-    """Number of token ids; 256 for raw bytes."""
-    seq_len: int = 128
-    """Context length in tokens: the largest T ``forward`` accepts (size of the position table)."""
-    d_model: int = 128
-    """Width of the residual stream."""
-    n_layers: int = 2
-    """Number of transformer blocks."""
-    n_heads: int = 4
-    """Attention heads per block; must divide ``d_model``."""
-    mlp_ratio: int = 4
-    """Hidden width of the MLP as a multiple of ``d_model``."""
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(
-                    f"ModelConfig.{field.name}={value!r} must be a positive int; pass e.g. "
-                    f"{field.name}={field.default}"
-                )
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"ModelConfig d_model={self.d_model} must be divisible by n_heads={self.n_heads}; "
-                f"pick n_heads among the divisors of d_model"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head (``d_model // n_heads``)."""
-        return self.d_model // self.n_heads
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # Unit tests: builds and steps in milliseconds.
-    "nano": ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2),
-    # Default: about 0.48M parameters, trains at a useful rate on 2 CPU cores.
-    "tiny": ModelConfig(seq_len=128, d_model=128, n_layers=2, n_heads=4),
-    # About 3.4M parameters: a bigger CPU run or a small GPU run.
-    "small": ModelConfig(seq_len=256, d_model=256, n_layers=4, n_heads=8),
-    # About 50.9M parameters: the GPU-sized model.
-    "50m": ModelConfig(seq_len=512, d_model=512, n_layers=16, n_heads=8),
-}
-"""Named model shapes. Read-only by convention: derive variants with :func:`model_config`."""
-
-
-def model_config(preset: str, **overrides: int) -> ModelConfig:
-    """Return preset ``preset`` with any fields in ``overrides`` replaced, validated again.
-
-    Example: ``model_config("tiny", seq_len=256)``.
-    """
-    if preset not in PRESETS:
-        raise ValueError(
-            f"unknown model preset {preset!r}; valid presets are {sorted(PRESETS)}"
-        )
-    return dataclasses.replace(PRESETS[preset], **overrides)
 
 
 class CausalSelfAttention(nn.Module):

@@ -17,25 +17,10 @@ import torch
 
 from islands.data import ShardSampler
 from islands.model import ModelConfig, build_model
+from islands.spec import InnerSettings  # noqa: F401 - re-exported: the settings live in islands.spec
 
 if TYPE_CHECKING:
     from islands.distributed import WorkerGroup
-
-
-@dataclass(frozen=True)
-class InnerSettings:
-    """Inner optimizer and pacing of one island, as plain values (unpacked from the run config)."""
-
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.99
-    warmup_steps: int = 20
-    grad_clip: float | None = 1.0
-    torch_threads: int = 1  # applied to the whole process by the island's actor shell, not here
-    batch_size: int = 16
-    emulated_slowdown: float = 1.0  # EMULATION: stretch each step to this multiple of its compute time
-    emulated_jitter: float = 0.0  # EMULATION: uniform +- fraction on the stretch
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from policies.adoption import parse_adoption
-from policies.compression import SCHEMES
-from policies.merge import MERGE_RULES
 from policies.network import SCENARIOS as NETWORK_SCENARIOS
+
+# The merge, adoption and compression policies do tensor math: their names are checked by importing
+# them inside the validators, so that importing this module (the CLI, the health monitor's process)
+# does not import torch.
 
 MODES = ("decoupled", "sync-diloco", "streaming-diloco")
 
@@ -129,6 +130,8 @@ class OuterSection(_Section):
     @field_validator("merge_rule")
     @classmethod
     def _merge_rule(cls, v: str) -> str:
+        from policies.merge import MERGE_RULES
+
         if v not in MERGE_RULES:
             raise ValueError(f"unknown merge rule {v!r}; use one of {', '.join(MERGE_RULES)}")
         return v
@@ -136,12 +139,16 @@ class OuterSection(_Section):
     @field_validator("adoption")
     @classmethod
     def _adoption(cls, v: str) -> str:
+        from policies.adoption import parse_adoption
+
         parse_adoption(v)  # raises a one-line ValueError naming the valid forms
         return v
 
     @field_validator("compression")
     @classmethod
     def _compression(cls, v: str) -> str:
+        from policies.compression import SCHEMES
+
         if v not in SCHEMES:
             raise ValueError(f"unknown compression {v!r}; use one of {', '.join(SCHEMES)}")
         return v

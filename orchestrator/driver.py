@@ -40,6 +40,7 @@ from orchestrator.eventlog import EventLog
 from orchestrator.metrics import RunMetrics
 from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
 from orchestrator.placement import remove_run_groups
+from orchestrator.runtime import CONTROL_PLANE_RUNTIME_ENV
 from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
 from policies.network import NetworkModel, build_network
@@ -265,7 +266,7 @@ class Run:
         h = cfg.health
         self.monitor_name = f"monitor-{self.run_id}"
         self.monitor = HealthMonitorActor.options(name=self.monitor_name, namespace=NAMESPACE, num_cpus=0,
-                                                  scheduling_strategy=here).remote(
+                                                  scheduling_strategy=here, runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote(
             run_id=self.run_id, namespace=NAMESPACE, pools=cfg.pools, specs=specs, data=[self.data_ref],
             outer_name=self.outer_name, island_cls=IslandActor, placement_timeout_s=cfg.run.placement_timeout_s,
             call_timeout_s=cfg.run.call_timeout_s, tick_s=h.tick_s,
@@ -291,7 +292,7 @@ class Run:
         if len(self.tape):
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self.injector = ChaosInjectorActor.options(name=f"chaos-{self.run_id}", namespace=NAMESPACE, num_cpus=0,
-                                                       scheduling_strategy=here).remote(
+                                                       scheduling_strategy=here, runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote(
                 self.tape, namespace=NAMESPACE, monitor_name=self.monitor_name, run_start=self.run_start,
                 protected_node=ray.get_runtime_context().get_node_id())
             self._get(self.injector.start.remote())

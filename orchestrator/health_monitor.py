@@ -31,9 +31,10 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_placement_group
 
-from islands.island import IslandSpec
+from islands.spec import IslandSpec
 from orchestrator.config import PoolConfig
 from orchestrator.placement import create_island_group, island_scheduling, release_group
+from orchestrator.runtime import DATA_PLANE_RUNTIME_ENV
 from policies.health import assess_island
 from policies.restart import RestartBudget
 
@@ -213,6 +214,7 @@ class HealthMonitor:
                     return
                 handle = self.island_cls.options(
                     name=name, namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
+                    runtime_env=DATA_PLANE_RUNTIME_ENV,
                     resources=dict(pool.resources), scheduling_strategy=island_scheduling(group),
                 ).remote(None, self.data)
                 try:
@@ -227,12 +229,17 @@ class HealthMonitor:
         finally:
             self._spare_tasks.pop(pool_name, None)
 
-    async def _activate_spare(self, slot: SlotState, spec: IslandSpec, latest: list, cursor: int) -> Any | None:
+    async def _activate_spare(self, slot: SlotState, spec: IslandSpec, latest: Any, cursor: int) -> Any | None:
+        """`latest`: the ref of the outer optimizer's `latest()`, resolved by Ray in the spare's process
+        (the monitor never fetches tensors: it runs without torch)."""
         while self.spares[slot.pool]:
             name, handle, group = self.spares[slot.pool].pop(0)
             try:
                 await asyncio.wait_for(handle.activate.remote(spec, latest, cursor), timeout=self.call_timeout_s)
             except Exception as err:  # noqa: BLE001 - e.g. the spare's node died too: try the next, then cold
+                if await self._still_a_spare(handle):  # the outer's answer failed, not the spare: keep it
+                    self.spares[slot.pool].insert(0, (name, handle, group))
+                    raise
                 log.warning("warm spare %s unusable: %s", name, err)
                 ray.kill(handle, no_restart=True)
                 release_group(group)
@@ -241,6 +248,13 @@ class HealthMonitor:
             self.groups[slot.island] = group
             return handle
         return None
+
+    async def _still_a_spare(self, handle: Any) -> bool:
+        try:
+            island, _, _ = await asyncio.wait_for(handle.ping.remote(), timeout=self.call_timeout_s)
+        except Exception:  # noqa: BLE001 - dead or unreachable
+            return False
+        return island is None
 
     async def _start(self, slot: SlotState, *, cursor: int | None = None) -> None:
         """Place a new incarnation of `slot` in its pool and reintegrate it from the global state.
@@ -258,8 +272,7 @@ class HealthMonitor:
         if pool.workers_per_island == 1 and self.spares[slot.pool]:
             if cursor is None:
                 cursor = (await self._call(outer.resume_cursor.remote(slot.island))) or 0
-            latest = await self._call(outer.latest.remote())
-            handle = await self._activate_spare(slot, spec, latest, cursor)
+            handle = await self._activate_spare(slot, spec, outer.latest.remote(), cursor)
         if handle is not None:
             self._refill(slot.pool)
         else:
@@ -281,6 +294,7 @@ class HealthMonitor:
             self.groups[slot.island] = group
             handle = self.island_cls.options(
                 name=slot.name, namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
+                runtime_env=DATA_PLANE_RUNTIME_ENV,
                 resources=dict(pool.resources), scheduling_strategy=island_scheduling(group),
                 **({"num_gpus": pool.gpus_per_worker} if pool.gpus_per_worker > 0 else {}),
             ).remote(spec, self.data, None, cursor or 0, pending=pending)
@@ -310,6 +324,7 @@ class HealthMonitor:
         self.followers[slot.island] = [
             self.worker_cls.options(
                 name=f"{slot.name}-w{rank}", namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
+                runtime_env=DATA_PLANE_RUNTIME_ENV,
                 resources=dict(pool.resources), scheduling_strategy=island_scheduling(group, bundle=rank),
                 **({"num_gpus": pool.gpus_per_worker} if pool.gpus_per_worker > 0 else {}),
             ).remote(spec, self.data, rank, addr, port)
@@ -444,7 +459,7 @@ class HealthMonitor:
         info = await self._call(outer.health.remote())
         if self._outer_epoch is not None and info["epoch"] != self._outer_epoch:
             log.warning("outer optimizer restarted (epoch %s -> %s): resyncing islands", self._outer_epoch, info["epoch"])
-            latest = await self._call(outer.latest.remote())
+            latest = outer.latest.remote()  # one ref, resolved in each island's process (no tensors here)
             for island, handle in list(self.handles.items()):
                 slot = self.slots[island]
                 await self._call(handle.resync.remote(latest))

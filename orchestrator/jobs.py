@@ -210,7 +210,7 @@ def live_runs() -> list[str]:
     """Run ids of every live run on the connected cluster (those whose outer optimizer actor is alive)."""
     import ray
 
-    from orchestrator.actors import NAMESPACE
+    from orchestrator.runtime import NAMESPACE
 
     names = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e.get("namespace") == NAMESPACE}
     return sorted(n[len("outer-"):] for n in names if n.startswith("outer-") and f"monitor-{n[len('outer-'):]}" in names)
@@ -234,7 +234,7 @@ def run_view(run_id: str, *, timeout_s: float = 60.0) -> dict:
     """Everything `diloco status` prints, read from the run's actors (no driver involved)."""
     import ray
 
-    from orchestrator.actors import NAMESPACE
+    from orchestrator.runtime import NAMESPACE
     from orchestrator.metrics import estimated_run_start, goodput_so_far
 
     outer = ray.get_actor(f"outer-{run_id}", namespace=NAMESPACE)

@@ -20,7 +20,7 @@ import ray
 from islands.island import IslandSpec, LearnerIsland
 from islands.model import build_model, model_config
 from islands.trainer import InnerSettings
-from orchestrator.actors import _OuterShell
+from orchestrator.outer_actor import _OuterShell
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
 from policies.fragments import plan_fragments

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import threading
 import time
 from typing import Callable
@@ -107,6 +109,11 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
         assert snap["slots"][0]["incarnation"] == 1
         for i in (1, 2, 3):
             assert ray.get(actor(f"{run.run_id}-island{i}-inc2").ping.remote(), timeout=10)[:2] == (i, 2)
+        # The monitor restarted three islands without ever loading torch (its process stays light);
+        # the islands it started did not inherit its runtime env's zero-copy switch.
+        assert not ray.get(monitor().__ray_call__.remote(lambda _: "torch" in sys.modules), timeout=10)
+        zero_copy = lambda _: os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS")  # noqa: E731
+        assert ray.get(actor(f"{run.run_id}-island1-inc2").__ray_call__.remote(zero_copy), timeout=10) == "1"
 
         # Killing the health monitor takes no island with it; the restarted monitor re-adopts them.
         before = {i: s["name"] for i, s in snap["slots"].items()}

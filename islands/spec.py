@@ -1,0 +1,139 @@
+"""The plain values that define a model, an island's inner loop and an island slot: no torch here.
+
+The control plane (the health monitor, the CLI, the config) handles these values without training
+anything; keeping them in a module that does not import torch keeps those processes light (a Ray
+worker that imports torch costs ~3 s of CPU to start on a 2-core machine). The modules that train
+(islands.model, islands.trainer, islands.island) re-export them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from policies.fragments import FragmentPlan
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a :class:`ByteTransformer`. Frozen so one config can be shared by all islands."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for raw bytes."""
+    seq_len: int = 128
+    """Context length in tokens: the largest T ``forward`` accepts (size of the position table)."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads per block; must divide ``d_model``."""
+    mlp_ratio: int = 4
+    """Hidden width of the MLP as a multiple of ``d_model``."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"ModelConfig.{f.name}={value!r} must be a positive int; pass e.g. "
+                    f"{f.name}={f.default}"
+                )
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"ModelConfig d_model={self.d_model} must be divisible by n_heads={self.n_heads}; "
+                f"pick n_heads among the divisors of d_model"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (``d_model // n_heads``)."""
+        return self.d_model // self.n_heads
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Unit tests: builds and steps in milliseconds.
+    "nano": ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2),
+    # Default: about 0.48M parameters, trains at a useful rate on 2 CPU cores.
+    "tiny": ModelConfig(seq_len=128, d_model=128, n_layers=2, n_heads=4),
+    # About 3.4M parameters: a bigger CPU run or a small GPU run.
+    "small": ModelConfig(seq_len=256, d_model=256, n_layers=4, n_heads=8),
+    # About 50.9M parameters: the GPU-sized model.
+    "50m": ModelConfig(seq_len=512, d_model=512, n_layers=16, n_heads=8),
+}
+"""Named model shapes. Read-only by convention: derive variants with :func:`model_config`."""
+
+
+def model_config(preset: str, **overrides: int) -> ModelConfig:
+    """Return preset ``preset`` with any fields in ``overrides`` replaced, validated again.
+
+    Example: ``model_config("tiny", seq_len=256)``.
+    """
+    if preset not in PRESETS:
+        raise ValueError(
+            f"unknown model preset {preset!r}; valid presets are {sorted(PRESETS)}"
+        )
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+@dataclass(frozen=True)
+class InnerSettings:
+    """Inner optimizer and pacing of one island, as plain values (unpacked from the run config)."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.99
+    warmup_steps: int = 20
+    grad_clip: float | None = 1.0
+    torch_threads: int = 1  # applied to the whole process by the island's actor shell, not here
+    batch_size: int = 16
+    emulated_slowdown: float = 1.0  # EMULATION: stretch each step to this multiple of its compute time
+    emulated_jitter: float = 0.0  # EMULATION: uniform +- fraction on the stretch
+
+
+@dataclass(frozen=True)
+class IslandSpec:
+    """Everything that defines one island slot and incarnation, as plain values."""
+
+    island: int
+    incarnation: int
+    pool: str
+    num_islands: int  # number of data shards; the island reads shard `island`
+    model_config: ModelConfig
+    plan: FragmentPlan
+    inner: InnerSettings
+    sync_every_steps: int  # H
+    adoption: str = "overwrite"
+    compression: str = "none"
+    compression_block_size: int = 256
+    wait_for_round: bool = False  # synchronous DiLoCo: block until every in-flight submission resolves
+    seed: int = 0
+    workers: int = 1  # data-parallel workers in this island (rank 0 is this LearnerIsland)
+    accelerator: str = "cpu"  # 'cpu' trains on CPU with gloo; anything else on the worker's GPU with NCCL
+
+
+@dataclass
+class IslandStatus:
+    """A snapshot of one island for heartbeats, progress and token accounting."""
+
+    island: int
+    incarnation: int
+    pool: str
+    state: str  # starting | training | blocked | stopped | diverged | failed
+    steps: int
+    tokens: int
+    train_loss: float | None
+    step_time_s: float | None
+    versions: list[int]  # fragment versions this island has adopted
+    unsubmitted_tokens: list[int]  # per fragment: tokens not yet cut into a submission
+    outbox_tokens: list[int]  # per fragment: submitted, not yet taken by the outer optimizer
+    inflight: int  # submissions taken by the outer, not yet merged or refused
+    cursor: int  # data batches drawn
+    submitted_tokens: list[int] = field(default_factory=list)  # per fragment: cut into submissions (incl. dropped)
+    discarded_tokens: list[int] = field(default_factory=list)  # per fragment: never submitted, dropped by a resync
+    blocked_s: float = 0.0  # time spent waiting for rounds (synchronous modes)
+    faults: int = 0  # faults injected into this incarnation
+    error: str | None = None
+    at: float = field(default_factory=time.time)

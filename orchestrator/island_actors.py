@@ -1,0 +1,177 @@
+"""The island processes' actor shells: the leader (`LearnerIsland`) and its followers.
+
+Torch and the island code are imported when such a process is constructed, not when this module is
+imported: the health monitor creates islands from these classes and must be able to unpickle them
+without importing torch (a process that imports torch costs ~3 s of CPU to start on a 2-core
+machine, and the monitor is restarted on the critical path of recovery). `ray.remote` is applied in
+orchestrator/actors.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from orchestrator.runtime import placement_group_id, quiet_worker
+
+if TYPE_CHECKING:
+    from islands.distributed import WorkerGroup
+    from islands.island import LearnerIsland
+    from islands.messages import FragmentUpdate
+    from islands.spec import IslandSpec
+
+
+class _IslandShell:
+    """A LearnerIsland process. Created with a spec it trains at once; created without one it is a
+    warm spare (imports done, data fetched, no training) until `activate` gives it an island slot.
+
+    Restarting an island cold costs a new worker process and importing torch (~20 s on a busy 2-core
+    machine); activating a spare costs building the model (well under a second).
+    """
+
+    def __init__(self, spec: IslandSpec | None, data: list[Any], initial: list[FragmentUpdate] | None = None,
+                 cursor: int = 0, pending: list[Any] | None = None) -> None:
+        """`pending`: [ref to the outer optimizer's `latest()`, ref to its `resume_cursor()` or None],
+        asked for while this process started; they replace `initial` (and `cursor` when not None)."""
+        quiet_worker()
+        import islands.island  # noqa: F401 - a spare is warm: torch and the island code load now, not at activation
+
+        self._data = ray.get(data[0])  # fetched once, zero-copy, before any slot needs it
+        self._island: LearnerIsland | None = None
+        self._group: WorkerGroup | None = None
+        if spec is not None:
+            if pending is not None:
+                initial = ray.get(pending[0])
+                if pending[1] is not None:
+                    cursor = ray.get(pending[1]) or 0
+            self.activate(spec, initial or [], cursor)
+
+    def activate(self, spec: IslandSpec, initial: list[FragmentUpdate], cursor: int = 0) -> tuple[int, int]:
+        """Become island `spec.island`, incarnation `spec.incarnation`, and start training."""
+        if self._island is not None:
+            raise RuntimeError(f"this process already is island {self._island.spec.island}; it cannot be activated twice")
+        import torch
+
+        from islands.distributed import WorkerGroup, backend_for
+        from islands.island import LearnerIsland
+
+        torch.set_num_threads(spec.inner.torch_threads)  # the process is this island's alone
+        group = self._group = None
+        if spec.workers > 1:  # rank 0 hosts the rendezvous on its node; followers get `rendezvous()`
+            group = self._group = WorkerGroup(rank=0, world_size=spec.workers, addr=ray.util.get_node_ip_address(),
+                                              backend=backend_for(spec.accelerator))
+        self._island = LearnerIsland(spec, self._data, initial, cursor=cursor, resolve=ray.get, group=group)
+        self._island.start()
+        return spec.island, spec.incarnation
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, port) where this island's followers join its process group (islands of several workers)."""
+        if self._group is None:
+            raise RuntimeError(f"island {self._live().spec.island} has one worker; it has no process group to join")
+        return self._group.addr, self._group.port
+
+    def _live(self) -> LearnerIsland:
+        if self._island is None:
+            raise RuntimeError("this island process is a spare and has not been activated")
+        return self._island
+
+    def ping(self) -> tuple[int | None, int | None, float]:
+        """Liveness probe: (island, incarnation, wall time); (None, None, t) for a spare."""
+        if self._island is None:
+            return None, None, time.time()
+        return self._island.spec.island, self._island.spec.incarnation, time.time()
+
+    def node_id(self) -> str:
+        """The Ray node this process runs on (placement checks)."""
+        return ray.get_runtime_context().get_node_id()
+
+    def placement_group_id(self) -> str | None:
+        """The id (hex) of the placement group this process runs in (placement checks)."""
+        return placement_group_id()
+
+    # The island's interface, delegated (see islands.island.LearnerIsland for each method).
+    def next_submission(self, timeout_s: float = 1.0):
+        return self._live().next_submission(timeout_s)
+
+    def adopt(self, update: FragmentUpdate) -> None:
+        self._live().adopt(update)
+
+    def status(self):
+        return self._live().status()
+
+    def stop(self, timeout_s: float = 30.0, flush: bool = False):
+        return self._live().stop(timeout_s, flush)
+
+    def watch(self, timeout_s: float = 5.0) -> str:
+        return self._live().watch(timeout_s)
+
+    def inject(self, kind: str, *, duration_s: float = 0.0, factor: float = 1.0) -> None:
+        self._live().inject(kind, duration_s=duration_s, factor=factor)
+
+    def resync(self, latest: list[FragmentUpdate]) -> None:
+        self._live().resync(latest)
+
+    def parameters(self) -> dict:
+        return self._live().parameters()
+
+
+class _IslandWorker:
+    """Rank `rank` >= 1 of an island of several workers: a follower that mirrors its leader.
+
+    Created by the health monitor on bundle `rank` of the island's placement group once the leader
+    says where to join. If its loop fails (the leader died, a collective timed out) the process ends,
+    so the rest of the island fails at once too: the island is one failure domain, rebuilt whole.
+    """
+
+    def __init__(self, spec: IslandSpec, data: list[Any], rank: int, addr: str, port: int) -> None:
+        quiet_worker()
+        import torch
+
+        from islands.distributed import IslandFollower, WorkerGroup, backend_for
+
+        torch.set_num_threads(spec.inner.torch_threads)
+        self.spec, self.rank = spec, rank
+        group = WorkerGroup(rank=rank, world_size=spec.workers, addr=addr, port=port, backend=backend_for(spec.accelerator))
+        self._follower = IslandFollower(
+            model_config=spec.model_config, inner=spec.inner, plan=spec.plan, data=ray.get(data[0]),
+            shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed, group=group,
+        )
+        self._thread = threading.Thread(target=self._run, name=f"island-{spec.island}-w{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._follower.run()
+        if self._follower.state == "failed":
+            logging.getLogger(__name__).error("island %d worker %d ends its process: %s",
+                                              self.spec.island, self.rank, self._follower.error)
+            os._exit(1)  # one failure domain: take the island's collectives down with us
+
+    def ping(self) -> tuple[int, int, int, float]:
+        """Liveness probe: (island, incarnation, rank, wall time)."""
+        return self.spec.island, self.spec.incarnation, self.rank, time.time()
+
+    def node_id(self) -> str:
+        """The Ray node this process runs on (placement checks)."""
+        return ray.get_runtime_context().get_node_id()
+
+    def placement_group_id(self) -> str | None:
+        """The id (hex) of the placement group this process runs in (placement checks)."""
+        return placement_group_id()
+
+    def watch(self, timeout_s: float = 5.0) -> str:
+        """Wait up to `timeout_s` for the follower loop to end; returns its state."""
+        self._thread.join(timeout_s)
+        return self._follower.state
+
+    def steps(self) -> int:
+        """Inner steps this worker has taken."""
+        return self._follower.steps
+
+    def parameters(self) -> dict:
+        """A copy of this worker's parameters (tests: every worker of an island holds the same ones)."""
+        return self._follower.parameters()
