@@ -274,6 +274,7 @@ class Run:
             restart={"base_s": h.backoff_base_s, "cap_s": h.backoff_cap_s, "reset_after_s": h.reset_after_s,
                      "max_restarts": h.max_restarts},
             warm_spares=h.warm_spares, worker_cls=IslandWorkerActor,
+            island_runtime_env=dict(ray.get_runtime_context().runtime_env),
         )
         started = self.monitor.ensure_started.remote(fresh=not self.resume)
         if not self.resume:  # (a resumed run asked it for its metadata above)

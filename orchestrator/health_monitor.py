@@ -71,7 +71,8 @@ class HealthMonitor:
     def __init__(self, *, run_id: str, namespace: str, pools: list[PoolConfig], specs: list[IslandSpec],
                  data: list[Any], outer_name: str, island_cls: Any, placement_timeout_s: float,
                  call_timeout_s: float, tick_s: float = 0.25, health: dict | None = None,
-                 restart: dict | None = None, warm_spares: int = 0, worker_cls: Any = None) -> None:
+                 restart: dict | None = None, warm_spares: int = 0, worker_cls: Any = None,
+                 island_runtime_env: dict | None = None) -> None:
         self.run_id, self.namespace = run_id, namespace
         self.pools = {p.name: p for p in pools}
         multi = [p.name for p in pools if p.workers_per_island > 1]
@@ -99,6 +100,10 @@ class HealthMonitor:
         self.rejoin_s: list[float] = []
         self.faults: dict[tuple[int, int], dict] = {}  # (island, incarnation) -> injected fault info
         self.warm_spares = warm_spares
+        # The job's runtime env, given back to every island process: this actor runs with its own
+        # (CONTROL_PLANE_RUNTIME_ENV) and actors inherit their creator's. With the job's env an island
+        # can take one of the job's idle, already started workers.
+        self.island_env = dict(island_runtime_env) if island_runtime_env is not None else DATA_PLANE_RUNTIME_ENV
         self.spares: dict[str, list[tuple[str, Any, Any]]] = {name: [] for name in self.pools}  # pool -> (name, handle, group)
         self._spare_seq = 0
         self._spare_tasks: dict[str, asyncio.Task] = {}
@@ -214,7 +219,7 @@ class HealthMonitor:
                     return
                 handle = self.island_cls.options(
                     name=name, namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
-                    runtime_env=DATA_PLANE_RUNTIME_ENV,
+                    runtime_env=self.island_env,
                     resources=dict(pool.resources), scheduling_strategy=island_scheduling(group),
                 ).remote(None, self.data)
                 try:
@@ -294,7 +299,7 @@ class HealthMonitor:
             self.groups[slot.island] = group
             handle = self.island_cls.options(
                 name=slot.name, namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
-                runtime_env=DATA_PLANE_RUNTIME_ENV,
+                runtime_env=self.island_env,
                 resources=dict(pool.resources), scheduling_strategy=island_scheduling(group),
                 **({"num_gpus": pool.gpus_per_worker} if pool.gpus_per_worker > 0 else {}),
             ).remote(spec, self.data, None, cursor or 0, pending=pending)
@@ -324,7 +329,7 @@ class HealthMonitor:
         self.followers[slot.island] = [
             self.worker_cls.options(
                 name=f"{slot.name}-w{rank}", namespace=self.namespace, lifetime="detached", num_cpus=pool.cpus_per_island,
-                runtime_env=DATA_PLANE_RUNTIME_ENV,
+                runtime_env=self.island_env,
                 resources=dict(pool.resources), scheduling_strategy=island_scheduling(group, bundle=rank),
                 **({"num_gpus": pool.gpus_per_worker} if pool.gpus_per_worker > 0 else {}),
             ).remote(spec, self.data, rank, addr, port)

@@ -21,6 +21,7 @@ def two_pool_config(outer: dict | None = None, islands: int = 2, **run) -> dict:
         "run": {"token_budget": 300_000, "seed": 1, **run},
         "data": {"max_bytes": 3_000_000},
         "eval": {"interval_s": 4.0, "batches": 4},
+        "health": {"warm_spares": 0},  # nothing here fails: a spare would only take CPU from the islands
         "pools": [
             {"name": "a", "islands": islands, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "region": "us-east"},
             {"name": "b", "islands": islands, "labels": {"pool": "b"}, "cpus_per_island": 0.5, "region": "eu-west",
