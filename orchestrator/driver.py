@@ -63,6 +63,12 @@ class Progress:
     islands: dict[str, str] = field(default_factory=dict)  # "pool/island" -> state
 
 
+def absolute_uri(uri: str) -> str:
+    """`uri` with a local path made absolute (URIs with a scheme unchanged): actors do not share the
+    driver's working directory."""
+    return uri if "://" in uri else str(Path(uri).expanduser().resolve())
+
+
 def load_corpus(cfg: RunConfig) -> Corpus:
     """The training corpus named by the config (the embedded stdlib corpus by default)."""
     d = cfg.data
@@ -188,7 +194,10 @@ class Run:
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: Callable[[Progress], None] | None = None,
                  resume: bool = False) -> None:
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
+        # Absolute: the actors that write under it (the outer optimizer's checkpoints) run with the Ray
+        # worker's working directory, not the driver's (a relative path broke a notebook that joined a
+        # running cluster).
+        self.run_dir = Path(run_dir).expanduser().resolve()
         self.progress = progress
         self.resume = resume
         self.run_id = f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}"
@@ -210,7 +219,7 @@ class Run:
         cfg = self.cfg
         meta_path = self.run_dir / "run.json"
         previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
-        ckpt_uri = cfg.checkpoint.uri or str(self.run_dir / "checkpoints")
+        ckpt_uri = absolute_uri(cfg.checkpoint.uri) if cfg.checkpoint.uri else str(self.run_dir / "checkpoints")
         if not self.resume and CheckpointStore(ckpt_uri).list():
             raise ConfigError(f"{self.run_dir} already holds checkpoints; continue it with --resume or pick a new --run-dir")
         if self.resume and previous:

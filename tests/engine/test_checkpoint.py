@@ -248,3 +248,13 @@ def test_manifest_cannot_name_a_non_tensor_dtype(tmp_path):
     _plant_payload(tmp_path, pickle.dumps([1, 2]), dtype="object")
     with pytest.raises(CheckpointError, match="dtype 'object'"):
         store.load(1)
+
+
+def test_driver_hands_actors_absolute_checkpoint_paths(tmp_path, monkeypatch):
+    # Actors run in the Ray worker's working directory: a relative path would point elsewhere there.
+    from orchestrator.driver import absolute_uri
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute_uri("runs/x/checkpoints") == str(tmp_path / "runs" / "x" / "checkpoints")
+    assert absolute_uri("s3://bucket/run/checkpoints") == "s3://bucket/run/checkpoints"
+    assert absolute_uri(f"file://{tmp_path}/c") == f"file://{tmp_path}/c"

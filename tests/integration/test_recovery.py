@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def small_config(**over) -> dict:
     cfg = {
         "run": {"token_budget": 10**9, "seed": 5, "call_timeout_s": 20},
+        "model": {"preset": "nano"},  # about processes, not learning: leave the CPU to the restarts
         "data": {"max_bytes": 2_000_000},
         "eval": {"interval_s": 5.0, "batches": 2},
         "outer": {"sync_every_steps": 20},
@@ -73,13 +74,23 @@ def test_resume_after_the_driver_dies_skipping_a_corrupt_checkpoint(ray_cluster,
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(small_config()))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "train", "--address", cluster.address, "--config", str(cfg_path),
-         "--run-dir", str(run_dir), "--quiet"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err_path = tmp_path / "driver.err"  # a file, not a pipe nobody reads: a full pipe would stall the driver
+    with err_path.open("w") as err:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "train", "--address", cluster.address, "--config", str(cfg_path),
+             "--run-dir", str(run_dir), "--quiet"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
     store = CheckpointStore(str(run_dir / "checkpoints"))
+
+    def driver_alive() -> bool:
+        assert driver.poll() is None, f"the driver exited with {driver.returncode}: {err_path.read_text()[-2000:]}"
+        return True
+
     try:
-        wait_for("a few checkpoints with merged rounds",
-                 lambda: len(store.list()) >= 3 and sum(store.load_latest().meta["outer"]["versions"]) >= 2, timeout_s=180)
+        # The one before the newest (the resume falls back to it) must already hold merged rounds and
+        # the driver's token count, which it notes every half second.
+        wait_for("a few checkpoints with merged rounds and counted tokens", lambda: driver_alive() and len(store.list()) >= 3 and (
+            lambda meta: sum(meta["outer"]["versions"]) >= 2 and meta["extra"].get("tokens_processed", 0) > 0)(
+            store.load(store.list()[-2]).meta), timeout_s=180)
     finally:
         driver.send_signal(signal.SIGKILL)  # the driver dies without any cleanup
         driver.wait(30)
@@ -91,7 +102,7 @@ def test_resume_after_the_driver_dies_skipping_a_corrupt_checkpoint(ray_cluster,
     data[len(data) // 2] ^= 0xFF  # flip one byte: the checksum must catch it
     payload.write_bytes(bytes(data))
 
-    cfg = build_config(apply_overrides(resume_config(run_dir).model_dump(mode="json"), ["run.max_wall_s=12"]))
+    cfg = build_config(apply_overrides(resume_config(run_dir).model_dump(mode="json"), ["run.max_wall_s=5"]))
     summary = train(cfg, run_dir, resume=True)
 
     assert summary["resumed"] is True

@@ -29,6 +29,8 @@ def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 150.0) -> N
         try:
             if cond():
                 return
+        except AssertionError:  # a check inside the condition failed: that is the test's answer
+            raise
         except Exception:  # noqa: BLE001 - an actor restarting mid-check: look again
             pass
         time.sleep(0.25)
@@ -42,6 +44,9 @@ def config(tmp_path, tape: FaultTape | None = None, **health) -> dict:
         chaos = {"mode": "tape", "params": {"path": str(tmp_path / "tape.yaml")}}
     return {
         "run": {"token_budget": 10**9, "seed": 3, "call_timeout_s": 20},
+        # The smallest model: these tests are about processes, not learning, and an island that needs
+        # little CPU leaves the 2 cores to the restarts under test.
+        "model": {"preset": "nano"},
         "data": {"max_bytes": 3_000_000},
         "eval": {"interval_s": 5.0, "batches": 2},
         "outer": {"sync_every_steps": 20, "num_fragments": 2},
@@ -118,7 +123,10 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
         # Killing the health monitor takes no island with it; the restarted monitor re-adopts them.
         before = {i: s["name"] for i, s in snap["slots"].items()}
         ids = {i: actor(n)._actor_id.hex() for i, n in before.items()}
-        ray.kill(monitor(), no_restart=False)
+        pid = lambda: ray.get(monitor().__ray_call__.remote(lambda _: os.getpid()), timeout=10)  # noqa: E731
+        old_pid = pid()
+        ray.kill(monitor(), no_restart=False)  # asynchronous: the old process may answer once more
+        wait_for("the monitor to restart", lambda: pid() != old_pid)
         wait_for("the monitor to re-adopt the islands", lambda: ray.get(monitor().snapshot.remote(), timeout=10)["slots"][0]["name"] == before[0])
         after = ray.get(monitor().snapshot.remote(), timeout=10)
         assert {i: s["name"] for i, s in after["slots"].items()} == before
