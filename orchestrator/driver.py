@@ -257,7 +257,7 @@ class Run:
             ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep, network=self.network, island_regions=island_regions)
         if self.resume:
             # New incarnations continue above every incarnation the restored outer optimizer has heard of.
-            extra = self._get(self.outer.restored_extra.remote())
+            extra = self._get(self.outer.restored_extra.remote(), timeout=self._start_timeout_s())  # starts, restores
             acct = self._get(self.outer.accounting.remote())
             self.baseline = self._get(self.outer.status.remote())["ledger"]
             last_inc = {int(i): inc for i, inc in extra.get("incarnations", {}).items()}
@@ -287,12 +287,14 @@ class Run:
         )
         started = self.monitor.ensure_started.remote(fresh=not self.resume)
         if not self.resume:  # (a resumed run asked it for its metadata above)
-            self._get(self.outer.restored_extra.remote())  # the outer optimizer is up (or says why not) while islands start
+            # The outer optimizer is up (or says why not) while islands start. A process start, not a
+            # control call: on a loaded machine it can take longer than call_timeout_s.
+            self._get(self.outer.restored_extra.remote(), timeout=self._start_timeout_s())
         # The starting point, how far the loss fell from: islands are still starting here (their process
         # start takes longer than the outer optimizer's), and the point records the versions it saw.
         self._evaluate(time.monotonic())
         try:
-            self._get(started, timeout=cfg.run.placement_timeout_s + 60)
+            self._get(started, timeout=self._start_timeout_s())
         except RayTaskError as err:
             cause = str(err).strip().splitlines()[-1]
             raise RuntimeError(f"islands failed to start: {cause}") from None
@@ -306,6 +308,10 @@ class Run:
                 self.tape, namespace=NAMESPACE, monitor_name=self.monitor_name, run_start=self.run_start,
                 protected_node=ray.get_runtime_context().get_node_id())
             self._get(self.injector.start.remote())
+
+    def _start_timeout_s(self) -> float:
+        """How long a process start may take (the outer optimizer's, the first islands'): placement's bound."""
+        return self.cfg.run.placement_timeout_s + 60
 
     def _get(self, ref: Any, timeout: float | None = None) -> Any:
         return ray.get(ref, timeout=timeout or self.cfg.run.call_timeout_s)

@@ -101,6 +101,10 @@ async def run_shell(tmp_path, train_s: float) -> tuple[dict, list, list[LocalIsl
     for h in handles:
         h.island.start()
     await asyncio.sleep(train_s)  # training time, not a correctness wait
+    # ...and on a loaded machine, until each island has sent a few submissions (the checks need them).
+    deadline = time.monotonic() + 120
+    while min(len(h.taken) for h in handles) < 3 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
     for h in handles:  # islands stop cutting submissions; what they sent is still on the links
         await asyncio.get_running_loop().run_in_executor(None, h.island.stop)
     deadline = time.monotonic() + 60
