@@ -101,8 +101,7 @@ class HealthMonitor:
         self.faults: dict[tuple[int, int], dict] = {}  # (island, incarnation) -> injected fault info
         self.warm_spares = warm_spares
         # The job's runtime env, given back to every island process: this actor runs with its own
-        # (CONTROL_PLANE_RUNTIME_ENV) and actors inherit their creator's. With the job's env an island
-        # can take one of the job's idle, already started workers.
+        # (CONTROL_PLANE_RUNTIME_ENV, zero-copy tensors off) and actors inherit their creator's.
         self.island_env = dict(island_runtime_env) if island_runtime_env is not None else DATA_PLANE_RUNTIME_ENV
         self.spares: dict[str, list[tuple[str, Any, Any]]] = {name: [] for name in self.pools}  # pool -> (name, handle, group)
         self._spare_seq = 0
