@@ -94,6 +94,7 @@ class HealthMonitor:
         self.groups: dict[int, Any] = {}
         self.watchers: dict[int, asyncio.Task] = {}
         self.restarting: dict[int, asyncio.Task] = {}
+        self._failing: set[int] = set()  # slots inside _fail(), before their restart task exists
         self.timeline: list[tuple[float, int, int, str]] = []
         self.detect_s: list[float] = []
         self.detections: list[dict] = []  # one per failure: what, why, when detected, when the fault was injected
@@ -357,8 +358,16 @@ class HealthMonitor:
                 return
 
     async def _fail(self, slot: SlotState, kind: str, reason: str) -> None:
-        if slot.island in self.restarting or slot.state in ("dead", "restarting"):
+        if slot.island in self.restarting or slot.island in self._failing or slot.state in ("dead", "restarting"):
             return
+        # One failure at a time per slot, until its restart task is registered (the teardown below awaits).
+        self._failing.add(slot.island)
+        try:
+            await self._fail_once(slot, kind, reason)
+        finally:
+            self._failing.discard(slot.island)
+
+    async def _fail_once(self, slot: SlotState, kind: str, reason: str) -> None:
         now_wall = time.time()
         fault = self.faults.get((slot.island, slot.incarnation))
         died_at = fault["at"] if fault else now_wall
@@ -479,6 +488,16 @@ class HealthMonitor:
             if slot.state in ("training", "blocked") and registered.get(island) != slot.incarnation:
                 await self._call(outer.register.remote(island, slot.incarnation, handle))
 
+    def _moved_on(self, slot: SlotState, incarnation: int) -> bool:
+        """Whether `slot` failed or moved past `incarnation` since a check of it began.
+
+        A check awaits the island's answer; meanwhile the watcher may have declared the same
+        incarnation failed. Acting on the stale answer (marking the slot "training" again, then
+        failing it a second time) started two restarts of one slot that raced each other (seen
+        under load: clobbered names, an untracked incarnation left submitting)."""
+        return (slot.incarnation != incarnation or slot.island in self.restarting
+                or slot.island in self._failing or slot.state in ("dead", "restarting", "stopped"))
+
     async def _check(self, slot: SlotState) -> None:
         handle = self.handles.get(slot.island)
         if handle is None or slot.island in self.restarting or slot.state in ("dead", "restarting", "stopped"):
@@ -488,8 +507,8 @@ class HealthMonitor:
         incarnation = slot.incarnation
         try:
             st = await asyncio.wait_for(handle.status.remote(), timeout=min(2.0, self.call_timeout_s))
-            if slot.incarnation != incarnation or slot.island in self.restarting:
-                return  # the slot failed and moved on while we waited: this answer is about the past
+            if self._moved_on(slot, incarnation):
+                return  # the slot failed (or moved on) while we waited: this answer is about the past
             slot.status, slot.last_status_at = st, now
             if st.steps != slot.steps:
                 slot.steps, slot.last_progress_at = st.steps, now
@@ -501,7 +520,7 @@ class HealthMonitor:
             ok, st = False, slot.status
         except (asyncio.TimeoutError, RayActorError):
             ok, st = False, slot.status
-        if slot.incarnation != incarnation or slot.island in self.restarting:
+        if self._moved_on(slot, incarnation):
             return
         verdict = assess_island(
             now=now, state=st.state if st else "starting", steps=slot.steps, last_progress_at=slot.last_progress_at,

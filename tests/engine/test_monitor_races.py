@@ -1,0 +1,129 @@
+"""The health monitor's failure path under interleaving, driven by asyncio alone (no Ray cluster).
+
+Seen in a full-suite run under load: an island's inner loop failed while a health check was waiting for
+its status. The watcher declared the incarnation failed; the check then got its (stale) answer, marked
+the slot "training" again and failed it a second time. Two restart tasks raced on one slot: clobbered
+actor names, an untracked incarnation left submitting, the island never rebuilt. These tests replay
+that interleaving with a status call the test releases by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from islands.model import model_config
+from islands.spec import InnerSettings, IslandSpec, IslandStatus
+from orchestrator.config import PoolConfig
+from orchestrator.health_monitor import HealthMonitor
+from policies.fragments import plan_fragments
+
+
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class SlowIsland:
+    """An island handle whose status() answers only when the test says so."""
+
+    def __init__(self, status: IslandStatus) -> None:
+        self.answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.status = _Method(lambda: self.answer)
+        self._status = status
+
+    def release(self) -> None:
+        self.answer.set_result(self._status)
+
+
+def _status(state: str, steps: int) -> IslandStatus:
+    return IslandStatus(island=0, incarnation=1, pool="a", state=state, steps=steps, tokens=steps * 512,
+                        train_loss=2.0, step_time_s=0.1, versions=[0], unsubmitted_tokens=[0], outbox_tokens=[0],
+                        inflight=0, cursor=steps)
+
+
+def _monitor(gate: asyncio.Event | None = None) -> tuple[HealthMonitor, list, list]:
+    cfg = model_config("nano")
+    plan = plan_fragments([("w", 4)], 1)
+    spec = IslandSpec(island=0, incarnation=1, pool="a", num_islands=1, model_config=cfg, plan=plan,
+                      inner=InnerSettings(), sync_every_steps=8)
+    mon = HealthMonitor(run_id="r", namespace="ns", pools=[PoolConfig(name="a")], specs=[spec], data=[],
+                        outer_name="outer-r", island_cls=object, placement_timeout_s=10, call_timeout_s=5,
+                        health={"factor": 3.0, "floor_s": 30.0, "startup_s": 60.0, "unreachable_s": 30.0})
+    teardowns, restarts = [], []
+
+    async def teardown(slot):  # the real one kills actors and awaits the outer optimizer's unregister
+        teardowns.append(slot.incarnation)
+        if gate is not None:
+            await gate.wait()  # the window in which the race happened: the failure is half handled
+        await asyncio.sleep(0)
+
+    async def restart(slot, delay, died_at):
+        restarts.append(slot.incarnation)
+
+    mon._teardown, mon._restart = teardown, restart
+    slot = mon.slots[0]
+    slot.incarnation, slot.state, slot.steps = 1, "training", 12
+    return mon, teardowns, restarts
+
+
+def test_a_check_answered_after_the_watcher_failed_the_island_does_not_fail_it_again():
+    async def scenario():
+        gate = asyncio.Event()
+        mon, teardowns, restarts = _monitor(gate)
+        slot = mon.slots[0]
+        island = SlowIsland(_status("failed", 12))  # its inner loop failed; the process still answers
+        mon.handles[0] = island
+        loop = asyncio.get_running_loop()
+        check = loop.create_task(mon._check(slot))
+        await asyncio.sleep(0)  # the check is now waiting for status()
+        fail = loop.create_task(mon._fail(slot, "failed", "inner loop failed"))  # the watcher saw it first
+        await asyncio.sleep(0)  # the failure is in its teardown, its restart not yet registered
+        island.release()  # the check gets its stale answer now, and acts on it (or not)
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(check, fail), timeout=10)
+        await asyncio.sleep(0)
+        return mon, teardowns, restarts
+
+    mon, teardowns, restarts = asyncio.run(scenario())
+    slot = mon.slots[0]
+    assert slot.failures == 1 and len(mon.detections) == 1, mon.detections
+    assert teardowns == [1] and restarts == [1], (teardowns, restarts)
+    assert slot.state == "dead", "the stale answer must not mark a failed slot training again"
+    assert [s for _, _, _, s in mon.timeline] == ["dead"]
+
+
+def test_two_failures_reported_at_once_start_one_restart():
+    async def scenario():
+        gate = asyncio.Event()
+        mon, teardowns, restarts = _monitor(gate)
+        slot = mon.slots[0]
+        mon.handles[0] = object()
+        asyncio.get_running_loop().call_later(0.01, gate.set)
+        # The watcher and a check fail the same incarnation in the same tick.
+        await asyncio.gather(mon._fail(slot, "failed", "inner loop failed"), mon._fail(slot, "dead", "no answer"))
+        await asyncio.sleep(0)
+        return mon, teardowns, restarts
+
+    mon, teardowns, restarts = asyncio.run(scenario())
+    assert mon.slots[0].failures == 1 and [d["kind"] for d in mon.detections] == ["failed"]
+    assert teardowns == [1] and restarts == [1]
+
+
+def test_a_healthy_answer_still_records_progress():
+    """The guard must not swallow ordinary checks: a live island's answer updates the slot."""
+    async def scenario():
+        mon, _, restarts = _monitor()
+        slot = mon.slots[0]
+        island = SlowIsland(_status("training", 20))
+        mon.handles[0] = island
+        check = asyncio.get_running_loop().create_task(mon._check(slot))
+        await asyncio.sleep(0)
+        island.release()
+        await check
+        return mon, restarts
+
+    mon, restarts = asyncio.run(scenario())
+    slot = mon.slots[0]
+    assert slot.steps == 20 and slot.status.steps == 20 and slot.state == "training"
+    assert restarts == [] and slot.failures == 0
