@@ -143,15 +143,16 @@ def _init_parameters(model: ByteTransformer, generator: torch.Generator) -> None
 def build_model(cfg: ModelConfig, *, seed: int) -> ByteTransformer:
     """Build a :class:`ByteTransformer` on CPU whose parameters depend only on ``cfg`` and ``seed``.
 
-    Modules are created on the meta device (no memory, no RNG draws) and then filled from a local
-    ``torch.Generator`` seeded with ``seed``; the global torch RNG is untouched. Move the result
-    with ``.to(device)``.
+    Every parameter is then filled from a local ``torch.Generator`` seeded with ``seed``; the global
+    torch RNG is left as it was. Move the result with ``.to(device)``.
     """
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"build_model seed={seed!r} must be a non-negative int; pass e.g. seed=0")
-    with torch.device("meta"):
+    # Built on the CPU, its default init thrown away, rather than on the meta device: meta-device init
+    # runs through torch._refs, whose first call imports torch._dynamo (~1.5 s of CPU), which a driver
+    # or a notebook kernel that never steps an optimizer would otherwise pay on every start.
+    with torch.random.fork_rng(devices=[]):
         model = ByteTransformer(cfg)
-    model = model.to_empty(device="cpu")
     generator = torch.Generator(device="cpu").manual_seed(seed)
     _init_parameters(model, generator)
     return model
