@@ -290,9 +290,14 @@ class Run:
             # The outer optimizer is up (or says why not) while islands start. A process start, not a
             # control call: on a loaded machine it can take longer than call_timeout_s.
             self._get(self.outer.restored_extra.remote(), timeout=self._start_timeout_s())
-        # The starting point, how far the loss fell from: islands are still starting here (their process
-        # start takes longer than the outer optimizer's), and the point records the versions it saw.
-        self._evaluate(time.monotonic())
+        # The starting point, how far the loss fell from. A fresh run evaluates the parameters it seeded
+        # (version 0 of every fragment): asking the outer optimizer raced the islands, which on a quick
+        # start had merged a few rounds before it answered (seen in a notebook). A resumed run's islands
+        # start only below, so the outer's restored parameters are the starting point.
+        if self.resume:
+            self._evaluate(time.monotonic())
+        else:
+            self._evaluate(time.monotonic(), start=(initial, [0] * self.plan.num_fragments))
         try:
             self._get(started, timeout=self._start_timeout_s())
         except RayTaskError as err:
@@ -334,13 +339,17 @@ class Run:
         live, dead = self._statuses()
         return self.tokens_before + sum(s.tokens for s in live) + sum(s.tokens for s in dead)
 
-    def _evaluate(self, t0: float) -> dict:
-        params = self._get(self.outer.global_parameters.remote())
+    def _evaluate(self, t0: float, start: tuple[dict, list[int]] | None = None) -> dict:
+        """Evaluate the global parameters now, or `start` = (parameters, versions) before anything merged."""
+        if start is None:
+            params = self._get(self.outer.global_parameters.remote())
+            status = self._get(self.outer.status.remote())
+            versions, merged = list(status["versions"]), sum(status["ledger"]["merged"]) / len(status["ledger"]["merged"])
+        else:
+            (params, versions), merged = start, 0.0
         loss, bpb = self.evaluator.evaluate(params)
-        status = self._get(self.outer.status.remote())
-        merged = sum(status["ledger"]["merged"]) / len(status["ledger"]["merged"])
         point = {"wall_s": time.monotonic() - t0, "at": time.time(), "tokens_processed": self._tokens(), "tokens_merged": merged,
-                 "versions": list(status["versions"]), "eval_loss": loss, "eval_bits_per_byte": bpb}
+                 "versions": versions, "eval_loss": loss, "eval_bits_per_byte": bpb}
         self.eval_points.append(point)
         self.events.add("evals", [point])
         log.info("eval at %.0fs: loss %.4f, %.3f bits/byte (%d tokens processed)", point["wall_s"], loss, bpb, point["tokens_processed"])
