@@ -19,6 +19,9 @@ def two_pool_config(outer: dict | None = None, islands: int = 2, **run) -> dict:
         "mode": run.pop("mode", "decoupled"),
         "outer": outer or {},
         "run": {"token_budget": 300_000, "seed": 1, **run},
+        # nano: this checks the engine's wiring, accounting and placement, not the model; its steps take
+        # milliseconds, so the run is start-up plus a few seconds (the default model's took ~20 s more).
+        "model": {"preset": "nano"},
         "data": {"max_bytes": 3_000_000},
         "eval": {"interval_s": 4.0, "batches": 4},
         "health": {"warm_spares": 0},  # nothing here fails: a spare would only take CPU from the islands
