@@ -340,7 +340,12 @@ class Run:
         return self.tokens_before + sum(s.tokens for s in live) + sum(s.tokens for s in dead)
 
     def _evaluate(self, t0: float, start: tuple[dict, list[int]] | None = None) -> dict:
-        """Evaluate the global parameters now, or `start` = (parameters, versions) before anything merged."""
+        """Evaluate the global parameters now, or `start` = (parameters, versions) before anything merged.
+
+        The point's `wall_s`/`at` are when the parameters were read, not when scoring them ended: the
+        first evaluation in a process is slow (seconds under load), and the starting point must sort first.
+        """
+        read_mono, read_at, tokens = time.monotonic(), time.time(), self._tokens()
         if start is None:
             params = self._get(self.outer.global_parameters.remote())
             status = self._get(self.outer.status.remote())
@@ -348,7 +353,7 @@ class Run:
         else:
             (params, versions), merged = start, 0.0
         loss, bpb = self.evaluator.evaluate(params)
-        point = {"wall_s": time.monotonic() - t0, "at": time.time(), "tokens_processed": self._tokens(), "tokens_merged": merged,
+        point = {"wall_s": read_mono - t0, "at": read_at, "tokens_processed": tokens, "tokens_merged": merged,
                  "versions": versions, "eval_loss": loss, "eval_bits_per_byte": bpb}
         self.eval_points.append(point)
         self.events.add("evals", [point])

@@ -43,7 +43,10 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
 
     # Held-out loss falls from the starting point.
     first, last = summary["evals"][0], summary["evals"][-1]
-    assert first["tokens_processed"] == 0
+    assert first["tokens_processed"] == 0 and set(first["versions"]) == {0}
+    # The log is in time order and the starting point comes first, however long scoring it took.
+    times = [e["wall_s"] for e in summary["evals"]]
+    assert times == sorted(times) and times[0] < 0.5, times
     assert last["eval_loss"] < first["eval_loss"] - 0.5
     assert summary["eval_bits_per_byte"] < summary["unigram_bits_per_byte"] + 1.5  # well on its way down
 
