@@ -69,17 +69,22 @@ def run_goodput(
     islands: int,
     advances: Sequence[float],
     fates: dict[str, list[int]],
+    stop_began: float | None = None,
 ) -> dict:
-    """Goodput, uptime and time per island state for the run, from the health monitor's timeline."""
+    """Goodput, uptime and time per island state for the run, from the health monitor's timeline.
+
+    `stop_began` (wall clock) ends uptime's clock; None: `run_end` (a live run).
+    """
     P = len(fates["merged"])
     mean = lambda xs: round(sum(xs) / P)  # noqa: E731 - token counts are per fragment; report the mean
-    inside = [t for t in advances if run_start <= t <= run_end]
+    until = run_end if stop_began is None else min(max(stop_began, run_start), run_end)
+    inside = [t for t in advances if run_start <= t <= until]
     window = uptime_window_from_rounds(inside)
     report = goodput_report(
         intervals=merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end), useful_s=min(useful_s, islands * (run_end - run_start)),
         run_start=run_start, run_end=run_end, islands=islands, version_advances=inside, uptime_window_s=window,
         tokens_merged=mean(fates["merged"]), tokens_lost=mean(fates["lost"]), tokens_refused=mean(fates["refused"]),
-        tokens_in_flight=mean(fates["in_flight"]),
+        tokens_in_flight=mean(fates["in_flight"]), uptime_until=until,
     )
-    return {"goodput": report.goodput, "uptime": report.uptime, "uptime_window_s": window,
+    return {"goodput": report.goodput, "uptime": report.uptime, "uptime_window_s": window, "fill_s": report.fill_s,
             "allocated_s": report.allocated_s, "useful_s": report.useful_s, "time_by_state_s": report.by_state_s}

@@ -418,6 +418,7 @@ class Run:
 
     def _finish(self, t0: float) -> dict:
         flush = self.cfg.run.final_flush
+        stop_began = time.time()  # uptime's clock ends here: from now on versions are held on purpose
         if flush:  # no round closes between the islands' last cuts and the final merge
             self._get(self.outer.hold.remote())
         t_stop = time.monotonic()
@@ -443,7 +444,8 @@ class Run:
         fates = token_fates(fragments=self.plan.num_fragments, ledger=ledger, baseline=self.baseline,
                             received=received, live=live, dead=dead)
         good = run_goodput(timeline=self.snapshot["timeline"], useful_s=acct["useful_s"], run_start=self.run_start,
-                           run_end=run_end, islands=self.cfg.num_islands, advances=acct["advances"], fates=fates)
+                           run_end=run_end, islands=self.cfg.num_islands, advances=acct["advances"], fates=fates,
+                           stop_began=stop_began)
         self.metrics.record_status(status, self.snapshot, tokens_processed=self._tokens())
         self.metrics.record_goodput(good["goodput"], good["uptime"])
         self.events.add("islands", [{**asdict(s), "alive_at_stop": s in live} for s in live + dead])
@@ -474,7 +476,8 @@ class Run:
             "tokens_in_flight": mean(fates["in_flight"]),
             "token_ledger": fates,
             "goodput": good["goodput"],
-            "uptime": good["uptime"],
+            "uptime": good["uptime"],  # from the first version advance (policies/goodput.py)
+            "fill_s": good["fill_s"],  # run start to the first version advance: the pipeline fill
             "time_by_state_s": good["time_by_state_s"],
             "useful_s": good["useful_s"],
             "allocated_s": good["allocated_s"],

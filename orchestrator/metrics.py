@@ -80,7 +80,7 @@ class RunMetrics:
                              "islands (down).", tag_keys=run + ("direction",))
         self.goodput = Gauge("diloco_goodput", description="Useful island time over allocated island time so far.",
                              tag_keys=run)
-        self.uptime = Gauge("diloco_uptime", description="Fraction of wall time in which global versions advanced.",
+        self.uptime = Gauge("diloco_uptime", description="Fraction of wall time, from the first version advance, in which global versions advanced.",
                             tag_keys=run)
         self._bytes_seen = {"up": 0, "down": 0}
 

@@ -8,7 +8,11 @@
   island timeline down by state (downtime is ``dead + restarting + reintegrating``).
 - ``goodput = useful_s / allocated_s``.
 - Uptime: fraction of wall time in which the global version advanced "recently" (within
-  ``uptime_window_s`` after some advance).
+  ``uptime_window_s`` after some advance), on a clock that starts at the run's first advance.
+  Before it the islands are taking their first inner steps and no version can advance, with or
+  without failures; counting that pipeline fill as down gave a failure-free run an uptime of
+  0.88-0.94, so uptime could not tell a stall from a start. The fill is reported apart (``fill_s``).
+  The clock stops when the run begins stopping (``uptime_until``): versions are then held on purpose.
 - Tokens: every token has a fate (merged, lost with a failure, refused, or still in flight at the
   end); ``processed`` is their sum.
 
@@ -120,7 +124,9 @@ class GoodputReport:
 
     Attributes:
         goodput: ``useful_s / allocated_s``.
-        uptime: fraction of the run within ``uptime_window_s`` after a global version advance.
+        uptime: fraction of ``[first advance, uptime_until]`` within ``uptime_window_s`` after a
+            global version advance; 0.0 when no version advanced before ``uptime_until``.
+        fill_s: ``run_start`` to the first advance (the pipeline fill); to ``uptime_until`` if none.
         allocated_s: ``islands * (run_end - run_start)``.
         useful_s: island compute time that reached the global parameters.
         lost_s: ``allocated_s - useful_s``.
@@ -130,6 +136,7 @@ class GoodputReport:
 
     goodput: float
     uptime: float
+    fill_s: float
     allocated_s: float
     useful_s: float
     lost_s: float
@@ -185,8 +192,12 @@ def goodput_report(
     tokens_lost: int,
     tokens_refused: int,
     tokens_in_flight: int,
+    uptime_until: float | None = None,
 ) -> GoodputReport:
     """The run's goodput, uptime, time by state and token fates (module docstring for formulas).
+
+    ``uptime_until`` (default ``run_end``) ends uptime's clock: the moment the run began stopping, after
+    which versions are held on purpose (the final flush merges once the islands are stopped).
 
     ``uptime_window_s`` is the caller's choice of how long after a version advance the run still
     counts as advancing: the expected gap between rounds, e.g. 3x the median inter-round gap
@@ -232,11 +243,19 @@ def goodput_report(
                     "one island slot is in one state at a time, build intervals with merge_timeline()"
                 )
 
-    uptime = uptime_fraction(version_advances, run_start=run_start, run_end=run_end, uptime_window_s=uptime_window_s)
+    # The uptime clock starts at the first advance (module docstring: the fill is not a stall).
+    until = run_end if uptime_until is None else uptime_until
+    if not run_start <= until <= run_end:
+        raise ValueError(f"uptime_until must lie in [run_start, run_end] = [{run_start}, {run_end}], got {until}; "
+                         "pass the moment the run began stopping, or None for run_end")
+    first = min((t for t in version_advances if run_start <= t < until), default=until)
+    uptime = (uptime_fraction(version_advances, run_start=first, run_end=until, uptime_window_s=uptime_window_s)
+              if first < until else 0.0)
     useful = min(float(useful_s), allocated)
     return GoodputReport(
         goodput=useful / allocated,
         uptime=uptime,
+        fill_s=first - run_start,
         allocated_s=allocated,
         useful_s=useful,
         lost_s=allocated - useful,

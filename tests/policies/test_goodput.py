@@ -92,7 +92,8 @@ def test_goodput_report_hand_computed():
     )
     assert r == GoodputReport(
         goodput=0.6,  # 120 / (2 x 100)
-        uptime=0.9,  # [10, 100] covered, [0, 10) not
+        uptime=1.0,  # the clock starts at the first advance (10): [10, 100] is covered
+        fill_s=10.0,  # [0, 10): the pipeline fill, reported apart
         allocated_s=200.0,
         useful_s=120.0,
         lost_s=80.0,
@@ -111,7 +112,7 @@ def test_by_state_is_clipped_to_the_run_and_lists_every_state():
     assert r.by_state_s == {"training": 20.0, "blocked": 0.0, "dead": 30.0, "restarting": 0.0, "reintegrating": 0.0}
     assert list(r.by_state_s) == list(TIMELINE_STATES)
     assert r.allocated_s == 150.0 and r.lost_s == 145.0 and r.goodput == pytest.approx(5.0 / 150.0)
-    assert r.uptime == 0.0 and r.tokens["processed"] == 0
+    assert r.uptime == 0.0 and r.fill_s == 50.0 and r.tokens["processed"] == 0
 
 
 def _report(**overrides):
@@ -189,4 +190,25 @@ def test_report_uses_the_derived_window():
     assert window == 6.0
     r = _report(run_end=60.0, useful_s=0.0, version_advances=advances, uptime_window_s=window)
     assert r.uptime == pytest.approx((60.0 - 14.0) / 60.0)
+
+
+def test_uptime_clock_starts_at_the_first_advance_and_still_sees_a_stall():
+    # Fill [0, 8), rounds every 2 s to 30, a 20 s stall, rounds every 2 s from 50 to 70, end at 80.
+    advances = [8.0 + 2.0 * k for k in range(12)] + [50.0 + 2.0 * k for k in range(11)]
+    window = uptime_window_from_rounds(advances)  # 3 x 2 s
+    r = _report(run_end=80.0, useful_s=0.0, version_advances=advances, uptime_window_s=window)
+    # Down: [36, 50) (the stall beyond the window) and [76, 80) (the end beyond it), over [8, 80].
+    assert r.fill_s == 8.0
+    assert r.uptime == pytest.approx((72.0 - 14.0 - 4.0) / 72.0)
+    # Advances outside the run count neither for the clock nor for coverage.
+    r = _report(run_start=10.0, run_end=20.0, useful_s=0.0, version_advances=[5.0, 12.0, 25.0], uptime_window_s=4.0)
+    assert r.fill_s == 2.0 and r.uptime == pytest.approx(4.0 / 8.0)
+    # The clock stops when the run began stopping: a held end is not a stall.
+    r = _report(run_end=80.0, useful_s=0.0, version_advances=advances, uptime_window_s=window, uptime_until=70.0)
+    assert r.uptime == pytest.approx((62.0 - 14.0) / 62.0)
+    with pytest.raises(ValueError, match="uptime_until must lie in"):
+        _report(run_end=80.0, version_advances=advances, uptime_window_s=window, uptime_until=81.0)
+    # A single advance at the very end leaves nothing after it: uptime 0, the whole run was fill.
+    r = _report(run_end=10.0, useful_s=0.0, version_advances=[10.0], uptime_window_s=4.0)
+    assert r.uptime == 0.0 and r.fill_s == 10.0
     assert not math.isnan(r.goodput)
