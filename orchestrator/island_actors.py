@@ -26,6 +26,22 @@ if TYPE_CHECKING:
     from islands.spec import IslandSpec
 
 
+def _warm_up() -> None:
+    """One throwaway AdamW step on a nano model: what a process loads lazily on its first step (torch._dynamo,
+    imported by the optimizer's first step: ~1.5 s of CPU on our 2-core machines) loads now, while the
+    spare idles, not after it takes over a failed island's slot."""
+    import torch
+
+    from islands.model import build_model
+    from islands.spec import model_config
+
+    model = build_model(model_config("nano"), seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.zeros(1, model_config("nano").seq_len, dtype=torch.long)
+    model.loss(x, x).backward()
+    opt.step()
+
+
 class _IslandShell:
     """A LearnerIsland process. Created with a spec it trains at once; created without one it is a
     warm spare (imports done, data fetched, no training) until `activate` gives it an island slot.
@@ -44,6 +60,8 @@ class _IslandShell:
         self._data = ray.get(data[0])  # fetched once, zero-copy, before any slot needs it
         self._island: LearnerIsland | None = None
         self._group: WorkerGroup | None = None
+        if spec is None:
+            _warm_up()
         if spec is not None:
             if pending is not None:
                 initial = ray.get(pending[0])
