@@ -141,6 +141,7 @@ def assess_island(
         )
         return HealthVerdict(
             False, "hung", f"no progress for {idle:.1f}s > timeout {timeout:.1f}s ({basis}) at step {steps}"
+            f" (reported state {state!r}, last status {silent:.1f}s ago)"
         )
     if steps == 0:
         return HealthVerdict(True, "starting", f"no step yet, {idle:.1f}s of {timeout:.1f}s allowed")
