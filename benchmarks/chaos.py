@@ -32,6 +32,7 @@ import ray  # noqa: E402
 from orchestrator.actors import WORKER_ENV  # noqa: E402
 from orchestrator.config import RunConfig, apply_overrides, build_config  # noqa: E402
 from orchestrator.driver import emulation_note, train  # noqa: E402
+from orchestrator.eventlog import read_events  # noqa: E402
 from policies.chaos import fixed_tape  # noqa: E402
 
 
@@ -39,6 +40,12 @@ def run_one(name: str, overrides: list[str], root: Path) -> dict:
     cfg = build_config(apply_overrides({}, overrides))
     t0 = time.monotonic()
     summary = train(cfg, root / name)
+    # The longest wait between two global version advances: a stall measure that, unlike uptime (whose
+    # window follows each run's own median gap), is the same yardstick for every method.
+    # The final flush merges after the islands stopped: its wait is the stop, not a stall.
+    rounds = read_events(root / name, "rounds").to_pylist()
+    times = sorted({r["wall_time"] for r in rounds if r["reason"] != "final flush"})
+    summary["longest_gap_s"] = max((b - a for a, b in zip(times, times[1:])), default=None)
     print(f"  {name}: {time.monotonic() - t0:.0f}s, goodput {summary['goodput']:.3f}, "
           f"loss {summary['eval_loss']:.4f}", file=sys.stderr)
     return summary
@@ -78,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     ref = results["decoupled, no faults"]["eval_loss"]
-    rows = ["| run | goodput | uptime | fill s | faults fired | failures | restarts | detect s | rejoin s | held-out loss "
+    rows = ["| run | goodput | uptime | fill s | longest gap s | faults fired | failures | restarts | detect s | rejoin s | held-out loss "
             "| vs no faults | tokens lost | wall s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     for name, s in results.items():
-        rows.append(f"| {name} | {s['goodput']:.3f} | {s['uptime']:.3f} | {s['fill_s']:.1f} | {s['faults_injected']} | "
+        rows.append(f"| {name} | {s['goodput']:.3f} | {s['uptime']:.3f} | {s['fill_s']:.1f} | {fmt(s['longest_gap_s'], '.1f')} | {s['faults_injected']} | "
                     f"{s['failures']} | {s['restarts']} | "
                     f"{fmt(s['mean_time_to_detect_s'], '.2f')} | {fmt(s['mean_time_to_rejoin_s'], '.1f')} | "
                     f"{s['eval_loss']:.4f} | {100 * (s['eval_loss'] / ref - 1):+.1f}% | {s['tokens_lost']:,.0f} | "
@@ -94,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
           f"warm spares per pool: {args.warm_spares}; uptime counts from the first version advance (fill s before it)")
     if args.json:
         args.json.write_text(json.dumps({"budget": budget, "failures_per_island": failures, "horizon_s": horizon, "results": {
-            k: {f: v[f] for f in ("goodput", "uptime", "fill_s", "faults_injected", "failures", "restarts", "mean_time_to_detect_s",
+            k: {f: v[f] for f in ("goodput", "uptime", "fill_s", "longest_gap_s", "faults_injected", "failures", "restarts", "mean_time_to_detect_s",
                                   "mean_time_to_rejoin_s", "eval_loss", "eval_bits_per_byte", "tokens_lost", "wall_s")}
             for k, v in results.items()}}, indent=2))
     return 0
