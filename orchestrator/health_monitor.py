@@ -514,6 +514,11 @@ class HealthMonitor:
                 slot.steps, slot.last_progress_at = st.steps, now
                 if slot.state == "reintegrating":
                     self.budget.on_healthy(slot.island, now)
+            elif st.state == "blocked":
+                # Waiting for a round is not a hang, so the hang clock restarts when the island unblocks.
+                # Counted from its last step instead, a sync island whose round took 30 s was judged hung
+                # by the first check that caught it computing the step after (66 false failures in a run).
+                slot.last_progress_at = now
             self._mark(slot, "blocked" if st.state == "blocked" else ("training" if st.steps else slot.state))
         except RayTaskError as err:  # the call ran and raised: a bug, not a slow island; say what it is
             log.error("island %d status() raised: %s", slot.island, str(err).strip().splitlines()[-1][:300])

@@ -127,3 +127,38 @@ def test_a_healthy_answer_still_records_progress():
     slot = mon.slots[0]
     assert slot.steps == 20 and slot.status.steps == 20 and slot.state == "training"
     assert restarts == [] and slot.failures == 0
+
+
+class ScriptedIsland:
+    """An island handle whose status() answers at once with whatever the test set last."""
+
+    def __init__(self, status: IslandStatus) -> None:
+        self.current = status
+        self.status = _Method(self._answer)
+
+    def _answer(self):
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.current)
+        return fut
+
+
+def test_time_blocked_on_a_round_does_not_count_towards_a_hang():
+    # Seen in sync-diloco under faults: an island waited 30-55 s for its round (state "blocked", no
+    # steps), unblocked, and the first check that caught it computing its next step judged it hung,
+    # counting the wait as "no progress" (66 failures for 12 injected faults).
+    async def scenario():
+        mon, teardowns, restarts = _monitor()
+        slot = mon.slots[0]
+        island = ScriptedIsland(_status("blocked", 12))
+        mon.handles[0] = island
+        slot.last_progress_at -= 100.0  # its last step was long ago: it has been waiting for its round
+        await mon._check(slot)  # blocked: healthy, and the hang clock restarts now
+        island.current = _status("training", 12)  # unblocked, computing step 13
+        await mon._check(slot)
+        assert teardowns == [] and restarts == [], "an island that just left a round's wait is not hung"
+        # It still is judged hung once it makes no progress for longer than its timeout while training.
+        slot.last_progress_at -= 100.0
+        await mon._check(slot)
+        assert teardowns == [1]
+
+    asyncio.run(scenario())
