@@ -35,9 +35,10 @@ def _warm_up() -> None:
     from islands.model import build_model
     from islands.spec import model_config
 
-    model = build_model(model_config("nano"), seed=0)
+    cfg = model_config("nano")
+    model = build_model(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters())
-    x = torch.zeros(1, model_config("nano").seq_len, dtype=torch.long)
+    x = torch.zeros(1, cfg.seq_len, dtype=torch.long)
     model.loss(x, x).backward()
     opt.step()
 
@@ -62,7 +63,7 @@ class _IslandShell:
         self._group: WorkerGroup | None = None
         if spec is None:
             _warm_up()
-        if spec is not None:
+        else:
             if pending is not None:
                 initial = ray.get(pending[0])
                 if pending[1] is not None:

@@ -129,17 +129,11 @@ def test_a_healthy_answer_still_records_progress():
     assert restarts == [] and slot.failures == 0
 
 
-class ScriptedIsland:
-    """An island handle whose status() answers at once with whatever the test set last."""
-
-    def __init__(self, status: IslandStatus) -> None:
-        self.current = status
-        self.status = _Method(self._answer)
-
-    def _answer(self):
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(self.current)
-        return fut
+def _answered(status: IslandStatus) -> SlowIsland:
+    """An island handle whose status() has already answered `status`."""
+    island = SlowIsland(status)
+    island.release()
+    return island
 
 
 def test_time_blocked_on_a_round_does_not_count_towards_a_hang():
@@ -149,11 +143,10 @@ def test_time_blocked_on_a_round_does_not_count_towards_a_hang():
     async def scenario():
         mon, teardowns, restarts = _monitor()
         slot = mon.slots[0]
-        island = ScriptedIsland(_status("blocked", 12))
-        mon.handles[0] = island
+        mon.handles[0] = _answered(_status("blocked", 12))
         slot.last_progress_at -= 100.0  # its last step was long ago: it has been waiting for its round
         await mon._check(slot)  # blocked: healthy, and the hang clock restarts now
-        island.current = _status("training", 12)  # unblocked, computing step 13
+        mon.handles[0] = _answered(_status("training", 12))  # unblocked, computing step 13
         await mon._check(slot)
         assert teardowns == [] and restarts == [], "an island that just left a round's wait is not hung"
         # It still is judged hung once it makes no progress for longer than its timeout while training.
