@@ -4,20 +4,25 @@ The subject is the whole engine path for one island: an ``IslandActor`` fed by a
 ``OuterOptimizerActor`` (K = 1, seeded from checkpoint 0 and checkpointing every
 ``--checkpoint-every-s`` as the driver sets it up) that takes every submission, merges it and
 publishes a new version the island adopts at its next step boundary, while this script polls both
-for status every ``--poll-s`` seconds as the driver does. The baseline is a bare PyTorch loop (same model from
-``build_model``, AdamW with the same hyperparameters, warmup and grad clip, the same batches from a
-``ShardSampler``, the same torch threads) in a plain Ray actor with the same CPU share, polled the
-same way. Each side runs alone; baseline and island alternate within every repeat.
+for status every ``--poll-s`` seconds as the driver does. The baseline is a bare PyTorch loop (same
+model from ``build_model``, AdamW with the same hyperparameters, warmup and grad clip, the same
+batches from a ``ShardSampler``, the same torch threads) in a plain Ray actor with the same CPU
+share, polled the same way.
 
-Throughput is the least-squares slope of (status time, steps) over a ``--window-s`` window that
-starts once ``--warmup-steps`` steps are done. Nothing is asserted: the script prints markdown
-tables (per repeat and medians) and the ratio island / baseline against the 0.95 target.
+Method: both sides live at once and take turns in short slices. While one side is measured the
+other side's process is frozen (SIGSTOP; the outer optimizer stays up and simply gets nothing to
+merge), so each runs alone on the machine, and the two slices of a pair are seconds apart. The host
+of this virtual machine drifts by +-25% over minutes; comparing adjacent slices cancels that drift,
+where whole runs one after the other (this script's earlier method) could not resolve a 5% overhead.
+Throughput in a slice is the least-squares slope of (status time, steps); a pair's ratio is island /
+baseline; a repeat reports the median over its pairs and the benchmark the median over repeats.
+Nothing is asserted: the script prints markdown tables and the ratio against the 0.95 target.
 
 Run from the repository root::
 
     python benchmarks/island_overhead.py                        # P=2 (default) plus P=1 and int8 rows
     python benchmarks/island_overhead.py --quick                # smoke run, under a minute
-    python benchmarks/island_overhead.py --repeats 5 --window-s 30 --json island_overhead.json
+    python benchmarks/island_overhead.py --main-only --repeats 3 --pairs 12 --json island_overhead.json
     python benchmarks/island_overhead.py --main-only --preset small --batch-size 8
 """
 
@@ -29,6 +34,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -52,9 +58,8 @@ from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings  # noqa: 
 from policies.fragments import plan_fragments  # noqa: E402
 
 TARGET_RATIO = 0.95
-SHARED_NOTE = ("note: the 2-core machine is shared with other work; the numbers are medians of "
-               "interleaved repeats, yet under heavy load single repeats can be off by far more than the overhead "
-               "measured; the CPU ms/step columns are the steadier comparison")
+METHOD_NOTE = ("method: baseline and island take turns in slices, the other side's process frozen (SIGSTOP), "
+               "so adjacent slices see the same host; the host of this VM drifts by +-25% over minutes")
 
 
 @dataclass(frozen=True)
@@ -125,41 +130,64 @@ def slope(samples: list[tuple[float, int]]) -> float:
     return float((ts * (ns - ns.mean())).sum() / (ts * ts).sum())
 
 
-def process_cpu_s(actor) -> float:
-    """CPU seconds (all threads) the actor's worker process has used so far."""
-    return ray.get(actor.__ray_call__.remote(lambda _self: time.process_time()))
+def actor_pid(actor) -> int:
+    """The OS process id of an actor's worker process."""
+    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
 
 
-def measure(poll, cpu, *, warmup_steps: int, window_s: float, poll_s: float, start_timeout_s: float = 300.0) -> dict:
-    """Wait for ``warmup_steps``, then sample ``poll() -> (at, steps)`` every ``poll_s`` for ``window_s``.
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process `pid` has used so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
-    ``cpu() -> {process: cpu_s}`` is read when the window opens and closes, for CPU ms per step.
-    """
-    deadline = time.monotonic() + start_timeout_s
-    while True:
-        at, steps = poll()
-        if steps >= warmup_steps:
-            break
+
+@dataclass
+class Side:
+    """One measured subject: how to poll its (time, steps), the processes whose CPU counts, and its pids
+    to freeze while the other side is measured."""
+
+    name: str
+    poll: object  # () -> (at, steps)
+    freeze: list[int]  # frozen (SIGSTOP) while the other side runs
+    cpu: dict[str, int]  # label -> pid whose CPU time is read at the slice edges
+
+
+def wait_warm(side: Side, warmup_steps: int, poll_s: float, timeout_s: float = 300.0) -> None:
+    """Poll until `side` has done `warmup_steps` steps (start-up, lazy imports, first adoption)."""
+    deadline = time.monotonic() + timeout_s
+    while side.poll()[1] < warmup_steps:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"only {steps} of {warmup_steps} warm-up steps after {start_timeout_s:.0f} s; "
+            raise RuntimeError(f"{side.name}: fewer than {warmup_steps} warm-up steps after {timeout_s:.0f} s; "
                                "the machine is overloaded or the loop is stuck")
         time.sleep(poll_s)
-    cpu0 = cpu()
-    samples = [(at, steps)]
-    end = time.monotonic() + window_s
-    while time.monotonic() < end:
-        time.sleep(poll_s)
-        samples.append(poll())
-    cpu1 = cpu()
-    done = max(1, samples[-1][1] - samples[0][1])
-    return {"steps_per_s": slope(samples), "window_steps": samples[-1][1] - samples[0][1],
-            "window_s": samples[-1][0] - samples[0][0], "samples": len(samples),
-            "cpu_ms_per_step": {k: 1000 * (cpu1[k] - cpu0[k]) / done for k in cpu0}}
 
 
-def run_baseline(cfg: ModelConfig, data_ref, inner: InnerSettings, args) -> dict:
-    """One baseline measurement in a fresh actor."""
+def measure_slice(side: Side, *, slice_s: float, settle_s: float, poll_s: float) -> dict:
+    """Thaw `side`, let it settle, sample (time, steps) every `poll_s` for `slice_s`, freeze it again."""
+    for pid in side.freeze:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        time.sleep(settle_s)
+        cpu0 = {k: proc_cpu_s(pid) for k, pid in side.cpu.items()}
+        samples = [side.poll()]
+        end = time.monotonic() + slice_s
+        while time.monotonic() < end:
+            time.sleep(poll_s)
+            samples.append(side.poll())
+        cpu1 = {k: proc_cpu_s(pid) for k, pid in side.cpu.items()}
+    finally:
+        for pid in side.freeze:
+            os.kill(pid, signal.SIGSTOP)
+    steps = samples[-1][1] - samples[0][1]
+    return {"steps_per_s": slope(samples), "steps": steps, "s": samples[-1][0] - samples[0][0],
+            "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0}}
+
+
+def baseline_side(cfg: ModelConfig, data_ref, inner: InnerSettings, args, actors: list) -> Side:
+    """A bare-loop actor, started; appended to `actors` for teardown."""
     loop = BareLoopActor.options(num_cpus=1).remote(cfg, [data_ref], inner, args.seed)
+    actors.append(loop)
 
     def poll():
         st = ray.get(loop.status.remote())
@@ -167,59 +195,98 @@ def run_baseline(cfg: ModelConfig, data_ref, inner: InnerSettings, args) -> dict
             raise RuntimeError(f"bare loop failed: {st['error']}")
         return st["at"], st["steps"]
 
-    try:
-        out = measure(poll, lambda: {"loop": process_cpu_s(loop)},
-                      warmup_steps=args.warmup_steps, window_s=args.window_s, poll_s=args.poll_s)
-        out["torch_threads"] = ray.get(loop.status.remote())["threads"]
-        ray.get(loop.stop.remote())
-        return out
-    finally:
-        ray.kill(loop)
+    pid = actor_pid(loop)
+    return Side("baseline", poll, [pid], {"loop": pid})
 
 
-def run_island(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Variant, args) -> dict:
-    """One island measurement: a fresh OuterOptimizerActor (K = 1) and IslandActor."""
+def island_side(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Variant, args, actors: list,
+                cleanup: list) -> Side:
+    """A fresh OuterOptimizerActor (K = 1) and IslandActor, started; appended to `actors` for teardown."""
     model = build_model(cfg, seed=args.seed)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], variant.num_fragments)
     settings = OuterSettings(compression=variant.compression)  # K = 1: min_quorum 1, one island
     # As the driver does: checkpoint 0 holds the initial global state the outer optimizer starts from.
     ckpt_dir = tempfile.mkdtemp(prefix="island-overhead-ckpt-")
+    cleanup.append(ckpt_dir)
     tensors, meta = OuterOptimizer(initial, plan, settings=settings).state_dict()
     CheckpointStore(ckpt_dir, keep=3).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
     outer = OuterOptimizerActor.options(num_cpus=0).remote(plan, settings, model.embedding_parameter_names(),
                                                            ckpt_dir, args.checkpoint_every_s, 3)
+    actors.append(outer)
     spec = IslandSpec(island=0, incarnation=1, pool="bench", num_islands=1, model_config=cfg, plan=plan,
                       inner=inner, sync_every_steps=args.sync_every_steps, compression=variant.compression,
                       seed=args.seed)
-    island = None
+    latest = ray.get(outer.latest.remote())
+    island = IslandActor.options(num_cpus=1).remote(spec, [data_ref], latest, 0)
+    actors.append(island)
+    ray.get(island.node_id.remote())
+    ray.get(outer.register.remote(0, 1, island))
+
+    def poll():
+        st, _ = ray.get([island.status.remote(), outer.status.remote()])  # the driver polls both
+        if st.error:
+            raise RuntimeError(f"island failed: {st.error}")
+        return st.at, st.steps
+
+    side = Side("island", poll, [actor_pid(island)], {})
+    side.cpu = {"island": side.freeze[0], "outer": actor_pid(outer)}
+    side.outer = outer  # for the round count at the end
+    return side
+
+
+def run_repeat(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Variant, args) -> dict:
+    """Fresh baseline and island actors; `--pairs` pairs of alternating slices (the other side frozen)."""
+    actors: list = []
+    cleanup: list[str] = []
+    frozen: list[int] = []
     try:
-        latest = ray.get(outer.latest.remote())
-        island = IslandActor.options(num_cpus=1).remote(spec, [data_ref], latest, 0)
-        ray.get(island.node_id.remote())
-        ray.get(outer.register.remote(0, 1, island))
-
-        def poll():
-            st, _ = ray.get([island.status.remote(), outer.status.remote()])  # the driver polls both
-            if st.error:
-                raise RuntimeError(f"island failed: {st.error}")
-            return st.at, st.steps
-
-        out = measure(poll, lambda: {"island": process_cpu_s(island), "outer": process_cpu_s(outer)},
-                      warmup_steps=args.warmup_steps, window_s=args.window_s, poll_s=args.poll_s)
-        final = ray.get(island.stop.remote())
-        ray.get(outer.stop.remote())
-        status = ray.get(outer.status.remote())
-        out.update(rounds=status["rounds"], refusals=status["refusals"], versions=list(status["versions"]),
-                   island_versions=list(final.versions), total_steps=final.steps, state=final.state)
+        base = baseline_side(cfg, data_ref, inner, args, actors)
+        isl = island_side(cfg, data_ref, inner, variant, args, actors, cleanup)
+        for side in (base, isl):  # warm each up alone, the other frozen
+            other = isl if side is base else base
+            for pid in other.freeze:
+                os.kill(pid, signal.SIGSTOP)
+            frozen = list(other.freeze)
+            for pid in side.freeze:
+                os.kill(pid, signal.SIGCONT)
+            wait_warm(side, args.warmup_steps, args.poll_s)
+            for pid in side.freeze:
+                os.kill(pid, signal.SIGSTOP)
+            frozen = base.freeze + isl.freeze
+        rounds0 = ray.get(isl.outer.status.remote())["rounds"]
+        pairs = []
+        for k in range(args.pairs):
+            order = (base, isl) if k % 2 == 0 else (isl, base)
+            got = {s.name: measure_slice(s, slice_s=args.slice_s, settle_s=args.settle_s, poll_s=args.poll_s)
+                   for s in order}
+            b, i = got["baseline"], got["island"]
+            pairs.append({"order": "/".join(s.name for s in order), "baseline": b, "island": i,
+                          "ratio": i["steps_per_s"] / b["steps_per_s"]})
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        frozen = []
+        status = ray.get(isl.outer.status.remote())
         if status["refusals"]:
             print(f"  warning: the outer optimizer refused {status['refusals']} submissions", flush=True)
-        return out
+        tot = lambda side, key: sum(p[side][key] for p in pairs)  # noqa: E731
+        cpu = lambda side, proc: 1000 * sum(p[side]["cpu_s"][proc] for p in pairs) / max(1, tot(side, "steps"))  # noqa: E731
+        return {"pairs": pairs, "ratio_median": statistics.median(p["ratio"] for p in pairs),
+                "baseline_steps_per_s": tot("baseline", "steps") / tot("baseline", "s"),
+                "island_steps_per_s": tot("island", "steps") / tot("island", "s"),
+                "cpu_ms_per_step": {"loop": cpu("baseline", "loop"), "island": cpu("island", "island"),
+                                    "outer": cpu("island", "outer")},
+                "rounds": status["rounds"] - rounds0, "refusals": status["refusals"]}
     finally:
-        for actor in (island, outer):
-            if actor is not None:
-                ray.kill(actor)
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        for pid in frozen:  # never leave a stopped process behind
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        for actor in actors:
+            ray.kill(actor)
+        for path in cleanup:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def machine() -> str:
@@ -246,9 +313,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="examples:\n" + __doc__.split("::\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3, help="baseline/island pairs per row (median taken; default 3)")
-    ap.add_argument("--window-s", type=float, default=20.0, help="measured window per run, s (default 20)")
-    ap.add_argument("--warmup-steps", type=int, default=40, help="steps before the window opens (default 40)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="repeats per row, each with fresh actors (median taken; default 3)")
+    ap.add_argument("--pairs", type=int, default=8, help="baseline/island slice pairs per repeat (default 8)")
+    ap.add_argument("--slice-s", type=float, default=5.0, help="measured seconds per slice (default 5)")
+    ap.add_argument("--settle-s", type=float, default=0.5,
+                    help="seconds a thawed side runs before its slice is measured (default 0.5)")
+    ap.add_argument("--warmup-steps", type=int, default=40, help="steps each side takes before any slice (default 40)")
     ap.add_argument("--poll-s", type=float, default=0.5, help="status poll period, s, as the driver (default 0.5)")
     ap.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
@@ -261,15 +332,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-bytes", type=int, default=8_000_000, help="cap on corpus bytes (default 8 MB)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: main row only, 1 repeat, 2 s window, 5 warm-up steps (not a measurement)")
+                    help="smoke run: main row only, 1 repeat of 2 pairs of 1 s slices, 5 warm-up steps (not a measurement)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = ap.parse_args(argv)
     if args.quick:
-        args.main_only, args.window_s, args.warmup_steps = True, 2.0, 5
-        if "--repeats" not in (argv if argv is not None else sys.argv):
-            args.repeats = 1
-    if args.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+        args.main_only, args.repeats, args.pairs, args.slice_s, args.warmup_steps = True, 1, 2, 1.0, 5
+    for name in ("repeats", "pairs"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.slice_s < 2 * args.poll_s:
+        ap.error(f"--slice-s {args.slice_s:g} must be at least twice --poll-s {args.poll_s:g} (a slope needs samples)")
     if args.sync_every_steps % args.num_fragments:
         ap.error(f"--sync-every-steps {args.sync_every_steps} must be a multiple of "
                  f"--num-fragments {args.num_fragments}")
@@ -284,10 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     corpus = load_stdlib_corpus(max_bytes=args.max_bytes)
     print(f"machine: {machine()}")
     print(f"date: {started.isoformat(timespec='seconds')}, load average at start: {os.getloadavg()}")
-    print(SHARED_NOTE)
+    print(METHOD_NOTE)
     print(f"model {args.preset} ({sum(p.numel() for p in build_model(cfg, seed=0).parameters()):,} params), "
           f"batch {args.batch_size}, torch threads {args.torch_threads}, H={args.sync_every_steps}, "
-          f"window {args.window_s:g} s after {args.warmup_steps} warm-up steps, {args.repeats} repeats\n", flush=True)
+          f"{args.repeats} repeats x {args.pairs} pairs of {args.slice_s:g} s slices "
+          f"(after {args.warmup_steps} warm-up steps each)\n", flush=True)
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # address="local": always a fresh private instance, never a cluster someone else started on this machine.
@@ -297,20 +370,13 @@ def main(argv: list[str] | None = None) -> int:
         data_ref = ray.put(corpus.train)
         for variant in variants(args):
             for r in range(args.repeats):
-                order = ("baseline", "island") if r % 2 == 0 else ("island", "baseline")
-                got = {}
-                for side in order:
-                    got[side] = (run_baseline(cfg, data_ref, inner, args) if side == "baseline"
-                                 else run_island(cfg, data_ref, inner, variant, args))
-                row = {"config": variant.label, "repeat": r, "order": "/".join(order),
-                       "baseline": got["baseline"], "island": got["island"],
-                       "ratio": got["island"]["steps_per_s"] / got["baseline"]["steps_per_s"],
-                       "cpu_ratio": (got["baseline"]["cpu_ms_per_step"]["loop"]
-                                     / got["island"]["cpu_ms_per_step"]["island"])}
-                rows.append(row)
-                print(f"  {variant.label} repeat {r}: baseline {row['baseline']['steps_per_s']:.2f} steps/s, "
-                      f"island {row['island']['steps_per_s']:.2f} steps/s, ratio {row['ratio']:.3f} "
-                      f"({row['island']['rounds']} rounds)", flush=True)
+                got = run_repeat(cfg, data_ref, inner, variant, args)
+                got.update(config=variant.label, repeat=r)
+                rows.append(got)
+                ratios = sorted(p["ratio"] for p in got["pairs"])
+                print(f"  {variant.label} repeat {r}: baseline {got['baseline_steps_per_s']:.2f} steps/s, "
+                      f"island {got['island_steps_per_s']:.2f} steps/s, median pair ratio {got['ratio_median']:.3f} "
+                      f"(pairs {ratios[0]:.3f}-{ratios[-1]:.3f}, {got['rounds']} rounds)", flush=True)
     finally:
         ray.shutdown()
 
@@ -318,48 +384,52 @@ def main(argv: list[str] | None = None) -> int:
     for label in dict.fromkeys(r["config"] for r in rows):
         mine = [r for r in rows if r["config"] == label]
         med = lambda f: statistics.median(f(r) for r in mine)  # noqa: E731
+        every = [p["ratio"] for r in mine for p in r["pairs"]]
+        q = statistics.quantiles(every, n=4) if len(every) > 1 else [every[0]] * 3
         summary.append({
             "config": label,
-            "baseline_steps_per_s": med(lambda r: r["baseline"]["steps_per_s"]),
-            "island_steps_per_s": med(lambda r: r["island"]["steps_per_s"]),
-            "ratio": med(lambda r: r["ratio"]),
-            "baseline_cpu_ms_per_step": med(lambda r: r["baseline"]["cpu_ms_per_step"]["loop"]),
-            "island_cpu_ms_per_step": med(lambda r: r["island"]["cpu_ms_per_step"]["island"]),
-            "outer_cpu_ms_per_step": med(lambda r: r["island"]["cpu_ms_per_step"]["outer"]),
-            "cpu_ratio": med(lambda r: r["cpu_ratio"]),
-            "rounds_per_repeat": med(lambda r: r["island"]["rounds"]),
-            "refusals": sum(r["island"]["refusals"] for r in mine),
+            "baseline_steps_per_s": med(lambda r: r["baseline_steps_per_s"]),
+            "island_steps_per_s": med(lambda r: r["island_steps_per_s"]),
+            "ratio": med(lambda r: r["ratio_median"]),
+            "pair_ratio_quartiles": q,
+            "baseline_cpu_ms_per_step": med(lambda r: r["cpu_ms_per_step"]["loop"]),
+            "island_cpu_ms_per_step": med(lambda r: r["cpu_ms_per_step"]["island"]),
+            "outer_cpu_ms_per_step": med(lambda r: r["cpu_ms_per_step"]["outer"]),
+            "rounds_per_repeat": med(lambda r: r["rounds"]),
+            "refusals": sum(r["refusals"] for r in mine),
             "repeats": len(mine),
+            "pairs": len(every),
         })
 
-    print("\nper repeat (CPU ms/step: CPU time of the whole worker process over the window / steps):\n")
-    print("| config | repeat | order | baseline steps/s | island steps/s | ratio | "
+    print("\nper repeat (ratio: median over its pairs of island / baseline steps/s in adjacent slices; "
+          "CPU ms/step: process CPU time over the slices / steps):\n")
+    print("| config | repeat | baseline steps/s | island steps/s | ratio | pair ratios min-max | "
           "baseline CPU ms/step | island CPU ms/step | outer CPU ms/step | rounds |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
-        b, i = r["baseline"], r["island"]
-        print(f"| {r['config']} | {r['repeat']} | {r['order']} | {b['steps_per_s']:.2f} | {i['steps_per_s']:.2f} | "
-              f"{r['ratio']:.3f} | {b['cpu_ms_per_step']['loop']:.1f} | {i['cpu_ms_per_step']['island']:.1f} | "
-              f"{i['cpu_ms_per_step']['outer']:.1f} | {i['rounds']} |")
-    print(f"\nmedians (ratio = median of per-repeat island / baseline steps/s, target >= {TARGET_RATIO}; "
-          "CPU ratio = median of baseline / island CPU ms per step, which the other load on the machine "
-          "disturbs less):\n")
-    print("| config | baseline steps/s | island steps/s | ratio | target met | baseline CPU ms/step | "
-          "island CPU ms/step | outer CPU ms/step | CPU ratio | refusals |")
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        ratios = sorted(p["ratio"] for p in r["pairs"])
+        c = r["cpu_ms_per_step"]
+        print(f"| {r['config']} | {r['repeat']} | {r['baseline_steps_per_s']:.2f} | {r['island_steps_per_s']:.2f} | "
+              f"{r['ratio_median']:.3f} | {ratios[0]:.3f}-{ratios[-1]:.3f} | {c['loop']:.1f} | {c['island']:.1f} | "
+              f"{c['outer']:.1f} | {r['rounds']} |")
+    print(f"\nmedians over repeats (target: ratio >= {TARGET_RATIO}; quartiles over every pair of every repeat):\n")
+    print("| config | baseline steps/s | island steps/s | ratio | target met | pair ratio quartiles | "
+          "baseline CPU ms/step | island CPU ms/step | outer CPU ms/step | refusals |")
+    print("| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |")
     for s in summary:
         met = "yes" if s["ratio"] >= TARGET_RATIO else "no"
+        q = s["pair_ratio_quartiles"]
         print(f"| {s['config']} | {s['baseline_steps_per_s']:.2f} | {s['island_steps_per_s']:.2f} | "
-              f"{s['ratio']:.3f} | {met} | {s['baseline_cpu_ms_per_step']:.1f} | {s['island_cpu_ms_per_step']:.1f} | "
-              f"{s['outer_cpu_ms_per_step']:.1f} | {s['cpu_ratio']:.3f} | {s['refusals']} |")
-    print(f"\n{SHARED_NOTE}")
+              f"{s['ratio']:.3f} | {met} | {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} | {s['baseline_cpu_ms_per_step']:.1f} | "
+              f"{s['island_cpu_ms_per_step']:.1f} | {s['outer_cpu_ms_per_step']:.1f} | {s['refusals']} |")
+    print(f"\n{METHOD_NOTE}")
     if args.quick:
         print("(--quick: a smoke run, not a measurement)")
 
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "island_overhead", "date": started.isoformat(timespec="seconds"),
-                       "machine": machine(), "note": SHARED_NOTE, "args": vars(args),
+                       "machine": machine(), "note": METHOD_NOTE, "args": vars(args),
                        "target_ratio": TARGET_RATIO, "rows": rows, "summary": summary}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
