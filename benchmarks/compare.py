@@ -13,7 +13,8 @@ compute matches a 12B model on 2-5 Gbps links). Runs, one after another, each in
                      loss at the full budget is DP's quality at equal tokens; only wall time differs
 
 Scenario `heterogeneity`: two pools (fast us-east x2 islands; slow us-west x2 islands, EMULATED x1.6
-±25% per step, i.e. 1.2x-2x slower), decoupled with K = all vs K = 1 without grace vs K = 1 with grace.
+±25% per step, i.e. 1.2x-2x slower), decoupled with K = all vs K = 1 without grace vs K = 1 with grace;
+network none unless --network names one, so the runs differ only in the speed gap.
 
 Outputs in --out: results.json (every run and the medians), table.md, loss_vs_wall.png,
 bytes_per_token.png (wan) or quality_goodput.png (heterogeneity), and runs/<method>-r<k>/ (each a
@@ -325,7 +326,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="outer.step_scale of the decoupled runs (default participation; none = unscaled K < all rounds)")
     ap.add_argument("--max-staleness", type=int, default=None,
                     help="outer.max_staleness of the decoupled runs (default: the config's, 4)")
-    ap.add_argument("--network", default="wan-4-regions", help="network scenario for every run (default wan-4-regions)")
+    ap.add_argument("--network", default=None,
+                    help="network scenario for every run (default: wan-4-regions for the wan scenario, none for "
+                         "heterogeneity, which isolates the speed gap)")
     ap.add_argument("--dp-cap-s", type=float, default=None, help="wall cap of the data-parallel run (default 600; --quick 30)")
     ap.add_argument("--local-step-s", type=float, default=None, help="inner-step time the network is scaled to (default: measured once)")
     ap.add_argument("--model", default="tiny", help="model preset (default tiny)")
@@ -336,6 +339,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_staleness is not None and args.max_staleness < 0:
         ap.error(f"--max-staleness {args.max_staleness}: pass an int >= 0")
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)
+    if args.network is None:
+        args.network = "none" if args.scenario == "heterogeneity" else "wan-4-regions"
     args.dp_cap_s = args.dp_cap_s or (30.0 if args.quick else 600.0)
     args.repeats = 1 if args.quick else args.repeats
     args.eval_interval_s = 3.0 if args.quick else 10.0
