@@ -151,6 +151,7 @@ class Side:
     poll: object  # () -> (at, steps)
     freeze: list[int]  # frozen (SIGSTOP) while the other side runs
     cpu: dict[str, int]  # label -> pid whose CPU time is read at the slice edges
+    outer: object = None  # the island side's outer-optimizer actor (its round count)
 
 
 def wait_warm(side: Side, warmup_steps: int, poll_s: float, timeout_s: float = 300.0) -> None:
@@ -229,10 +230,8 @@ def island_side(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Varia
             raise RuntimeError(f"island failed: {st.error}")
         return st.at, st.steps
 
-    side = Side("island", poll, [actor_pid(island)], {})
-    side.cpu = {"island": side.freeze[0], "outer": actor_pid(outer)}
-    side.outer = outer  # for the round count at the end
-    return side
+    pid = actor_pid(island)
+    return Side("island", poll, [pid], {"island": pid, "outer": actor_pid(outer)}, outer=outer)
 
 
 def run_repeat(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Variant, args) -> dict:
