@@ -33,6 +33,7 @@ class ChaosInjector:
         self.tick_s = tick_s
         self.executed: list[dict] = []
         self._task: asyncio.Task | None = None
+        self._handles: dict[str, object] = {}
 
     async def start(self) -> int:
         """Begin executing the tape (idempotent); returns the number of faults on it."""
@@ -43,15 +44,37 @@ class ChaosInjector:
     async def _run(self) -> None:
         monitor = ray.get_actor(self.monitor_name, namespace=self.namespace)
         while self.pending:
-            await asyncio.sleep(self.tick_s)
+            await asyncio.sleep(self._next_wait_s())
             for fault in list(self.pending):
+                if self._not_due(fault):
+                    continue  # a time fault ahead of its time costs no call to the monitor or the GCS
                 try:
                     done = await self._maybe_fire(monitor, fault)
                 except Exception as err:  # noqa: BLE001 - a target vanishing mid-fault is retried next tick
                     log.info("fault %s on island %d not fired yet: %s", fault.kind, fault.island, err)
+                    self._handles.clear()  # the handle may be of an actor that died: look it up again
                     continue
                 if done:
                     self.pending.remove(fault)
+
+    def _handle(self, name: str):
+        # Cached: a GCS lookup every tick for every waiting fault was most of this actor's idle CPU.
+        # Names carry the incarnation (spares a sequence number), so a name never moves to a newer island.
+        if name not in self._handles:
+            self._handles[name] = ray.get_actor(name, namespace=self.namespace)
+        return self._handles[name]
+
+    def _not_due(self, fault: Fault) -> bool:
+        return fault.at_s is not None and time.time() - self.run_start < fault.at_s
+
+    def _next_wait_s(self) -> float:
+        """Sleep until the earliest time fault is due; poll every tick while step faults wait (they need
+        the island's step count) or a due fault could not fire yet (its island is down: retry each tick)."""
+        elapsed = time.time() - self.run_start
+        ahead = [f.at_s - elapsed for f in self.pending if f.at_s is not None and f.at_s > elapsed]
+        if len(ahead) < len(self.pending):
+            return self.tick_s
+        return max(self.tick_s, min(ahead))
 
     async def _maybe_fire(self, monitor, fault: Fault) -> bool:
         inc, name, node = await monitor.current.remote(fault.island)
@@ -60,11 +83,8 @@ class ChaosInjector:
             return True
         if name is None or (fault.at_step is not None and inc != fault.incarnation):
             return False  # island down or not yet at the target incarnation: wait
-        handle = ray.get_actor(name, namespace=self.namespace)
-        if fault.at_s is not None:
-            if time.time() - self.run_start < fault.at_s:
-                return False
-        else:
+        handle = self._handle(name)
+        if fault.at_s is None:
             status = await handle.status.remote()
             if status.steps < fault.at_step:
                 return False
