@@ -124,7 +124,12 @@ class OuterSection(_Section):
     max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old.")
     adoption: str = Field("overwrite", description="How islands adopt a new fragment: overwrite | rebase | mix(alpha).")
     compression: str = Field("none", description="Outer-gradient wire format: none | bf16 | int8 | int4.")
-    compression_block_size: int = Field(256, gt=0, description="Elements per quantization scale block.")
+    compression_block_size: int = Field(256, gt=0, description="Elements per quantization scale block (uplink and downlink).")
+    downlink: Literal["none", "bf16", "int8"] = Field(
+        "none", description="Wire format of published fragments (global parameters going down to islands): "
+        "none = float32; bf16 halves the bytes, int8 quarters them (per-block scales). Islands train from the "
+        "decoded copy; the outer optimizer keeps float32. With K = 1 every round goes to every island, so "
+        "this is most of a run's bytes.")
     wait_for_round: bool = Field(False, description="Islands block after each submission until its round is adopted (synchronous DiLoCo).")
 
     @field_validator("merge_rule")

@@ -71,10 +71,12 @@ class _OuterShell:
         if self.epoch:
             log.warning("outer optimizer restored checkpoint %d (versions %s), epoch %d",
                         latest.step, self.core.versions, self.epoch)
-        # The latest published version of every fragment: one ray.put each, handed out as [ref].
-        self._refs = [ray.put(self.core.fragment(p)) for p in range(plan.num_fragments)]
-        # Bytes of one published fragment (float32 global parameters): fixed for the run.
-        self._fragment_nbytes = [sum(t.numel() * t.element_size() for t in frag) for frag in self.core.params]
+        self._downlink, self._block_size = settings.downlink, settings.block_size
+        # The latest published version of every fragment, in its wire format: one ray.put each, handed out as [ref].
+        wire = [self._wire(self.core.fragment(p)) for p in range(plan.num_fragments)]
+        self._refs = [ray.put(w) for w in wire]
+        # Bytes of one published fragment on the wire: fixed for the run (shapes and format do not change).
+        self._fragment_nbytes = [_wire_nbytes(w) for w in wire]
         self._islands: dict[int, tuple[int, Any]] = {}
         self._pollers: dict[int, asyncio.Task] = {}
         self._ticker: asyncio.Task | None = None
@@ -94,6 +96,14 @@ class _OuterShell:
 
     def _now(self) -> float:
         return time.monotonic() - self._t0
+
+    def _wire(self, tensors: list) -> list:
+        """A fragment's float32 tensors in the downlink format (islands decode them on adoption)."""
+        if self._downlink == "none":
+            return tensors
+        from policies.compression import compress
+
+        return [compress(t, self._downlink, block_size=self._block_size) for t in tensors]
 
     async def _core(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -259,7 +269,7 @@ class _OuterShell:
     async def _publish(self, results: list[RoundResult]) -> None:
         for result in results:
             t0 = time.perf_counter()
-            ref = ray.put(result.tensors)
+            ref = ray.put(await self._core(self._wire, result.tensors))
             self._refs[result.fragment] = ref  # dropping the old ref lets the store free it
             update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged)
             if not self._finishing:  # after the final flush nobody trains on it any more
@@ -383,3 +393,8 @@ class _OuterShell:
         for task in list(self._transfers):
             task.cancel()
         return await self._core(self.core.ledger)
+
+
+def _wire_nbytes(tensors: list) -> int:
+    """Bytes on the wire of one published fragment: plain tensors or `Compressed` ones."""
+    return sum(t.nbytes if hasattr(t, "scheme") else t.numel() * t.element_size() for t in tensors)

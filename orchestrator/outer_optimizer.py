@@ -48,6 +48,8 @@ class OuterSettings:
     max_staleness: int = 4
     compression: str = "none"
     step_scale: str = "participation"
+    downlink: str = "none"  # wire format of published fragments (the actor shell applies it)
+    block_size: int = 256  # elements per quantization scale block, both directions
 
 
 @dataclass

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 import ray
+import torch
 
 from islands.island import IslandSpec, LearnerIsland
 from islands.model import build_model, model_config
@@ -77,13 +78,14 @@ def fifo_done(items: list[tuple[float, int]], link: Link) -> list[float]:
     return out
 
 
-async def run_shell(tmp_path, train_s: float) -> tuple[dict, list, list[LocalIsland], list[int]]:
+async def run_shell(tmp_path, train_s: float, downlink: str = "none") -> tuple[dict, list, list[LocalIsland], list[int]]:
     cfg = model_config("nano")
     model = build_model(cfg, seed=3)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
     # K = 1 and no grace: a round closes the moment its submission reaches the core.
-    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000)
+    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000,
+                             downlink=downlink)
     tensors, meta = OuterOptimizer(init, plan, settings=settings).state_dict()
     uri = str(tmp_path / "ckpt")
     CheckpointStore(uri).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
@@ -112,7 +114,9 @@ async def run_shell(tmp_path, train_s: float) -> tuple[dict, list, list[LocalIsl
         await asyncio.sleep(0.1)
     status = await shell.status()
     rounds = list(shell.core.rounds)
-    fragment_bytes = [sum(t.numel() * 4 for t in shell.core.fragment(p)) for p in range(plan.num_fragments)]
+    per_param = {"none": 4, "bf16": 2}[downlink]
+    fragment_bytes = [sum(t.numel() * per_param for t in shell.core.fragment(p)) for p in range(plan.num_fragments)]
+    handles[0].final_global = [shell.core.fragment(p) for p in range(plan.num_fragments)]
     await shell.stop()
     return status, rounds, handles, fragment_bytes
 
@@ -165,3 +169,24 @@ def test_links_delay_and_account_exactly_as_configured(ray_cluster, tmp_path):
         assert status["transfers_by_link"][REGIONS[i]]["down"] == len(h.adopted)
     assert status["bytes_down"] == sum(fragment_bytes[u.fragment] for h in handles for _, u in h.adopted)
     assert status["network_wait_s"]["up"] > 0.2 * len(taken)
+
+
+def test_a_bf16_downlink_halves_the_bytes_and_islands_train_from_the_decoded_global(ray_cluster, tmp_path):
+    status, rounds, handles, fragment_bytes = asyncio.run(run_shell(tmp_path, train_s=2.0, downlink="bf16"))
+    assert status["in_transit"] == 0 and rounds
+    for i, h in enumerate(handles):  # 2 bytes per parameter per transfer, every transfer counted
+        assert status["bytes_by_link"][REGIONS[i]]["down"] == sum(fragment_bytes[u.fragment] for _, u in h.adopted)
+        assert status["bytes_by_link"][REGIONS[i]]["down"] > 0
+    # Once the final versions are applied (some may still be queued after the islands stopped), every
+    # island's base, what it adopted and measures its outer gradient from, is the final float32 global
+    # rounded to bfloat16: the reference is torch's own cast. (Parameters right after an adoption:
+    # tests/engine/test_downlink.py; here the islands may have trained on after it.)
+    final = handles[0].final_global
+    for h in handles:
+        h.island.apply_updates()
+        assert h.island._version == [max(r.version for r in rounds if r.fragment == p) for p in range(len(final))]
+        for p, tensors in enumerate(final):
+            for b, g in zip(h.island._base[p], tensors):
+                assert torch.equal(b, g.to(torch.bfloat16).to(torch.float32))
+    assert any(not torch.equal(g, g.to(torch.bfloat16).to(torch.float32)) for frag in final for g in frag), \
+        "the global parameters should not all be bf16-exact, or this test could not tell the formats apart"
