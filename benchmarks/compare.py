@@ -4,7 +4,8 @@ Scenario `wan-4-regions` (default): four pools, one per region (us-east, us-cent
 one island each, network scenario wan-4-regions (policies.network: links scaled so communication /
 compute matches a 12B model on 2-5 Gbps links). Runs, one after another, each in its own run dir:
 
-  decoupled          K = 1, grace, token weights, RDA, outer gradients in int4 (--compression)
+  decoupled          K = 1, grace, token weights, RDA, outer gradients in int4 (--compression),
+                     published fragments in int8 (--downlink)
   sync-diloco        K = all, mean, P = 1, islands wait for each round
   streaming-diloco   K = all, mean, P fragments in turn, islands wait for each round
   data-parallel      Ray Train TorchTrainer, all-reduce every step (orchestrator/baseline_dp.py),
@@ -116,7 +117,7 @@ def base_config(args: argparse.Namespace) -> dict:
 
 def methods(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     """(name, runner, config additions) of every run of the scenario, in run order."""
-    comp = {"compression": args.compression, "step_scale": args.step_scale}
+    comp = {"compression": args.compression, "step_scale": args.step_scale, "downlink": args.downlink}
     if args.max_staleness is not None:
         comp["max_staleness"] = args.max_staleness
     if args.scenario == "heterogeneity":
@@ -322,6 +323,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="smoke run: 200k tokens, H=10, short evals, every run capped at 45 s of wall clock (DP at 30 s), 1 repeat")
     ap.add_argument("--compression", choices=("int4", "int8", "bf16", "none"), default="int4",
                     help="decoupled outer-gradient wire format (default int4; see benchmarks/README.md)")
+    ap.add_argument("--downlink", choices=("none", "bf16", "int8"), default=None,
+                    help="wire format of published fragments in the engine runs' decoupled settings (outer.downlink; "
+                         "default int8 for wan-4-regions, where float32 fragments saturate the slow links, "
+                         "none (float32) for heterogeneity)")
     ap.add_argument("--step-scale", choices=("participation", "none"), default="participation",
                     help="outer.step_scale of the decoupled runs (default participation; none = unscaled K < all rounds)")
     ap.add_argument("--max-staleness", type=int, default=None,
@@ -341,6 +346,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)
     if args.network is None:
         args.network = "none" if args.scenario == "heterogeneity" else "wan-4-regions"
+    if args.downlink is None:
+        args.downlink = "none" if args.scenario == "heterogeneity" else "int8"
     args.dp_cap_s = args.dp_cap_s or (30.0 if args.quick else 600.0)
     args.repeats = 1 if args.quick else args.repeats
     args.eval_interval_s = 3.0 if args.quick else 10.0
@@ -389,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     first = runs[0]
     notes = sorted({s["network"] for s in first.values()} | {s["emulation"] for s in first.values() if s.get("emulation")})
     notes += [f"{args.repeats} repeat(s), medians; token budget {args.budget:,} per run; model {args.model}; "
-              f"decoupled outer gradients {args.compression}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {time.strftime('%Y-%m-%d %H:%M')} UTC."]
+              f"decoupled outer gradients {args.compression}, downlink {args.downlink}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {time.strftime('%Y-%m-%d %H:%M')} UTC."]
     table = table_het(res, notes) if het else table_wan(res, notes)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
