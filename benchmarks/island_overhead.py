@@ -154,6 +154,12 @@ class Side:
     outer: object = None  # the island side's outer-optimizer actor (its round count)
 
 
+def send(pids: list[int], sig: int) -> None:
+    """Freeze (SIGSTOP) or thaw (SIGCONT) every process in `pids`."""
+    for pid in pids:
+        os.kill(pid, sig)
+
+
 def wait_warm(side: Side, warmup_steps: int, poll_s: float, timeout_s: float = 300.0) -> None:
     """Poll until `side` has done `warmup_steps` steps (start-up, lazy imports, first adoption)."""
     deadline = time.monotonic() + timeout_s
@@ -166,8 +172,7 @@ def wait_warm(side: Side, warmup_steps: int, poll_s: float, timeout_s: float = 3
 
 def measure_slice(side: Side, *, slice_s: float, settle_s: float, poll_s: float) -> dict:
     """Thaw `side`, let it settle, sample (time, steps) every `poll_s` for `slice_s`, freeze it again."""
-    for pid in side.freeze:
-        os.kill(pid, signal.SIGCONT)
+    send(side.freeze, signal.SIGCONT)
     try:
         time.sleep(settle_s)
         cpu0 = {k: proc_cpu_s(pid) for k, pid in side.cpu.items()}
@@ -178,8 +183,7 @@ def measure_slice(side: Side, *, slice_s: float, settle_s: float, poll_s: float)
             samples.append(side.poll())
         cpu1 = {k: proc_cpu_s(pid) for k, pid in side.cpu.items()}
     finally:
-        for pid in side.freeze:
-            os.kill(pid, signal.SIGSTOP)
+        send(side.freeze, signal.SIGSTOP)
     steps = samples[-1][1] - samples[0][1]
     return {"steps_per_s": slope(samples), "steps": steps, "s": samples[-1][0] - samples[0][0],
             "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0}}
@@ -238,21 +242,17 @@ def run_repeat(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Varian
     """Fresh baseline and island actors; `--pairs` pairs of alternating slices (the other side frozen)."""
     actors: list = []
     cleanup: list[str] = []
-    frozen: list[int] = []
+    sides: list[Side] = []
     try:
         base = baseline_side(cfg, data_ref, inner, args, actors)
+        sides.append(base)
         isl = island_side(cfg, data_ref, inner, variant, args, actors, cleanup)
-        for side in (base, isl):  # warm each up alone, the other frozen
-            other = isl if side is base else base
-            for pid in other.freeze:
-                os.kill(pid, signal.SIGSTOP)
-            frozen = list(other.freeze)
-            for pid in side.freeze:
-                os.kill(pid, signal.SIGCONT)
+        sides.append(isl)
+        for side, other in ((base, isl), (isl, base)):  # warm each up alone, the other frozen
+            send(other.freeze, signal.SIGSTOP)
+            send(side.freeze, signal.SIGCONT)
             wait_warm(side, args.warmup_steps, args.poll_s)
-            for pid in side.freeze:
-                os.kill(pid, signal.SIGSTOP)
-            frozen = base.freeze + isl.freeze
+            send(side.freeze, signal.SIGSTOP)
         rounds0 = ray.get(isl.outer.status.remote())["rounds"]
         pairs = []
         for k in range(args.pairs):
@@ -262,9 +262,6 @@ def run_repeat(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Varian
             b, i = got["baseline"], got["island"]
             pairs.append({"order": "/".join(s.name for s in order), "baseline": b, "island": i,
                           "ratio": i["steps_per_s"] / b["steps_per_s"]})
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
-        frozen = []
         status = ray.get(isl.outer.status.remote())
         if status["refusals"]:
             print(f"  warning: the outer optimizer refused {status['refusals']} submissions", flush=True)
@@ -277,7 +274,7 @@ def run_repeat(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Varian
                                     "outer": cpu("island", "outer")},
                 "rounds": status["rounds"] - rounds0, "refusals": status["refusals"]}
     finally:
-        for pid in frozen:  # never leave a stopped process behind
+        for pid in (pid for side in sides for pid in side.freeze):  # never leave a stopped process behind
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:

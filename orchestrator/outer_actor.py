@@ -71,7 +71,6 @@ class _OuterShell:
         if self.epoch:
             log.warning("outer optimizer restored checkpoint %d (versions %s), epoch %d",
                         latest.step, self.core.versions, self.epoch)
-        self._downlink, self._block_size = settings.downlink, settings.block_size
         # The latest published version of every fragment, in its wire format: one ray.put each, handed out as [ref].
         wire = [self._wire(self.core.fragment(p)) for p in range(plan.num_fragments)]
         self._refs = [ray.put(w) for w in wire]
@@ -99,11 +98,12 @@ class _OuterShell:
 
     def _wire(self, tensors: list) -> list:
         """A fragment's float32 tensors in the downlink format (islands decode them on adoption)."""
-        if self._downlink == "none":
+        downlink = self.core.settings.downlink
+        if downlink == "none":
             return tensors
         from policies.compression import compress
 
-        return [compress(t, self._downlink, block_size=self._block_size) for t in tensors]
+        return [compress(t, downlink, block_size=self.core.settings.block_size) for t in tensors]
 
     async def _core(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
