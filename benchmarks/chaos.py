@@ -25,6 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# Runnable from a checkout without `pip install -e .`: the driver imports the project from here, and the
+# Ray workers a local ray.init starts inherit PYTHONPATH.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402

@@ -42,6 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Runnable from a checkout without `pip install -e .`: the driver imports the project from here, and the
+# Ray workers a local ray.init starts inherit PYTHONPATH.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # a loaded 2-core box starts workers slowly
 
@@ -117,7 +122,8 @@ def base_config(args: argparse.Namespace) -> dict:
 
 def methods(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     """(name, runner, config additions) of every run of the scenario, in run order."""
-    comp = {"compression": args.compression, "step_scale": args.step_scale, "downlink": args.downlink}
+    comp = {"compression": args.compression, "step_scale": args.step_scale, "downlink": args.downlink,
+            "publish_to": args.publish_to}
     if args.max_staleness is not None:
         comp["max_staleness"] = args.max_staleness
     if args.scenario == "heterogeneity":
@@ -142,7 +148,11 @@ def run_one(name: str, runner: str, data: dict, run_dir: Path) -> dict:
 
 
 def measure_local_step(args: argparse.Namespace) -> float:
-    """The inner-step time every run's network is scaled to, measured once so every method sees the same links."""
+    """The inner-step time every run's network is scaled to, measured once so every method sees the same links.
+
+    Every island (and every DP worker: one per island slot) steps at once on this machine, so the step is
+    timed with as many side by side (orchestrator.driver.measure_step_s).
+    """
     cfg = build_config(base_config(args))
     return measure_step_s(cfg, model_config(args.model), load_corpus(cfg).train, steps=8)
 
@@ -327,6 +337,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="wire format of published fragments in the engine runs' decoupled settings (outer.downlink; "
                          "default int8 for wan-4-regions, where float32 fragments saturate the slow links, "
                          "none (float32) for heterogeneity)")
+    ap.add_argument("--publish-to", choices=("all", "participants"), default="all",
+                    help="outer.publish_to of the decoupled runs: all (every island adopts every version) or "
+                         "participants (an island receives a fragment only from the rounds that merged it)")
     ap.add_argument("--step-scale", choices=("participation", "none"), default="participation",
                     help="outer.step_scale of the decoupled runs (default participation; none = unscaled K < all rounds)")
     ap.add_argument("--max-staleness", type=int, default=None,
@@ -365,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     console.setLevel(logging.WARNING)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=[console])
     args.out.mkdir(parents=True, exist_ok=True)
+    # Before Ray starts: its daemons and prestarted workers would slow the timed steps for a few seconds.
+    if args.local_step_s is None and args.network != "none":
+        args.local_step_s = measure_local_step(args)
     for attempt in (1, 2, 3):  # on a loaded 2-core box the raylet can miss Ray's fixed 30 s registration wait
         try:
             ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
@@ -377,8 +393,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ray.init failed ({err}); retrying", file=sys.stderr)
     ignore_zero_copy_warnings()
     try:
-        if args.local_step_s is None and args.network != "none":
-            args.local_step_s = measure_local_step(args)
         print(f"{args.scenario}: budget {args.budget:,} tokens, network {args.network} scaled to "
               f"{fmt(args.local_step_s, '.4f')} s/step, {args.repeats} repeat(s), out {args.out}", file=sys.stderr)
         base = base_config(args)
@@ -396,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     first = runs[0]
     notes = sorted({s["network"] for s in first.values()} | {s["emulation"] for s in first.values() if s.get("emulation")})
     notes += [f"{args.repeats} repeat(s), medians; token budget {args.budget:,} per run; model {args.model}; "
-              f"decoupled outer gradients {args.compression}, downlink {args.downlink}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {time.strftime('%Y-%m-%d %H:%M')} UTC."]
+              f"decoupled outer gradients {args.compression}, downlink {args.downlink} to {args.publish_to}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {time.strftime('%Y-%m-%d %H:%M')} UTC."]
     table = table_het(res, notes) if het else table_wan(res, notes)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -42,7 +42,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Runnable from a checkout without `pip install -e .`: the driver imports the project from here, and the
+# Ray workers a local ray.init starts inherit PYTHONPATH.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402

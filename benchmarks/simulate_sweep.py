@@ -20,7 +20,11 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Runnable from a checkout without `pip install -e .`: the driver imports the project from here, and the
+# Ray workers a local ray.init starts inherit PYTHONPATH.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
 from orchestrator.simulate_cli import markdown_table, plot_grid, run_grid  # noqa: E402
 from orchestrator.simulator import SimConfig, simulate  # noqa: E402

@@ -190,8 +190,8 @@ class NetworkModel:
             f"{r} {gbps(raw[r].bandwidth_bps)} Gbps/{raw[r].latency_s * 1e3:g} ms" for r in shown if r != self.hub
         ) or "local links only"
         return (
-            f"EMULATED network {self.name} (hub {self.hub}: {parts}), scaled to 12B-parameter comm/compute: "
-            f"time x{self.scale:.4g}, bytes x{self.byte_scale:.3g}"
+            f"EMULATED network {self.name} (hub {self.hub}: {parts}), scaled to 12B-parameter comm/compute at "
+            f"{self.scale * REF_STEP_S:.3g} s per inner step: time x{self.scale:.4g}, bytes x{self.byte_scale:.3g}"
         )
 
 

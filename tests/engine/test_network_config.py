@@ -48,3 +48,27 @@ def test_final_table_labels_an_emulated_network():
     line = "EMULATED network wan-4-regions (hub us-central: us-west 2 Gbps/20 ms), scaled ..."
     assert line in format_summary({**base, "network": line, "network_emulated": True}).splitlines()
     assert "EMULATED" not in format_summary({**base, "network": "network none", "network_emulated": False})
+
+
+def test_the_scaling_step_is_timed_with_every_island_stepping(monkeypatch, caplog):
+    from islands.data import load_stdlib_corpus
+    from islands.model import model_config
+    from orchestrator import driver
+
+    # Islands on one machine share its cores: by default every island worker steps at once.
+    cfg = load_config(None, ["pools=[{name: a, islands: 2, workers_per_island: 2}, {name: b, islands: 1}]"])
+    monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
+    assert driver.step_concurrency(cfg) == 5
+    assert driver.step_concurrency(load_config(None, ["network.step_concurrency=1"])) == 1
+    # On a multi-node cluster the islands have their own machines (stand-in for ray.nodes(): one dead node).
+    monkeypatch.setattr(driver.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(driver.ray, "nodes", lambda: [{"Alive": True}, {"Alive": True}, {"Alive": False}])
+    assert driver.step_concurrency(cfg) == 1
+    monkeypatch.setattr(driver.ray, "nodes", lambda: [{"Alive": True}, {"Alive": False}])
+    assert driver.step_concurrency(cfg) == 5
+
+    corpus = load_stdlib_corpus(max_bytes=200_000, heldout_fraction=0.1)
+    with caplog.at_level("INFO", logger="orchestrator.driver"):
+        step_s = driver.measure_step_s(cfg, model_config("nano"), corpus.train, steps=2, concurrency=3)
+    assert step_s > 0
+    assert "median of 6 steps, 3 stepping side by side" in caplog.text

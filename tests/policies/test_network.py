@@ -95,6 +95,7 @@ def test_wan_scaling_keeps_the_12b_comm_to_compute_ratio():
     assert west.bandwidth_bps == pytest.approx(2e9 * (500_000 / 12e9) / (0.1 / REF_STEP_S))
     assert west.latency_s == pytest.approx(0.020 * 0.1 / REF_STEP_S)
     assert net.describe().startswith("EMULATED network wan-4-regions")
+    assert "at 0.1 s per inner step" in net.describe()
 
 
 def test_eight_regions_and_lan_presets():
