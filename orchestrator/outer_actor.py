@@ -273,8 +273,10 @@ class _OuterShell:
             self._refs[result.fragment] = ref  # dropping the old ref lets the store free it
             update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged)
             if not self._finishing:  # after the final flush nobody trains on it any more
+                to = set(result.record.participants) if self.core.settings.publish_to == "participants" else None
                 for island, (_, handle) in list(self._islands.items()):
-                    self._send_down(island, handle, update, self._fragment_nbytes[result.fragment])
+                    if to is None or island in to:
+                        self._send_down(island, handle, update, self._fragment_nbytes[result.fragment])
             await self._core(self.core.observe_publish, time.perf_counter() - t0, result.record.merge_s)
 
     # ------------------------------------------------------------ control plane

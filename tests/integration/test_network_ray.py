@@ -78,14 +78,15 @@ def fifo_done(items: list[tuple[float, int]], link: Link) -> list[float]:
     return out
 
 
-async def run_shell(tmp_path, train_s: float, downlink: str = "none") -> tuple[dict, list, list[LocalIsland], list[int], list]:
+async def run_shell(tmp_path, train_s: float, downlink: str = "none",
+                    publish_to: str = "all") -> tuple[dict, list, list[LocalIsland], list[int], list]:
     cfg = model_config("nano")
     model = build_model(cfg, seed=3)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
     # K = 1 and no grace: a round closes the moment its submission reaches the core.
     settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000,
-                             downlink=downlink)
+                             downlink=downlink, publish_to=publish_to)
     tensors, meta = OuterOptimizer(init, plan, settings=settings).state_dict()
     uri = str(tmp_path / "ckpt")
     CheckpointStore(uri).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
@@ -189,3 +190,26 @@ def test_a_bf16_downlink_halves_the_bytes_and_islands_train_from_the_decoded_glo
                 assert torch.equal(b, g.to(torch.bfloat16).to(torch.float32))
     assert any(not torch.equal(g, g.to(torch.bfloat16).to(torch.float32)) for frag in final for g in frag), \
         "the global parameters should not all be bf16-exact, or this test could not tell the formats apart"
+
+
+def test_publishing_to_participants_sends_each_island_only_its_own_rounds(ray_cluster, tmp_path):
+    status, rounds, handles, fragment_bytes, _ = asyncio.run(run_shell(tmp_path, train_s=2.0, publish_to="participants"))
+    assert status["in_transit"] == 0 and status["refusals"] == 0
+    assert all(len(h.taken) >= 3 for h in handles)
+    for i, h in enumerate(handles):
+        own = [r for r in rounds if i in r.participants]
+        others = [r for r in rounds if i not in r.participants]
+        assert own and others, "with K = 1 each island should miss some rounds, or this test could not tell"
+        got = [(u.fragment, u.version) for _, u in h.adopted]
+        # Only versions of rounds it took part in (a busy link may skip one for its own newer round),
+        # and every one of its merged submissions reported back to it, no one else's.
+        assert set(got) <= {(r.fragment, r.version) for r in own}
+        mine = {(i, seq) for r in own for island, seq in zip(r.participants, r.seqs) if island == i}
+        assert {(key.island, key.seq) for _, u in h.adopted for key in u.merged} == mine == {(i, s.seq) for s in h.taken}
+        assert status["bytes_by_link"][REGIONS[i]]["down"] == sum(fragment_bytes[u.fragment] for _, u in h.adopted)
+        assert status["transfers_by_link"][REGIONS[i]]["down"] == len(h.adopted) <= len(own)
+        # Its base moved only when its own round came back: the island never saw the others' versions.
+        h.island.apply_updates()
+        for p in range(len(fragment_bytes)):
+            theirs = [r.version for r in own if r.fragment == p]
+            assert h.island._version[p] == (max(theirs) if theirs else 0)
