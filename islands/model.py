@@ -17,7 +17,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from islands.spec import PRESETS, ModelConfig, model_config  # noqa: F401 - re-exported: the model's shapes live in islands.spec
+from islands.spec import PRESETS, ModelConfig, model_config
+
+# PRESETS and model_config are re-exported: the shapes live in islands.spec (no torch), the model here.
+__all__ = ["PRESETS", "Block", "ByteTransformer", "CausalSelfAttention", "MLP", "ModelConfig", "build_model",
+           "count_parameters", "model_config"]
 
 # GPT-2's init scale for weights; residual projections are scaled down further by depth.
 INIT_STD = 0.02

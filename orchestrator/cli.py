@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from orchestrator.config import ConfigError, apply_overrides, build_config, load_config
+from orchestrator.config import ConfigError, apply_overrides, build_config, load_config, resume_conflict
 
 
 class ProgressBar:
@@ -89,8 +89,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.resume:
             if args.config:
                 raise ConfigError("--resume takes the run directory's own config.yaml; drop --config")
-            base = resume_config(args.resume).model_dump(mode="json")
-            cfg = build_config(apply_overrides(base, args.set))
+            saved = resume_config(args.resume)
+            cfg = build_config(apply_overrides(saved.model_dump(mode="json"), args.set))
+            conflict = resume_conflict(saved, cfg)
+            if conflict:
+                raise ConfigError(conflict)
         else:
             cfg = load_config(args.config, args.set)
         if args.chaos:

@@ -69,7 +69,7 @@ class HealthMonitor:
     """Plain class driven by an asyncio loop; `ray.remote` is applied in orchestrator/actors.py."""
 
     def __init__(self, *, run_id: str, namespace: str, pools: list[PoolConfig], specs: list[IslandSpec],
-                 data: list[Any], outer_name: str, island_cls: Any, placement_timeout_s: float,
+                 data: list[Any] | None = None, outer_name: str, island_cls: Any, placement_timeout_s: float,
                  call_timeout_s: float, tick_s: float = 0.25, health: dict | None = None,
                  restart: dict | None = None, warm_spares: int = 0, worker_cls: Any = None,
                  island_runtime_env: dict | None = None) -> None:
@@ -126,14 +126,22 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def ensure_started(self, fresh: bool = False) -> None:
+    async def ensure_started(self, fresh: bool = False, data: list[Any] | None = None) -> None:
         """Start (or, after a restart of this monitor, re-adopt) every island and the monitoring loop.
 
         `fresh`: the driver's first call on a new run. Nothing of the run exists yet, so there is no
         parked state to restore and no island to re-adopt, and the islands start without waiting for
-        the outer optimizer's process to come up (they fetch its versions themselves)."""
+        the outer optimizer's process to come up (they fetch its versions themselves).
+        `data`: [ref to the training corpus] the islands are built with. The driver passes it with
+        every call rather than to the constructor: Ray cannot promise an actor restart the object-store
+        arguments of its constructor (ray-project/ray#53727), and every restart of this monitor is
+        followed by the driver's next call here."""
+        if data is not None:
+            self.data = data
         if self._loop_task is not None:
             return
+        if self.data is None:
+            raise ValueError("the health monitor has no training data yet; pass data=[ref] to ensure_started")
         self._loop_task = asyncio.get_running_loop().create_task(self._monitor())
         saved = None if fresh else await self._call(self._outer().monitor_state.remote())
         if saved:

@@ -191,12 +191,28 @@ def connect(address: str | None) -> None:
     if address and address.startswith(("http://", "https://")):
         raise JobError(f"--address {address} is a dashboard URL; `diloco status` needs the cluster address "
                        "HEAD:6379 (or run it on a cluster node with no --address)")
-    host, sep, port = (address or "").rpartition(":")
-    if sep and host and port.isdigit() and "://" not in address:
+    recorded = None
+    if not address:
+        # `auto` means the cluster this machine last started, recorded in /tmp/ray/ray_current_cluster;
+        # the file outlives a stopped cluster, and Ray would then retry the dead address for minutes.
+        from ray._private.services import get_ray_address_from_environment
+
+        try:
+            recorded = get_ray_address_from_environment("auto", None)
+        except ConnectionError:
+            raise JobError("no Ray cluster found on this machine; start one (ray start --head) or pass "
+                           "--address HEAD:6379") from None
+    target = address or recorded or ""
+    host, sep, port = target.rpartition(":")
+    if sep and host and port.isdigit() and "://" not in target:
         # Ray keeps retrying an unreachable GCS for minutes; a plain TCP connect answers in seconds.
         try:
             socket.create_connection((host, int(port)), timeout=5).close()
         except OSError as err:
+            if recorded:
+                raise JobError(f"the Ray cluster this machine last started ({recorded}) does not answer "
+                               f"({err.strerror or err}); it has probably stopped: start it again or pass "
+                               "--address HEAD:6379") from None
             raise JobError(f"nothing answers at {address} ({err.strerror or err}); pass the cluster address "
                            "HEAD:6379 to --address") from None
     try:

@@ -301,6 +301,31 @@ def test_pick_run_names_the_fix():
             pick_run(runs, run_id, "here")
 
 
+def test_status_names_a_stopped_cluster_instead_of_retrying_it(monkeypatch, capsys):
+    import ray._private.services as services
+
+    from orchestrator.cli import main
+
+    # A port nothing listens on, as Ray's record of the last `ray start` on this machine (the file
+    # /tmp/ray/ray_current_cluster is shared with other tests, so the lookup is stood in for).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "get_ray_address_from_environment", lambda addr, temp_dir: dead)
+    assert main(["status"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"diloco status: the Ray cluster this machine last started ({dead}) does not answer")
+
+    def nothing(addr, temp_dir):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(services, "get_ray_address_from_environment", nothing)
+    assert main(["status"]) == 2
+    assert capsys.readouterr().err.strip() == ("diloco status: no Ray cluster found on this machine; start one "
+                                               "(ray start --head) or pass --address HEAD:6379")
+
+
 def _status(island, tokens, submitted, outbox):
     from islands.island import IslandStatus
 

@@ -6,10 +6,11 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from islands.data import DataError
 from orchestrator.cli import main
-from orchestrator.config import ConfigError, RunConfig, load_config
+from orchestrator.config import ConfigError, RunConfig, load_config, resume_conflict
 from orchestrator.driver import load_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +42,9 @@ def test_sync_diloco_preset_sets_the_degenerate_settings():
         (["data.source=parquet"], "data.path is required"),
         (["pools=[]"], "pools is empty"),
         (["outer.min_quorum"], "is not key=value"),
+        (["pools=[{name: a, accelerator: H100}]"], "pool 'a': accelerator 'H100' trains on a GPU but gpus_per_worker is 0"),
+        (["network.step_concurrency=0"], "config field 'network.step_concurrency'"),
+        (["outer.publish_to=some"], "config field 'outer.publish_to': Input should be 'all' or 'participants'"),
     ],
 )
 def test_bad_config_gives_one_line_error_naming_field_and_fix(overrides, expected):
@@ -62,6 +66,31 @@ def test_cli_reports_config_error_in_one_line_and_exits_2(capsys, tmp_path):
     assert code == 2
     assert err == ["diloco train: config field 'outer.lr': Input should be greater than 0"]
     assert not (tmp_path / "r").exists(), "a bad config changes nothing on disk"
+
+
+def test_resume_refuses_changes_to_what_the_checkpoints_and_cursors_depend_on(capsys, tmp_path):
+    saved = load_config(None, ["pools=[{name: a, islands: 2}, {name: b, islands: 1, workers_per_island: 2}]"])
+    same = lambda *o: load_config(None, ["pools=[{name: a, islands: 2}, {name: b, islands: 1, workers_per_island: 2}]", *o])  # noqa: E731
+    # What may change: budget, evaluation, health, network, outer hyperparameters.
+    assert resume_conflict(saved, same("run.token_budget=9000000", "eval.interval_s=5", "outer.lr=0.5",
+                                       "health.hang_factor=10", "network.step_concurrency=1")) is None
+    msg = resume_conflict(saved, same("model.preset=nano"))
+    assert msg.startswith("--resume cannot change model.preset (the run has tiny, asked for nano)") and "\n" not in msg
+    assert "data.batch_size (the run has 16, asked for 8)" in resume_conflict(saved, same("data.batch_size=8"))
+    assert "run.seed" in resume_conflict(saved, same("run.seed=1"))
+    assert "outer.num_fragments" in resume_conflict(saved, same("outer.num_fragments=4"))
+    changed = load_config(None, ["pools=[{name: a, islands: 2}, {name: b, islands: 1, workers_per_island: 1}]"])
+    assert "['a: 2 islands x 1 workers', 'b: 1 islands x 2 workers']" in resume_conflict(saved, changed)
+
+    # The CLI says so in one line and touches nothing: no Ray, the run directory as it was.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved.model_dump(mode="json"), sort_keys=False))
+    before = (run_dir / "config.yaml").read_text()
+    code = main(["train", "--resume", str(run_dir), "--set", "pools=[{name: a, islands: 3}, {name: b, islands: 1, workers_per_island: 2}]"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("diloco train: --resume cannot change pools")
+    assert (run_dir / "config.yaml").read_text() == before and sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
 
 
 def test_missing_and_empty_parquet_dataset_say_so(tmp_path):

@@ -95,6 +95,10 @@ def test_resume_after_the_driver_dies_skipping_a_corrupt_checkpoint(ray_cluster,
         driver.send_signal(signal.SIGKILL)  # the driver dies without any cleanup
         driver.wait(30)
     old_run = json.loads((run_dir / "run.json").read_text())["run_id"]
+    # Ray kills the dead driver's outer optimizer (not detached) only after it notices the owner is
+    # gone: until then it may still write a checkpoint, which would land after the one corrupted below.
+    wait_for("the dead driver's outer optimizer to be gone", lambda: f"outer-{old_run}" not in {
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}, timeout_s=120)
     steps = store.list()
     newest, previous = store.load(steps[-1]), store.load(steps[-2])
     payload = Path(newest.path) / "tensors.bin"
