@@ -72,3 +72,18 @@ def test_the_scaling_step_is_timed_with_every_island_stepping(monkeypatch, caplo
         step_s = driver.measure_step_s(cfg, model_config("nano"), corpus.train, steps=2, concurrency=3)
     assert step_s > 0
     assert "median of 6 steps, 3 stepping side by side" in caplog.text
+
+
+def test_the_driver_measures_the_step_once_and_keeps_it_in_the_config():
+    from orchestrator.driver import with_measured_step
+
+    none = load_config(None, [POOLS])
+    assert with_measured_step(none) is none  # no emulated network: nothing to measure
+    fixed = load_config(None, ["network.scenario=wan-8-regions", "network.local_step_s=0.5", POOLS])
+    assert with_measured_step(fixed) is fixed
+    cfg = load_config(None, ["network.scenario=wan-8-regions", "network.step_concurrency=2", "model.preset=nano",
+                             "data.max_bytes=200000", POOLS])
+    got = with_measured_step(cfg)
+    assert got.network.local_step_s > 0 and cfg.network.local_step_s is None
+    # Only that field changed: the run directory's config.yaml records the links a resume will reuse.
+    assert got.model_copy(update={"network": cfg.network}) == cfg
