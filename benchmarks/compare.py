@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     console.setLevel(logging.WARNING)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=[console])
     args.out.mkdir(parents=True, exist_ok=True)
+    args.started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())  # the footer's start time, not the table's
     # Before Ray starts: its daemons and prestarted workers would slow the timed steps for a few seconds.
     if args.local_step_s is None and args.network != "none":
         args.local_step_s = measure_local_step(args)
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     first = runs[0]
     notes = sorted({s["network"] for s in first.values()} | {s["emulation"] for s in first.values() if s.get("emulation")})
     notes += [f"{args.repeats} repeat(s), medians; token budget {args.budget:,} per run; model {args.model}; "
-              f"decoupled outer gradients {args.compression}, downlink {args.downlink} to {args.publish_to}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {time.strftime('%Y-%m-%d %H:%M')} UTC."]
+              f"decoupled outer gradients {args.compression}, downlink {args.downlink} to {args.publish_to}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {args.started} UTC."]
     table = table_het(res, notes) if het else table_wan(res, notes)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
