@@ -260,7 +260,8 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Empty, Queue
 
-    from orchestrator.driver import build_run_network, ensure_ray, inner_settings, load_corpus, measure_step_s
+    from orchestrator.driver import (build_run_network, ensure_ray, inner_settings, load_corpus, measure_step_s,
+                                     with_measured_step)
     from orchestrator.eventlog import EventLog
 
     if wire not in WIRE_BYTES:
@@ -274,6 +275,8 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     handler = logging.FileHandler(run_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.getLogger().addHandler(handler)
+    if address is None and not ray.is_initialized():
+        cfg = with_measured_step(cfg)  # before the local Ray's daemons share the cores (as `diloco train`)
     started = ensure_ray(cfg, address)
     queue = None
     try:
