@@ -275,8 +275,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     handler = logging.FileHandler(run_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.getLogger().addHandler(handler)
-    if address is None and not ray.is_initialized():
-        cfg = with_measured_step(cfg)  # before the local Ray's daemons share the cores (as `diloco train`)
+    cfg = with_measured_step(cfg, address)
     started = ensure_ray(cfg, address)
     queue = None
     try:

@@ -155,11 +155,8 @@ def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4, con
         def run(trainer: InnerTrainer) -> list[float]:
             return [trainer.step().compute_s for _ in range(steps + 2)][2:]
 
-        if k == 1:
-            times = run(trainers[0])
-        else:
-            with ThreadPoolExecutor(max_workers=k) as pool:
-                times = [t for ts in pool.map(run, trainers) for t in ts]
+        with ThreadPoolExecutor(max_workers=k) as pool:
+            times = [t for ts in pool.map(run, trainers) for t in ts]
     finally:
         torch.set_num_threads(threads)
     step_s = sorted(times)[len(times) // 2]
@@ -167,15 +164,17 @@ def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4, con
     return step_s
 
 
-def with_measured_step(cfg: RunConfig) -> RunConfig:
-    """`cfg` with network.local_step_s measured now, for an emulated scenario that leaves it unset.
+def with_measured_step(cfg: RunConfig, address: str | None) -> RunConfig:
+    """`cfg` with network.local_step_s measured now, when this driver is about to start a local Ray
+    (no `address`, none running) for an emulated scenario that leaves it unset; else `cfg` as it is.
 
-    The driver calls it before it starts a local Ray: in the seconds after ray.init, Ray's daemons and
-    prestarted workers slowed the timed steps by up to 40% (0.35 s against 0.245 s for four islands on
-    this machine). The measured value lands in the run directory's config.yaml, so a resumed run keeps
-    the same links.
+    Measured before ray.init: in the seconds after it, Ray's daemons and prestarted workers slowed the
+    timed steps by up to 40% (0.35 s against 0.245 s for four islands on this machine). Joining a
+    cluster, the run measures at setup instead (build_run_network). The measured value lands in the run
+    directory's config.yaml, so a resumed run keeps the same links.
     """
-    if cfg.network.scenario == "none" or cfg.network.local_step_s is not None:
+    if (address is not None or ray.is_initialized() or cfg.network.scenario == "none"
+            or cfg.network.local_step_s is not None):
         return cfg
     model_cfg = model_config(cfg.model.preset, **cfg.model.overrides())
     step_s = measure_step_s(cfg, model_cfg, load_corpus(cfg).train)
@@ -573,8 +572,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     handler = logging.FileHandler(run_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.getLogger().addHandler(handler)
-    if address is None and not ray.is_initialized():
-        cfg = with_measured_step(cfg)  # before the local Ray's daemons and prestarted workers share the cores
+    cfg = with_measured_step(cfg, address)
     started = ensure_ray(cfg, address)
     ignore_zero_copy_warnings()
     run = Run(cfg, run_dir, progress=progress, resume=resume)

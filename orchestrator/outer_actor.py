@@ -75,7 +75,7 @@ class _OuterShell:
         wire = [self._wire(self.core.fragment(p)) for p in range(plan.num_fragments)]
         self._refs = [ray.put(w) for w in wire]
         # Bytes of one published fragment on the wire: fixed for the run (shapes and format do not change).
-        self._fragment_nbytes = [_wire_nbytes(w) for w in wire]
+        self._fragment_nbytes = [sum(t.nbytes for t in w) for w in wire]  # torch tensors and Compressed alike
         self._islands: dict[int, tuple[int, Any]] = {}
         self._pollers: dict[int, asyncio.Task] = {}
         self._ticker: asyncio.Task | None = None
@@ -395,8 +395,3 @@ class _OuterShell:
         for task in list(self._transfers):
             task.cancel()
         return await self._core(self.core.ledger)
-
-
-def _wire_nbytes(tensors: list) -> int:
-    """Bytes on the wire of one published fragment: plain tensors or `Compressed` ones."""
-    return sum(t.nbytes if hasattr(t, "scheme") else t.numel() * t.element_size() for t in tensors)

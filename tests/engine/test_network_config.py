@@ -74,16 +74,24 @@ def test_the_scaling_step_is_timed_with_every_island_stepping(monkeypatch, caplo
     assert "median of 6 steps, 3 stepping side by side" in caplog.text
 
 
-def test_the_driver_measures_the_step_once_and_keeps_it_in_the_config():
+def test_the_driver_measures_the_step_once_and_keeps_it_in_the_config(monkeypatch):
+    from orchestrator import driver
     from orchestrator.driver import with_measured_step
 
+    # A driver about to start its own Ray (this test process may have joined the suite's cluster).
+    monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
+
     none = load_config(None, [POOLS])
-    assert with_measured_step(none) is none  # no emulated network: nothing to measure
+    assert with_measured_step(none, None) is none  # no emulated network: nothing to measure
     fixed = load_config(None, ["network.scenario=wan-8-regions", "network.local_step_s=0.5", POOLS])
-    assert with_measured_step(fixed) is fixed
+    assert with_measured_step(fixed, None) is fixed
     cfg = load_config(None, ["network.scenario=wan-8-regions", "network.step_concurrency=2", "model.preset=nano",
                              "data.max_bytes=200000", POOLS])
-    got = with_measured_step(cfg)
+    assert with_measured_step(cfg, "127.0.0.1:6379") is cfg  # joining a cluster: measured at setup
+    with monkeypatch.context() as m:
+        m.setattr(driver.ray, "is_initialized", lambda: True)
+        assert with_measured_step(cfg, None) is cfg  # Ray already up in this process: measured at setup
+    got = with_measured_step(cfg, None)
     assert got.network.local_step_s > 0 and cfg.network.local_step_s is None
     # Only that field changed: the run directory's config.yaml records the links a resume will reuse.
     assert got.model_copy(update={"network": cfg.network}) == cfg
