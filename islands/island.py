@@ -37,6 +37,7 @@ from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: p
 from islands.trainer import InnerTrainer
 from policies.adoption import adopt_fragment, parse_adoption
 from policies.compression import Compressed, compress, decompress
+from policies.downlink import apply_delta
 from policies.quorum import MovingAverage
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class LearnerIsland:
         self._theta = [[self.trainer.params[n] for n in frag] for frag in spec.plan.fragments]
         self._base: list[list[torch.Tensor]] = [[] for _ in range(P)]
         self._version = [-1] * P
+        self._epoch = [-1] * P  # epoch of the outer optimizer that sent each fragment's base (delta downlink)
         self._steps = [0] * P
         self._tokens = [0] * P
         self._compute = [0.0] * P  # wall seconds of steps since the previous cut of each fragment
@@ -346,6 +348,10 @@ class LearnerIsland:
         Versions may go backwards, so this bypasses the version check: local progress, the outbox and
         every in-flight submission are discarded (their tokens are counted as discarded, i.e. lost).
         """
+        for u in latest:
+            if u.delta_from is not None:
+                raise ValueError(f"resync needs whole fragments, got a difference for fragment {u.fragment}; "
+                                 "pass the outer optimizer's latest()")
         fetched = [(u, self._to_device(self._resolve(u.tensors[0]))) for u in latest]
         with self._cv:
             # Outbox tokens were counted as submitted; dropping them makes them "taken, never received".
@@ -393,19 +399,37 @@ class LearnerIsland:
                     t.copy_(g)
             self._base[update.fragment] = [g.detach().to(torch.float32).clone() for g in tensors]
             self._version[update.fragment] = update.version
+            self._epoch[update.fragment] = update.epoch
             changed.add(update.fragment)
+        # In version order per fragment, so a chain of differences applies link by link.
         for update, tensors in sorted(updates, key=lambda u: (u[0].fragment, u[0].version)):
+            if update.delta_from is not None:
+                tensors = self._undelta(update, tensors)
             if self._apply_one(update, tensors):
                 changed.add(update.fragment)
         return changed
 
-    def _apply_one(self, update: FragmentUpdate, global_: list[torch.Tensor]) -> bool:
+    def _undelta(self, update: FragmentUpdate, delta: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The global fragment a downlink difference stands for, or None if it is not for our copy."""
+        p = update.fragment
+        if update.epoch == self._epoch[p] and update.delta_from == self._version[p]:
+            return apply_delta(self._base[p], delta)
+        if update.epoch != self._epoch[p] or update.version <= self._version[p]:
+            return None  # from an outer optimizer that has since restarted, or already overtaken: bookkeeping only
+        # The sender encodes each difference from what it last sent us and awaits our adoption before the
+        # next, so a gap is a bug, not a race; failing makes the monitor rebuild us from whole fragments.
+        raise RuntimeError(f"island {self.spec.island}: a downlink difference for fragment {p} is from version "
+                           f"{update.delta_from}, but this island holds version {self._version[p]}")
+
+    def _apply_one(self, update: FragmentUpdate, global_: list[torch.Tensor] | None) -> bool:
         p = update.fragment
         mine = [k for k in update.merged if k in self._inflight]
         with self._cv:
             for key in update.refused:
                 self._inflight.pop(key, None)
-        if update.version <= self._version[p]:
+        # A version from an outer optimizer that has since restarted (a lower epoch) may come from a
+        # lineage the restart rolled back: never adopt it over what the new one sent.
+        if global_ is None or update.version <= self._version[p] or update.epoch < self._epoch[p]:
             with self._cv:  # an older update that arrived late: bookkeeping only
                 for key in mine:
                     self._inflight.pop(key, None)
@@ -434,6 +458,7 @@ class LearnerIsland:
                             s.add_(d)
             self._base[p] = [g.detach().to(torch.float32).clone() for g in global_]
             self._version[p] = update.version
+            self._epoch[p] = update.epoch
             self._cv.notify_all()
         return True
 

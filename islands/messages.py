@@ -59,6 +59,9 @@ class FragmentUpdate:
     `tensors` is `[ref]` in Ray runs (the receiver resolves it) or `[list_of_tensors]` in process.
     `merged` lists the submissions that went into this version; `refused` lists submissions that were
     refused since the previous update to their island, so the island can stop tracking them.
+    With `delta_from` set, the tensors are the difference from the island's copy of version
+    `delta_from` (outer.downlink_delta, policies/downlink.py), valid only on top of a copy that came
+    from the outer optimizer of the same `epoch` (its restart count).
     """
 
     fragment: int
@@ -66,3 +69,5 @@ class FragmentUpdate:
     tensors: list[Any]
     merged: tuple[SubmissionKey, ...] = ()
     refused: tuple[SubmissionKey, ...] = field(default_factory=tuple)
+    epoch: int = 0
+    delta_from: int | None = None

@@ -130,6 +130,14 @@ class OuterSection(_Section):
         "none = float32; bf16 halves the bytes, int8 quarters them (per-block scales). Islands train from the "
         "decoded copy; the outer optimizer keeps float32. With K = 1 every round goes to every island, so "
         "this is most of a run's bytes.")
+    downlink_delta: Literal["bf16", "int8", "int4"] | None = Field(
+        None, description="Send each island a new version of a fragment as its difference from the copy that "
+        "island already holds, in this format (per-block scales), instead of whole. Consecutive versions differ "
+        "by one outer step: where that is r times smaller than the weights, int8 differences are ~r times more "
+        "precise than int8 weights at the same bytes, and int4 halves the bytes. Rounding error does not "
+        "accumulate (each difference is taken from what the island decoded). The first send of a fragment to an island "
+        "incarnation goes whole, in the `downlink` format. null = every version whole. Costs the outer "
+        "optimizer one float32 copy of the model per island (policies/downlink.py).")
     publish_to: Literal["all", "participants"] = Field(
         "all", description="Which islands a new version of a fragment goes to. all: every live island adopts "
         "it at its next step boundary (DESIGN.md section 3). participants: only the islands whose submissions "

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long a downlink sender waits for an island to confirm a difference before the next goes whole.
+_ADOPT_ACK_S = 30.0
+
 
 class _OuterShell:
     """Async shell: polls islands for submissions, feeds the core, publishes each new version once.
@@ -47,6 +50,7 @@ class _OuterShell:
         quiet_worker()
         from orchestrator.checkpoint import CheckpointStore
         from orchestrator.outer_optimizer import OuterOptimizer
+        from policies.downlink import DownlinkCopies
 
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-core")
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-ckpt")
@@ -90,7 +94,10 @@ class _OuterShell:
         self._in_transit: dict[Any, Submission] = {}  # submission key -> submission on its uplink
         self._transfers: set[asyncio.Task] = set()
         self._network_wait_s = {"up": 0.0, "down": 0.0}  # delivery delay added by the emulated links
-        self._down_queue: dict[int, dict[int, tuple[FragmentUpdate, int]]] = {}  # island -> fragment -> newest waiting
+        # island -> fragment -> (newest waiting update, its float32 tensors: what a difference is taken of)
+        self._down_queue: dict[int, dict[int, tuple[FragmentUpdate, list]]] = {}
+        # What each island holds of each fragment, when versions go down as differences (outer.downlink_delta).
+        self._copies = DownlinkCopies(settings.downlink, settings.downlink_delta, block_size=settings.block_size)
         self._down_senders: set[int] = set()  # islands whose downlink sender task is running
 
     def _now(self) -> float:
@@ -113,7 +120,7 @@ class _OuterShell:
     async def latest(self) -> list[FragmentUpdate]:
         """The current version of every fragment, as updates a (re)joining island starts from."""
         versions = await self._core(lambda: list(self.core.versions))
-        return [FragmentUpdate(p, v, [self._refs[p]]) for p, v in enumerate(versions)]
+        return [FragmentUpdate(p, v, [self._refs[p]], epoch=self.epoch) for p, v in enumerate(versions)]
 
     async def register(self, island: int, incarnation: int, handle: Any) -> None:
         """Admit an island incarnation and start taking its submissions."""
@@ -122,6 +129,7 @@ class _OuterShell:
             self._ticker = asyncio.create_task(self._tick())
         await self._core(self.core.register, island, incarnation)
         self._islands[island] = (incarnation, handle)
+        self._copies.forget(island)  # it starts from latest() (or kept what it had): send whole fragments first
         old = self._pollers.pop(island, None)
         if old is not None:
             old.cancel()
@@ -131,6 +139,7 @@ class _OuterShell:
     async def unregister(self, island: int) -> None:
         """Stop taking submissions from an island slot (it died or was stopped)."""
         self._islands.pop(island, None)
+        self._copies.forget(island)
         task = self._pollers.pop(island, None)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
@@ -172,11 +181,11 @@ class _OuterShell:
         await self._publish(results)
         if refusal is not None:
             # Resync the refused island's fragment to the current version (or just clear its bookkeeping).
-            version = await self._core(lambda: self.core.versions[refusal.fragment]) if 0 <= refusal.fragment < len(self._refs) else None
-            if version is not None:
-                p = refusal.fragment
-                self._send_down(island, handle, FragmentUpdate(p, version, [self._refs[p]], refused=(refusal.key,)),
-                                self._fragment_nbytes[p])
+            p = refusal.fragment
+            if 0 <= p < len(self._refs):
+                version, tensors = await self._core(lambda: (self.core.versions[p], self.core.fragment(p)))
+                self._send_down(island, handle, FragmentUpdate(p, version, [self._refs[p]], refused=(refusal.key,),
+                                                               epoch=self.epoch), tensors)
 
     def _region(self, island: int) -> str:
         return self._regions.get(island, self._network.hub)
@@ -204,46 +213,79 @@ class _OuterShell:
             return
         await self._receive(island, sub, handle)
 
-    def _send_down(self, island: int, handle: Any, update: FragmentUpdate, nbytes: int) -> None:
-        """Send a fragment to an island: now (scenario none) or over its EMULATED downlink.
+    def _send_down(self, island: int, handle: Any, update: FragmentUpdate, tensors: list) -> None:
+        """Send a fragment version to an island: now, or over its EMULATED downlink, whole or as a difference.
 
-        On an emulated link each island has one sender that always sends the newest version of each
-        fragment: a version published while an older one still waits for the link replaces it (its
-        merged/refused keys carried over), so a slow link delays adoption but never builds a backlog
-        of versions nobody needs any more.
+        `update.tensors` is the version's shared whole-fragment ref; `tensors` are its float32 values,
+        from which a difference from the island's copy is taken (outer.downlink_delta).
+
+        Whole fragments with no emulated network go at once (fire and forget). Otherwise each island has
+        one sender that always sends the newest version of each fragment: a version published while an
+        older one still waits replaces it (its merged/refused keys carried over), so a slow link delays
+        adoption but never builds a backlog of versions nobody needs any more.
         """
         region = self._region(island)
-        if not self._network.emulated:
-            self._links.account(region, "down", nbytes)
+        if not self._network.emulated and self._copies.delta is None:
+            self._links.account(region, "down", self._fragment_nbytes[update.fragment])
             handle.adopt.remote(update)  # fire and forget: a dead island shows up in its poller
             return
         queue = self._down_queue.setdefault(island, {})
         waiting = queue.get(update.fragment)
         if waiting is not None:
-            older = waiting[0]
+            older, older_tensors = waiting
             if older.version > update.version:
-                older, update = update, older
+                (older, older_tensors), (update, tensors) = (update, tensors), (older, older_tensors)
             update = dataclasses.replace(update, merged=older.merged + update.merged, refused=older.refused + update.refused)
-        queue[update.fragment] = (update, nbytes)  # a replaced entry keeps its place in the queue
+        queue[update.fragment] = (update, tensors)  # a replaced entry keeps its place in the queue
         if island not in self._down_senders:
             self._down_senders.add(island)
             self._spawn(self._deliver(island, region))
 
+    def _encode(self, island: int, incarnation: int, update: FragmentUpdate, tensors: list) -> tuple[FragmentUpdate, int]:
+        """(update as sent, bytes on the wire): the shared whole ref, or a difference put for this island."""
+        if self._copies.delta is None:
+            return update, self._fragment_nbytes[update.fragment]
+        enc = self._copies.encode(island, incarnation, update.fragment, update.version, tensors)
+        return dataclasses.replace(update, tensors=[ray.put(enc.payload)], delta_from=enc.delta_from), enc.nbytes
+
     async def _deliver(self, island: int, region: str) -> None:
-        """One island's downlink: the oldest waiting fragment first, one transfer at a time."""
+        """One island's downlink: the oldest waiting fragment first, one transfer at a time.
+
+        With differences (outer.downlink_delta) each one is encoded just before it goes, from the copy
+        the island holds after the previous one, and awaited: the island must adopt them in order. A
+        send that fails, or whose island changed incarnation meanwhile, makes the next one whole.
+        """
+        delta = self._copies.delta is not None
         try:
             queue = self._down_queue.get(island, {})
             while queue and not self._stopping:
                 fragment = next(iter(queue))
-                update, nbytes = queue.pop(fragment)
-                done_at = self._links.reserve(region, "down", nbytes, time.time())
-                wait = done_at - time.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                self._network_wait_s["down"] += max(wait, 0.0)
+                update, tensors = queue.pop(fragment)
                 live = self._islands.get(island)
-                if live is not None and not self._stopping:
-                    live[1].adopt.remote(update)
+                if live is None:
+                    continue
+                update, nbytes = await self._core(self._encode, island, live[0], update, tensors)
+                if self._network.emulated:
+                    done_at = self._links.reserve(region, "down", nbytes, time.time())
+                    wait = done_at - time.time()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    self._network_wait_s["down"] += max(wait, 0.0)
+                else:
+                    self._links.account(region, "down", nbytes)
+                now_live = self._islands.get(island)
+                if now_live is None or now_live[0] != live[0] or self._stopping:
+                    self._copies.forget(island)  # never delivered: whatever goes next goes whole
+                    continue
+                ack = now_live[1].adopt.remote(update)
+                if not delta:
+                    continue  # whole fragments need no order: fire and forget
+                try:
+                    await asyncio.wait_for(ack, timeout=_ADOPT_ACK_S)  # an ObjectRef is awaitable
+                except (asyncio.TimeoutError, RayActorError, RayTaskError) as err:
+                    log.warning("island %d did not confirm fragment %d v%d (%s); its next fragments go whole",
+                                island, update.fragment, update.version, type(err).__name__)
+                    self._copies.forget(island)
         finally:
             self._down_senders.discard(island)
 
@@ -271,12 +313,12 @@ class _OuterShell:
             t0 = time.perf_counter()
             ref = ray.put(await self._core(self._wire, result.tensors))
             self._refs[result.fragment] = ref  # dropping the old ref lets the store free it
-            update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged)
+            update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged, epoch=self.epoch)
             if not self._finishing:  # after the final flush nobody trains on it any more
                 to = set(result.record.participants) if self.core.settings.publish_to == "participants" else None
                 for island, (_, handle) in list(self._islands.items()):
                     if to is None or island in to:
-                        self._send_down(island, handle, update, self._fragment_nbytes[result.fragment])
+                        self._send_down(island, handle, update, result.tensors)
             await self._core(self.core.observe_publish, time.perf_counter() - t0, result.record.merge_s)
 
     # ------------------------------------------------------------ control plane

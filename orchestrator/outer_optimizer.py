@@ -49,6 +49,7 @@ class OuterSettings:
     compression: str = "none"
     step_scale: str = "participation"
     downlink: str = "none"  # wire format of published fragments (the actor shell applies it)
+    downlink_delta: str | None = None  # format of later versions as differences from an island's copy, or None
     publish_to: str = "all"  # all | participants: which islands a new version goes to (the actor shell sends it)
     block_size: int = 256  # elements per quantization scale block, both directions
 

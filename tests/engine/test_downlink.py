@@ -71,3 +71,81 @@ def test_downlink_rejects_an_unknown_format_in_one_line():
         build_config({"outer": {"downlink": "int4"}})
     msg = str(err.value)
     assert "downlink" in msg and "\n" not in msg.strip()
+
+
+# ---------------------------------------------------------------- differences (outer.downlink_delta)
+
+
+def _delta_island(scheme="int8"):
+    """An island started from whole fragments (epoch 0), and the sender's copies after that start."""
+    from policies.downlink import DownlinkCopies
+
+    island, frags, _ = _island("none")
+    copies = DownlinkCopies("none", scheme, block_size=64)
+    for p, f in enumerate(frags):  # the sender's first send of each fragment is whole
+        enc = copies.encode(0, 1, p, 0, f)
+        assert enc.delta_from is None
+    return island, frags, copies
+
+
+def _send(island, copies, p, version, tensors, epoch=0, **kw):
+    enc = copies.encode(0, 1, p, version, tensors)
+    island.adopt(FragmentUpdate(p, version, [enc.payload], epoch=epoch, delta_from=enc.delta_from, **kw))
+
+
+def test_an_island_adopts_a_chain_of_differences_to_the_sender_copy():
+    island, frags, copies = _delta_island("int4")
+    for _ in range(2):
+        island.step()
+    target = frags[1]
+    for v in (1, 2, 3):  # several links arrive before one step boundary: applied in version order
+        target = [g + 0.003 * (v + 1) for g in target]
+        _send(island, copies, 1, v, target)
+    island.apply_updates()
+    assert island._version == [0, 3]
+    held = copies.copy_of(0, 1)[1]
+    for t, b, c in zip(island._theta[1], island._base[1], held):  # overwrite: theta = the copy the sender tracks
+        assert torch.allclose(t.detach(), c, rtol=0, atol=1e-6) and torch.allclose(b, c, rtol=0, atol=1e-6)
+    assert island.step()
+
+
+def test_a_difference_from_a_restarted_outer_or_already_overtaken_is_bookkeeping_only():
+    island, frags, copies = _delta_island()
+    before = [t.detach().clone() for t in island._theta[0]]
+    # epoch 1 resync (the outer optimizer restarted): whole fragments; then a late epoch-0 difference.
+    island.resync([FragmentUpdate(p, 5, [f], epoch=1) for p, f in enumerate(frags)])
+    island.apply_updates()
+    _send(island, copies, 0, 7, [g + 1.0 for g in frags[0]], epoch=0)
+    assert island.apply_updates() == set()
+    assert island._version[0] == 5 and island._epoch[0] == 1
+    for t, b in zip(island._theta[0], before):  # still the resynced (equal) parameters, not +1
+        assert torch.allclose(t.detach(), b)
+    # A whole version from the old epoch is not adopted either, even with a higher number.
+    island.adopt(FragmentUpdate(0, 9, [[g + 1.0 for g in frags[0]]], epoch=0))
+    assert island.apply_updates() == set() and island._version[0] == 5
+
+
+def test_a_gap_in_the_chain_fails_the_island_loudly():
+    island, frags, copies = _delta_island()
+    copies.encode(0, 1, 0, 1, [g + 0.01 for g in frags[0]])  # sent, never delivered
+    _send(island, copies, 0, 2, [g + 0.02 for g in frags[0]])
+    with pytest.raises(RuntimeError, match="from version 1, but this island holds version 0"):
+        island.apply_updates()
+
+
+def test_resync_refuses_a_difference_and_changes_nothing():
+    island, frags, copies = _delta_island()
+    island.step()
+    tokens = list(island._tokens)
+    enc = copies.encode(0, 1, 0, 1, [g + 0.01 for g in frags[0]])
+    with pytest.raises(ValueError, match="whole fragments"):
+        island.resync([FragmentUpdate(0, 1, [enc.payload], delta_from=0)])
+    assert island._tokens == tokens and island.apply_updates() == set() and island._version == [0, 0]
+
+
+def test_downlink_delta_config_accepts_formats_and_rejects_others_in_one_line():
+    assert build_config({"outer": {"downlink_delta": "int4"}}).outer.downlink_delta == "int4"
+    assert build_config({}).outer.downlink_delta is None
+    with pytest.raises(ConfigError) as err:
+        build_config({"outer": {"downlink_delta": "none"}})
+    assert "downlink_delta" in str(err.value) and "\n" not in str(err.value).strip()

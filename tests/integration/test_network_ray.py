@@ -78,20 +78,21 @@ def fifo_done(items: list[tuple[float, int]], link: Link) -> list[float]:
     return out
 
 
-async def run_shell(tmp_path, train_s: float, downlink: str = "none",
-                    publish_to: str = "all") -> tuple[dict, list, list[LocalIsland], list[int], list]:
+async def run_shell(tmp_path, train_s: float, downlink: str = "none", publish_to: str = "all",
+                    downlink_delta: str | None = None, network: NetworkModel = NETWORK,
+                    ) -> tuple[dict, list, list[LocalIsland], list[int], list]:
     cfg = model_config("nano")
     model = build_model(cfg, seed=3)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
     # K = 1 and no grace: a round closes the moment its submission reaches the core.
     settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000,
-                             downlink=downlink, publish_to=publish_to)
+                             downlink=downlink, publish_to=publish_to, downlink_delta=downlink_delta)
     tensors, meta = OuterOptimizer(init, plan, settings=settings).state_dict()
     uri = str(tmp_path / "ckpt")
     CheckpointStore(uri).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
     shell = _OuterShell(plan, settings, model.embedding_parameter_names(), uri, checkpoint_every_s=1e9,
-                        network=NETWORK, island_regions=REGIONS)
+                        network=network, island_regions=REGIONS)
     data = np.random.default_rng(0).integers(0, 256, size=50_000, dtype=np.uint8)
     inner = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=4, emulated_slowdown=2.0)
     handles = []
@@ -118,6 +119,8 @@ async def run_shell(tmp_path, train_s: float, downlink: str = "none",
     per_param = {"none": 4, "bf16": 2}[downlink]
     fragment_bytes = [sum(t.numel() * per_param for t in shell.core.fragment(p)) for p in range(plan.num_fragments)]
     final_global = [shell.core.fragment(p) for p in range(plan.num_fragments)]
+    if downlink_delta is not None:  # what the sender believes each island holds, for the checks
+        status["copies"] = {i: [shell._copies.copy_of(i, p) for p in range(plan.num_fragments)] for i in REGIONS}
     await shell.stop()
     return status, rounds, handles, fragment_bytes, final_global
 
@@ -213,3 +216,42 @@ def test_publishing_to_participants_sends_each_island_only_its_own_rounds(ray_cl
         for p in range(len(fragment_bytes)):
             theirs = [r.version for r in own if r.fragment == p]
             assert h.island._version[p] == (max(theirs) if theirs else 0)
+
+
+@pytest.mark.parametrize("emulated", [True, False], ids=["emulated-wan", "no-network"])
+def test_differences_go_down_in_order_and_islands_hold_what_the_sender_tracks(ray_cluster, tmp_path, emulated):
+    network = NETWORK if emulated else NetworkModel("none", "local", {}, emulated=False)
+    status, rounds, handles, fragment_bytes, final = asyncio.run(
+        run_shell(tmp_path, train_s=2.0, downlink_delta="int4", network=network))
+    assert status["in_transit"] == 0 and rounds
+    n = [sum(t.numel() for t in frag) for frag in final]
+    n_tensors = [len(frag) for frag in final]
+    for i, h in enumerate(handles):
+        assert h.island.status().state != "failed", h.island.status()
+        got = [u for _, u in h.adopted]
+        assert got, "each island should have received versions"
+        for p in range(len(final)):
+            mine = [u for u in got if u.fragment == p]
+            # The first send of each fragment is whole (this island started from latest(), and the
+            # sender cannot know what it kept); every later one is a difference from the one before.
+            assert mine[0].delta_from is None
+            for prev, u in zip(mine, mine[1:]):
+                assert u.delta_from == prev.version < u.version
+        # Bytes as sent: whole float32 first sends, then int4 payload plus one float32 scale per block
+        # of 256 (rounded up per tensor).
+        whole = sum(fragment_bytes[u.fragment] for u in got if u.delta_from is None)
+        diff_max = sum(n[u.fragment] // 2 + n_tensors[u.fragment] + 4 * (n[u.fragment] // 256 + n_tensors[u.fragment])
+                       for u in got if u.delta_from is not None)
+        diff_min = sum(n[u.fragment] // 2 for u in got if u.delta_from is not None)
+        if emulated:  # per region link (without a network every island shares the one local link)
+            assert whole + diff_min <= status["bytes_by_link"][REGIONS[i]]["down"] <= whole + diff_max
+        # The island applied every link of the chain: its base is exactly the sender's copy.
+        h.island.apply_updates()
+        for p, held in enumerate(status["copies"][i]):
+            version, tensors = held
+            assert h.island._version[p] == version
+            for b, c in zip(h.island._base[p], tensors):
+                assert torch.allclose(b, c, rtol=0, atol=1e-6)
+        assert h.island.step(), "it trains on from the decoded copy"
+    # Differences made the downlink cheaper than whole float32 fragments for the same sends.
+    assert 0 < status["bytes_down"] < sum(fragment_bytes[u.fragment] for h in handles for _, u in h.adopted)
