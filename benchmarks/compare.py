@@ -5,7 +5,8 @@ one island each, network scenario wan-4-regions (policies.network: links scaled 
 compute matches a 12B model on 2-5 Gbps links). Runs, one after another, each in its own run dir:
 
   decoupled          K = 1, grace, token weights, RDA, outer gradients in int4 (--compression),
-                     published fragments in int8 (--downlink)
+                     published fragments in int8 (--downlink), later versions as int4 differences
+                     from each island's copy (--downlink-delta)
   sync-diloco        K = all, mean, P = 1, islands wait for each round
   streaming-diloco   K = all, mean, P fragments in turn, islands wait for each round
   data-parallel      Ray Train TorchTrainer, all-reduce every step (orchestrator/baseline_dp.py),
@@ -123,7 +124,7 @@ def base_config(args: argparse.Namespace) -> dict:
 def methods(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     """(name, runner, config additions) of every run of the scenario, in run order."""
     comp = {"compression": args.compression, "step_scale": args.step_scale, "downlink": args.downlink,
-            "publish_to": args.publish_to}
+            "downlink_delta": None if args.downlink_delta == "none" else args.downlink_delta, "publish_to": args.publish_to}
     if args.max_staleness is not None:
         comp["max_staleness"] = args.max_staleness
     if args.scenario == "heterogeneity":
@@ -337,6 +338,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="wire format of published fragments in the engine runs' decoupled settings (outer.downlink; "
                          "default int8 for wan-4-regions, where float32 fragments saturate the slow links, "
                          "none (float32) for heterogeneity)")
+    ap.add_argument("--downlink-delta", choices=("none", "bf16", "int8", "int4"), default=None,
+                    help="outer.downlink_delta of the decoupled runs: later versions go down as differences from "
+                         "each island's copy in this format (default int4 for wan-4-regions, none for heterogeneity)")
     ap.add_argument("--publish-to", choices=("all", "participants"), default="all",
                     help="outer.publish_to of the decoupled runs: all (every island adopts every version) or "
                          "participants (an island receives a fragment only from the rounds that merged it)")
@@ -361,6 +365,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.network = "none" if args.scenario == "heterogeneity" else "wan-4-regions"
     if args.downlink is None:
         args.downlink = "none" if args.scenario == "heterogeneity" else "int8"
+    if args.downlink_delta is None:
+        args.downlink_delta = "none" if args.scenario == "heterogeneity" else "int4"
     args.dp_cap_s = args.dp_cap_s or (30.0 if args.quick else 600.0)
     args.repeats = 1 if args.quick else args.repeats
     args.eval_interval_s = 3.0 if args.quick else 10.0
@@ -411,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     first = runs[0]
     notes = sorted({s["network"] for s in first.values()} | {s["emulation"] for s in first.values() if s.get("emulation")})
     notes += [f"{args.repeats} repeat(s), medians; token budget {args.budget:,} per run; model {args.model}; "
-              f"decoupled outer gradients {args.compression}, downlink {args.downlink} to {args.publish_to}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {args.started} UTC."]
+              f"decoupled outer gradients {args.compression}, downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {args.started} UTC."]
     table = table_het(res, notes) if het else table_wan(res, notes)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

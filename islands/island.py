@@ -412,10 +412,10 @@ class LearnerIsland:
     def _undelta(self, update: FragmentUpdate, delta: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The global fragment a downlink difference stands for, or None if it is not for our copy."""
         p = update.fragment
-        if update.epoch == self._epoch[p] and update.delta_from == self._version[p]:
-            return apply_delta(self._base[p], delta)
         if update.epoch != self._epoch[p] or update.version <= self._version[p]:
-            return None  # from an outer optimizer that has since restarted, or already overtaken: bookkeeping only
+            return None  # from an outer optimizer that has since restarted, or nothing new: bookkeeping only
+        if update.delta_from == self._version[p]:
+            return apply_delta(self._base[p], delta)
         # The sender encodes each difference from what it last sent us and awaits our adoption before the
         # next, so a gap is a bug, not a race; failing makes the monitor rebuild us from whole fragments.
         raise RuntimeError(f"island {self.spec.island}: a downlink difference for fragment {p} is from version "

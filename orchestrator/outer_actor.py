@@ -242,9 +242,7 @@ class _OuterShell:
             self._spawn(self._deliver(island, region))
 
     def _encode(self, island: int, incarnation: int, update: FragmentUpdate, tensors: list) -> tuple[FragmentUpdate, int]:
-        """(update as sent, bytes on the wire): the shared whole ref, or a difference put for this island."""
-        if self._copies.delta is None:
-            return update, self._fragment_nbytes[update.fragment]
+        """(update as sent, bytes on the wire) for this island's copy: whole or a difference (delta mode only)."""
         enc = self._copies.encode(island, incarnation, update.fragment, update.version, tensors)
         return dataclasses.replace(update, tensors=[ray.put(enc.payload)], delta_from=enc.delta_from), enc.nbytes
 
@@ -264,7 +262,10 @@ class _OuterShell:
                 live = self._islands.get(island)
                 if live is None:
                     continue
-                update, nbytes = await self._core(self._encode, island, live[0], update, tensors)
+                if delta:
+                    update, nbytes = await self._core(self._encode, island, live[0], update, tensors)
+                else:
+                    nbytes = self._fragment_nbytes[fragment]
                 if self._network.emulated:
                     done_at = self._links.reserve(region, "down", nbytes, time.time())
                     wait = done_at - time.time()

@@ -103,10 +103,9 @@ class DownlinkCopies:
 
         Whole when there is no delta format, or the island (incarnation) has no copy of the fragment
         yet; else the difference from its copy. The copy is updated to what the island will decode,
-        so the caller must deliver this send, or call :meth:`forget`.
-
-        Raises:
-            ValueError: if ``version`` is not newer than the island's copy (sends must go in order).
+        so the caller must deliver this send, or call :meth:`forget`. If the island already holds
+        ``version`` or newer (a refused island is resent the version it has), the send carries no
+        tensors: it only delivers the update's bookkeeping (merged and refused keys).
         """
         if self.delta is None:
             payload = self.whole(tensors)
@@ -123,8 +122,7 @@ class DownlinkCopies:
             return Encoded(payload, None, _nbytes(payload))
         have, current = copy
         if version <= have:
-            raise ValueError(f"island {island} already holds version {have} of fragment {fragment}; "
-                             f"cannot send version {version} as a difference (sends must go in version order)")
+            return Encoded([], have, 0)
         diff = [t.detach().to(torch.float32) - c for t, c in zip(tensors, current)]
         payload = [compress(d, self.delta, block_size=self.block_size) for d in diff]
         held[1][fragment] = (version, apply_delta(current, decode_fragment(payload)))

@@ -125,6 +125,17 @@ def test_a_difference_from_a_restarted_outer_or_already_overtaken_is_bookkeeping
     assert island.apply_updates() == set() and island._version[0] == 5
 
 
+def test_a_resend_of_the_version_held_only_clears_bookkeeping():
+    from islands.island import _InFlight
+    from islands.messages import SubmissionKey
+
+    island, frags, copies = _delta_island()
+    key = SubmissionKey(0, 1, 7)
+    island._inflight[key] = _InFlight(0, None)  # a submission the outer optimizer refused
+    _send(island, copies, 0, 0, frags[0], refused=(key,))  # the island already holds version 0
+    assert island.apply_updates() == set() and key not in island._inflight and island._version == [0, 0]
+
+
 def test_a_gap_in_the_chain_fails_the_island_loudly():
     island, frags, copies = _delta_island()
     copies.encode(0, 1, 0, 1, [g + 0.01 for g in frags[0]])  # sent, never delivered

@@ -118,13 +118,16 @@ def test_no_delta_format_sends_every_version_whole_and_keeps_nothing():
     assert copies.copy_of(0, 0) is None
 
 
-def test_out_of_order_sends_are_refused_and_change_nothing():
+def test_a_version_the_island_holds_goes_as_bookkeeping_only_and_changes_nothing():
+    # A refused island is resent the current version, which it may already hold.
     copies = DownlinkCopies("none", "int8")
     v = _versions(3, [(10,)])
+    copies.encode(0, 1, 0, 0, v[0])
     copies.encode(0, 1, 0, 2, v[2])
     before = copies.copy_of(0, 0)[1][0].clone()
-    with pytest.raises(ValueError, match="version order"):
-        copies.encode(0, 1, 0, 1, v[1])
+    for older in (2, 1):
+        enc = copies.encode(0, 1, 0, older, v[older])
+        assert enc.payload == [] and enc.nbytes == 0 and enc.delta_from == 2
     assert copies.copy_of(0, 0)[0] == 2 and torch.equal(copies.copy_of(0, 0)[1][0], before)
 
 
