@@ -36,8 +36,8 @@ from islands.messages import FragmentUpdate, Submission, SubmissionKey
 from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: plain values live in islands.spec
 from islands.trainer import InnerTrainer
 from policies.adoption import adopt_fragment, parse_adoption
-from policies.compression import Compressed, compress, decompress
-from policies.downlink import apply_delta
+from policies.compression import compress
+from policies.downlink import apply_delta, decode_fragment
 from policies.quorum import MovingAverage
 
 log = logging.getLogger(__name__)
@@ -372,7 +372,7 @@ class LearnerIsland:
 
     def _to_device(self, tensors: Any) -> list[torch.Tensor]:
         # A compressed downlink (outer.downlink) is decoded here, off the compute path, to float32.
-        tensors = [decompress(t) if isinstance(t, Compressed) else t for t in tensors]
+        tensors = decode_fragment(tensors)
         # On CPU the fetched (read-only, shared) tensors are used as they are; on a GPU, copied over once.
         if self._device.type == "cpu":
             return list(tensors)

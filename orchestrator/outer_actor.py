@@ -75,8 +75,11 @@ class _OuterShell:
         if self.epoch:
             log.warning("outer optimizer restored checkpoint %d (versions %s), epoch %d",
                         latest.step, self.core.versions, self.epoch)
+        # What each island holds of each fragment, when versions go down as differences (outer.downlink_delta);
+        # its `whole` is the format of every whole fragment that goes down.
+        self._copies = DownlinkCopies(settings.downlink, settings.downlink_delta, block_size=settings.block_size)
         # The latest published version of every fragment, in its wire format: one ray.put each, handed out as [ref].
-        wire = [self._wire(self.core.fragment(p)) for p in range(plan.num_fragments)]
+        wire = [self._copies.whole(self.core.fragment(p)) for p in range(plan.num_fragments)]
         self._refs = [ray.put(w) for w in wire]
         # Bytes of one published fragment on the wire: fixed for the run (shapes and format do not change).
         self._fragment_nbytes = [sum(t.nbytes for t in w) for w in wire]  # torch tensors and Compressed alike
@@ -96,21 +99,10 @@ class _OuterShell:
         self._network_wait_s = {"up": 0.0, "down": 0.0}  # delivery delay added by the emulated links
         # island -> fragment -> (newest waiting update, its float32 tensors: what a difference is taken of)
         self._down_queue: dict[int, dict[int, tuple[FragmentUpdate, list]]] = {}
-        # What each island holds of each fragment, when versions go down as differences (outer.downlink_delta).
-        self._copies = DownlinkCopies(settings.downlink, settings.downlink_delta, block_size=settings.block_size)
         self._down_senders: set[int] = set()  # islands whose downlink sender task is running
 
     def _now(self) -> float:
         return time.monotonic() - self._t0
-
-    def _wire(self, tensors: list) -> list:
-        """A fragment's float32 tensors in the downlink format (islands decode them on adoption)."""
-        downlink = self.core.settings.downlink
-        if downlink == "none":
-            return tensors
-        from policies.compression import compress
-
-        return [compress(t, downlink, block_size=self.core.settings.block_size) for t in tensors]
 
     async def _core(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -312,7 +304,7 @@ class _OuterShell:
     async def _publish(self, results: list[RoundResult]) -> None:
         for result in results:
             t0 = time.perf_counter()
-            ref = ray.put(await self._core(self._wire, result.tensors))
+            ref = ray.put(await self._core(self._copies.whole, result.tensors))
             self._refs[result.fragment] = ref  # dropping the old ref lets the store free it
             update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged, epoch=self.epoch)
             if not self._finishing:  # after the final flush nobody trains on it any more

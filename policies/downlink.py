@@ -48,12 +48,9 @@ class Encoded:
     nbytes: int  # bytes on the wire, payload and scales
 
 
-def _nbytes(payload: Sequence) -> int:
-    return sum(t.nbytes if isinstance(t, Compressed) else t.numel() * t.element_size() for t in payload)
-
-
 def decode_fragment(payload: Sequence) -> list[Tensor]:
-    """The float32 tensors a payload (float32 tensors or :class:`Compressed`) decodes to."""
+    """The float32 tensors a payload (float32 tensors or :class:`Compressed`) decodes to (float32
+    tensors pass through uncopied)."""
     return [decompress(t) if isinstance(t, Compressed) else t.to(torch.float32) for t in payload]
 
 
@@ -109,7 +106,7 @@ class DownlinkCopies:
         """
         if self.delta is None:
             payload = self.whole(tensors)
-            return Encoded(payload, None, _nbytes(payload))
+            return Encoded(payload, None, sum(t.nbytes for t in payload))
         held = self._copies.get(island)
         if held is None or held[0] != incarnation:
             held = (incarnation, {})
@@ -119,14 +116,14 @@ class DownlinkCopies:
             payload = self.whole(tensors)
             decoded = [t.detach().to(torch.float32).clone() for t in decode_fragment(payload)]
             held[1][fragment] = (version, decoded)
-            return Encoded(payload, None, _nbytes(payload))
+            return Encoded(payload, None, sum(t.nbytes for t in payload))
         have, current = copy
         if version <= have:
             return Encoded([], have, 0)
         diff = [t.detach().to(torch.float32) - c for t, c in zip(tensors, current)]
         payload = [compress(d, self.delta, block_size=self.block_size) for d in diff]
         held[1][fragment] = (version, apply_delta(current, decode_fragment(payload)))
-        return Encoded(payload, have, _nbytes(payload))
+        return Encoded(payload, have, sum(t.nbytes for t in payload))
 
     def forget(self, island: int) -> None:
         """Drop an island's copies: its next send of every fragment goes whole (it died, rejoined,
