@@ -18,10 +18,12 @@ same parameters.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import math
 import os
+import pickle
 import signal
 import threading
 import time
@@ -39,6 +41,7 @@ from policies.adoption import adopt_fragment, parse_adoption
 from policies.compression import compress
 from policies.downlink import apply_delta, decode_fragment
 from policies.quorum import MovingAverage
+from policies.salvage import ProgressSnapshot, salvage_due
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +68,16 @@ class LearnerIsland:
         cursor: int = 0,
         resolve: Callable[[Any], Any] = lambda x: x,
         group: WorkerGroup | None = None,
+        shelve: Callable[[int, bytes], bool | None] | None = None,
     ) -> None:
+        """`shelve(step, blob)`: leaves a pickled ProgressSnapshot with the pool's keeper every
+        `spec.salvage_every_steps` steps and returns False if it skipped it (None: no snapshots)."""
         self.spec = spec
+        self._shelve = shelve
+        self._shelve_s = 0.0  # inner-loop time spent on progress snapshots (salvage's cost on the compute path)
+        self._shelved_bytes = 0
+        self._snapshot_sender: concurrent.futures.ThreadPoolExecutor | None = None  # pickles and sends snapshots
+        self._shelving: concurrent.futures.Future | None = None  # the snapshot being sent
         self._resolve = resolve
         if (group.world_size if group is not None else 1) != spec.workers:
             raise ValueError(f"island {spec.island} has workers={spec.workers} but its worker group has "
@@ -173,25 +184,70 @@ class LearnerIsland:
             if self._since_cut == self._every:
                 self._since_cut = 0
                 self._cut_submission()
+        if self._shelve is not None and salvage_due(self.total_steps, self.spec.salvage_every_steps):
+            self._shelve_progress()
         return True
 
     def _inflight_or_outbox(self) -> bool:
         return bool(self._inflight) or bool(self._outbox)
+
+    def _progress(self, p: int, seq: int) -> Submission:
+        """Fragment p's progress since its last cut as a submission numbered `seq` (no counter changes)."""
+        with torch.no_grad():
+            deltas = [(b - t.detach()).cpu() for b, t in zip(self._base[p], self._theta[p])]  # .cpu(): no-op on CPU
+        payload = [compress(d, self.spec.compression, block_size=self.spec.compression_block_size) for d in deltas]
+        return Submission(
+            island=self.spec.island, incarnation=self.spec.incarnation, seq=seq, fragment=p,
+            base_version=self._version[p], tokens=self._tokens[p], inner_steps=self._steps[p],
+            step_time_s=self._step_time.value or 0.0, train_loss=self._loss.value or math.nan,
+            payload=payload, created_at=time.time(), compute_s=self._compute[p], cursor=self.trainer.sampler.cursor,
+        )
+
+    def _shelve_progress(self) -> None:
+        """Leave every fragment's unsubmitted progress with the pool's keeper (policies/salvage.py says why).
+
+        Loop thread only, at a step boundary: the differences are taken here (they must be of this step's
+        parameters); pickling and handing them over run on a sender thread, off the compute path. If the
+        previous snapshot is still on its way, this waits for it first (it takes milliseconds against n steps)."""
+        t0 = time.perf_counter()
+        if self._shelving is not None:
+            self._shelving.result()
+        with self._cv:
+            subs: list[Submission] = []
+            for p in range(self.spec.plan.num_fragments):
+                if self._steps[p] > 0 and self._base[p]:
+                    subs.append(self._progress(p, self._k + len(subs)))
+            if subs:
+                snapshot = ProgressSnapshot(island=self.spec.island, incarnation=self.spec.incarnation, next_seq=self._k,
+                                            epochs=list(self._epoch), step=self.total_steps, submissions=subs)
+        if subs:
+            if self._snapshot_sender is None:
+                self._snapshot_sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"island-{self.spec.island}-shelve")
+            self._shelving = self._snapshot_sender.submit(self._send_snapshot, snapshot)
+        self._shelve_s += time.perf_counter() - t0
+
+    def _send_snapshot(self, snapshot: ProgressSnapshot) -> None:
+        blob = pickle.dumps(snapshot, protocol=5)  # bytes: the keeper holds them without importing torch
+        try:
+            assert self._shelve is not None
+            sent = self._shelve(snapshot.step, blob) is not False
+        except Exception as err:  # noqa: BLE001 - salvage is best effort; the next snapshot tries again
+            log.warning("island %d: could not leave progress with the keeper: %s", self.spec.island, err)
+            sent = False
+        with self._cv:
+            self._shelved_bytes += len(blob) if sent else 0
+
+    def wait_shelved(self) -> None:
+        """Block until the latest snapshot has been handed over (tests; the inner loop never needs to)."""
+        if self._shelving is not None:
+            self._shelving.result()
 
     def _cut_submission(self, fragment: int | None = None) -> None:
         # Caller holds self._cv. Fragments go round-robin (fragment = seq mod P) until the final flush names one.
         p = self._k % self.spec.plan.num_fragments if fragment is None else fragment
         seq = self._k
         self._k += 1
-        with torch.no_grad():
-            deltas = [(b - t.detach()).cpu() for b, t in zip(self._base[p], self._theta[p])]  # .cpu(): no-op on CPU
-        payload = [compress(d, self.spec.compression, block_size=self.spec.compression_block_size) for d in deltas]
-        sub = Submission(
-            island=self.spec.island, incarnation=self.spec.incarnation, seq=seq, fragment=p,
-            base_version=self._version[p], tokens=self._tokens[p], inner_steps=self._steps[p],
-            step_time_s=self._step_time.value or 0.0, train_loss=self._loss.value or math.nan,
-            payload=payload, created_at=time.time(), compute_s=self._compute[p], cursor=self.trainer.sampler.cursor,
-        )
+        sub = self._progress(p, seq)
         self._submitted[p] += sub.tokens
         self._steps[p] = 0
         self._tokens[p] = 0
@@ -262,6 +318,8 @@ class LearnerIsland:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self._snapshot_sender is not None:
+            self._snapshot_sender.shutdown(wait=False)  # no more snapshots: the outbox or the flush has the rest
         if flush:
             with self._cv:
                 stopped = self._thread is None or not self._thread.is_alive()
@@ -308,7 +366,7 @@ class LearnerIsland:
                 versions=list(self._version), unsubmitted_tokens=list(self._tokens), outbox_tokens=outbox,
                 inflight=taken, cursor=self.trainer.sampler.cursor, submitted_tokens=list(self._submitted),
                 discarded_tokens=list(self._discarded), blocked_s=self._blocked_s, faults=self._faults,
-                error=self._error,
+                error=self._error, shelve_s=self._shelve_s, shelved_bytes=self._shelved_bytes,
             )
 
     def watch(self, timeout_s: float = 5.0) -> str:

@@ -112,6 +112,8 @@ class IslandSpec:
     seed: int = 0
     workers: int = 1  # data-parallel workers in this island (rank 0 is this LearnerIsland)
     accelerator: str = "cpu"  # 'cpu' trains on CPU with gloo; anything else on the worker's GPU with NCCL
+    salvage_every_steps: int = 0  # leave unsubmitted progress with the keeper every n steps (0: never)
+    keeper: tuple[str, str] | None = None  # (namespace, actor name) of the pool's progress keeper
 
 
 @dataclass
@@ -135,5 +137,7 @@ class IslandStatus:
     discarded_tokens: list[int] = field(default_factory=list)  # per fragment: never submitted, dropped by a resync
     blocked_s: float = 0.0  # time spent waiting for rounds (synchronous modes)
     faults: int = 0  # faults injected into this incarnation
+    shelve_s: float = 0.0  # inner-loop time spent taking progress snapshots (pickling and sending run beside it)
+    shelved_bytes: int = 0  # bytes of those snapshots (in-pool traffic, not over the WAN)
     error: str | None = None
     at: float = field(default_factory=time.time)

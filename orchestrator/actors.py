@@ -9,6 +9,8 @@
   outstanding `next_submission` call per island and takes results as they arrive, so it owns every
   submission ref; core work runs on one executor thread, so the plain class needs no locks). Its
   shell is in orchestrator/outer_actor.py.
+- `ProgressKeeperActor` wraps orchestrator.keeper.ProgressKeeper: one per pool, it holds the islands'
+  latest progress snapshots outside their failure domain (policies/salvage.py).
 
 No module of a shell imports torch at import time: Ray imports an actor's class module in every
 process that holds a handle to it, and the control-plane processes (health monitor, chaos injector)
@@ -24,11 +26,12 @@ import ray
 from orchestrator.chaos_injector import ChaosInjector
 from orchestrator.health_monitor import HealthMonitor
 from orchestrator.island_actors import _IslandShell, _IslandWorker
+from orchestrator.keeper import ProgressKeeper
 from orchestrator.outer_actor import _OuterShell
 from orchestrator.runtime import NAMESPACE, WORKER_ENV, ignore_zero_copy_warnings
 
 __all__ = ["NAMESPACE", "WORKER_ENV", "ignore_zero_copy_warnings", "IslandActor", "IslandWorkerActor",
-           "OuterOptimizerActor", "HealthMonitorActor", "ChaosInjectorActor"]
+           "OuterOptimizerActor", "HealthMonitorActor", "ChaosInjectorActor", "ProgressKeeperActor"]
 
 
 IslandActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=8)(_IslandShell)
@@ -39,3 +42,5 @@ IslandWorkerActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurren
 OuterOptimizerActor = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=64)(_OuterShell)
 HealthMonitorActor = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=64)(HealthMonitor)
 ChaosInjectorActor = ray.remote(max_restarts=0, max_concurrency=16)(ChaosInjector)
+# One call at a time keeps each island's snapshots in order; a dead keeper is replaced by the monitor.
+ProgressKeeperActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=1)(ProgressKeeper)

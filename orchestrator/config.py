@@ -260,6 +260,7 @@ class HealthSection(_Section):
     max_restarts: int | None = Field(None, ge=0, description="Give up on an island slot after this many restarts (None = never).")
     tick_s: float = Field(0.25, gt=0, description="Seconds between health checks.")
     warm_spares: int = Field(1, ge=0, description="Idle island processes kept ready per pool (imports done): a restart activates one in under a second instead of starting a process.")
+    salvage_every_steps: int = Field(5, ge=0, description="Every this many inner steps an island leaves its unsubmitted progress with its pool's keeper; when it dies that progress is merged instead of lost (policies/salvage.py). 0 = off.")
 
 
 class CheckpointSection(_Section):

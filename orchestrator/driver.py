@@ -33,11 +33,12 @@ from islands.model import build_model, model_config
 from islands.trainer import InnerSettings, InnerTrainer
 from orchestrator.accounting import run_goodput, token_fates
 from orchestrator.actors import (NAMESPACE, WORKER_ENV, ChaosInjectorActor, HealthMonitorActor, IslandActor,
-                                 IslandWorkerActor, OuterOptimizerActor, ignore_zero_copy_warnings)
+                                 IslandWorkerActor, OuterOptimizerActor, ProgressKeeperActor, ignore_zero_copy_warnings)
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config, resume_conflict
 from orchestrator.evaluation import Evaluator
 from orchestrator.eventlog import EventLog
+from orchestrator.keeper import keeper_name
 from orchestrator.metrics import RunMetrics
 from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
 from orchestrator.placement import remove_run_groups
@@ -101,8 +102,9 @@ def inner_settings(cfg: RunConfig, pool: PoolConfig | None = None) -> InnerSetti
     )
 
 
-def island_specs(cfg: RunConfig, model_cfg, plan) -> list[IslandSpec]:
-    """Incarnation-1 specs of every island slot, pools in config order."""
+def island_specs(cfg: RunConfig, model_cfg, plan, run_id: str | None = None) -> list[IslandSpec]:
+    """Incarnation-1 specs of every island slot, pools in config order (with `run_id`, each names its
+    pool's progress keeper when `health.salvage_every_steps` > 0)."""
     specs, island, total = [], 0, cfg.num_islands
     for pool in cfg.pools:
         inner = inner_settings(cfg, pool)
@@ -113,6 +115,8 @@ def island_specs(cfg: RunConfig, model_cfg, plan) -> list[IslandSpec]:
                 compression=cfg.outer.compression, compression_block_size=cfg.outer.compression_block_size,
                 wait_for_round=cfg.outer.wait_for_round, seed=cfg.run.seed,
                 workers=pool.workers_per_island, accelerator=pool.accelerator,
+                salvage_every_steps=cfg.health.salvage_every_steps,
+                keeper=(NAMESPACE, keeper_name(run_id, pool.name)) if run_id and cfg.health.salvage_every_steps else None,
             ))
             island += 1
     return specs
@@ -315,7 +319,7 @@ class Run:
             extra, last_inc, self.baseline = {}, {}, None
         self.tokens_before = int(extra.get("tokens_processed", 0))
         specs = [s if s.island not in last_inc else replace(s, incarnation=last_inc[s.island] + 1)
-                 for s in island_specs(cfg, self.model_cfg, self.plan)]
+                 for s in island_specs(cfg, self.model_cfg, self.plan, self.run_id)]
         self.first_inc = {s.island: s.incarnation for s in specs}
         self.data_ref = ray.put(self.corpus.train)
         h = cfg.health
@@ -328,7 +332,7 @@ class Run:
             health={"factor": h.hang_factor, "floor_s": h.hang_floor_s, "startup_s": h.startup_s, "unreachable_s": h.unreachable_s},
             restart={"base_s": h.backoff_base_s, "cap_s": h.backoff_cap_s, "reset_after_s": h.reset_after_s,
                      "max_restarts": h.max_restarts},
-            warm_spares=h.warm_spares, worker_cls=IslandWorkerActor,
+            warm_spares=h.warm_spares, worker_cls=IslandWorkerActor, keeper_cls=ProgressKeeperActor,
             island_runtime_env=dict(ray.get_runtime_context().runtime_env),
         )
         started = self.monitor.ensure_started.remote(fresh=not self.resume, data=[self.data_ref])
@@ -499,6 +503,10 @@ class Run:
                                      for t, i, inc, st in self.snapshot["timeline"]])
         self.events.add("faults", faults)
         self.events.add("detections", self.snapshot.get("detections", []))
+        self.events.add("salvages", [{"island": s["island"], "incarnation": s["incarnation"], "step": s.get("step"),
+                                      "tokens": list(s.get("tokens") or []), "seqs": list(s.get("seqs") or []),
+                                      "skipped": json.dumps(s.get("skipped") or {}), "keeper_error": s.get("keeper_error")}
+                                     for s in self.snapshot.get("salvages", [])])
         self.events.flush()
         summary = self._summary(fates, good, status, final_eval, wall, faults)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -509,6 +517,8 @@ class Run:
         mean = lambda xs: sum(xs) / P  # noqa: E731 - tokens count once per fragment; report the fragment mean
         slots = self.snapshot["slots"].values()
         detect, rejoin = self.snapshot["detect_s"], self.snapshot["rejoin_s"]
+        salvages = self.snapshot.get("salvages", [])
+        live, dead = self._statuses()
         return {
             "mode": self.cfg.mode,
             "emulation": emulation_note(self.cfg),
@@ -532,6 +542,12 @@ class Run:
             "faults_injected": sum(1 for f in faults if f["outcome"] == "fired"),
             "mean_time_to_detect_s": sum(detect) / len(detect) if detect else None,
             "mean_time_to_rejoin_s": sum(rejoin) / len(rejoin) if rejoin else None,
+            # Progress of dead incarnations merged instead of lost (health.salvage_every_steps), and what the
+            # islands' snapshots for it cost: inner-loop seconds and in-pool bytes (never over the WAN).
+            "salvaged_tokens": sum(mean(s["tokens"]) for s in salvages if s.get("tokens")),
+            "salvages": sum(1 for s in salvages if any(s.get("tokens") or [])),
+            "salvage_snapshot_s": sum(st.shelve_s for st in live + dead),
+            "salvage_snapshot_bytes": sum(st.shelved_bytes for st in live + dead),
             "rounds": status["rounds"],
             "refusals": status["refusals"],
             "versions": status["versions"],

@@ -2,7 +2,8 @@
 
 Layout: `RUN_DIR/events/<kind>/part-00000.parquet`, ... with kind in `rounds`, `refusals`, `evals`,
 `islands` (final status of every incarnation), `timeline` (island state transitions), `faults`
-(injected faults) and `detections` (each failure the health monitor acted on, with its reason). Part files (not one file rewritten) so a crash loses at most the last unflushed batch, and
+(injected faults), `detections` (each failure the health monitor acted on, with its reason) and
+`salvages` (a dead incarnation's progress handed from its keeper to the outer optimizer). Part files (not one file rewritten) so a crash loses at most the last unflushed batch, and
 `read_events` reads a whole kind back as one Arrow table with pyarrow.dataset.
 """
 
@@ -18,7 +19,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-KINDS = ("rounds", "refusals", "evals", "islands", "timeline", "faults", "detections")
+KINDS = ("rounds", "refusals", "evals", "islands", "timeline", "faults", "detections", "salvages")
 
 
 def _row(item: Any) -> dict[str, Any]:

@@ -72,7 +72,7 @@ class HealthMonitor:
                  data: list[Any] | None = None, outer_name: str, island_cls: Any, placement_timeout_s: float,
                  call_timeout_s: float, tick_s: float = 0.25, health: dict | None = None,
                  restart: dict | None = None, warm_spares: int = 0, worker_cls: Any = None,
-                 island_runtime_env: dict | None = None) -> None:
+                 island_runtime_env: dict | None = None, keeper_cls: Any = None) -> None:
         self.run_id, self.namespace = run_id, namespace
         self.pools = {p.name: p for p in pools}
         multi = [p.name for p in pools if p.workers_per_island > 1]
@@ -80,6 +80,14 @@ class HealthMonitor:
             raise ValueError(f"pools {multi} have workers_per_island > 1 but no worker_cls was given; pass "
                              "orchestrator.actors.IslandWorkerActor")
         self.worker_cls = worker_cls
+        # Pools whose islands leave progress snapshots with a keeper (IslandSpec.keeper): pool -> (namespace, name).
+        self.keeper_names = {s.pool: s.keeper for s in specs if s.keeper is not None}
+        if self.keeper_names and keeper_cls is None:
+            raise ValueError("island specs name progress keepers but no keeper_cls was given; pass "
+                             "orchestrator.actors.ProgressKeeperActor (or set health.salvage_every_steps=0)")
+        self.keeper_cls = keeper_cls
+        self.keepers: dict[str, Any] = {}  # pool -> keeper handle
+        self.salvages: list[dict] = []  # one per salvage attempt: island, incarnation, tokens, skipped
         self.followers: dict[int, list[Any]] = {}  # island -> handles of ranks 1..W-1
         self.specs = {s.island: s for s in specs}
         self.data = data
@@ -153,6 +161,8 @@ class HealthMonitor:
                 slot.failures += 1
                 self._mark(slot, "dead")
                 log.warning("island %d incarnation %d found dead after a monitor restart", slot.island, slot.incarnation)
+        for pool in self.keeper_names:
+            self._ensure_keeper(pool)  # before the islands: they look their keeper up by name
         starts = [self._start(slot) for slot in self.slots.values() if slot.island not in adopted]
         if starts:
             await asyncio.gather(*starts)
@@ -167,6 +177,8 @@ class HealthMonitor:
             name = entry["name"]
             if entry.get("namespace") != self.namespace or not name.startswith(f"{self.run_id}-"):
                 continue
+            if "-keeper-" in name:
+                continue  # a progress keeper serves no slot; _ensure_keeper finds it by name
             handle = ray.get_actor(name, namespace=self.namespace)
             follower = re.fullmatch(r"(.*)-w\d+", name)
             if follower:
@@ -201,6 +213,48 @@ class HealthMonitor:
             for handle in orphans:
                 ray.kill(handle, no_restart=True)
         return set(found)
+
+    # ------------------------------------------------------------------ progress keepers (salvage)
+
+    def _ensure_keeper(self, pool_name: str) -> Any:
+        """The pool's keeper: the live one of that name (a restarted monitor finds its predecessor's) or a new one.
+
+        Placed by the pool's labels when it has any, so snapshots stay inside the pool; pools pinned only by
+        custom resources get an unpinned keeper (a sliver of a pool resource would cost an island slot)."""
+        pool = self.pools[pool_name]
+        namespace, name = self.keeper_names[pool_name]
+        self.keepers[pool_name] = self.keeper_cls.options(
+            name=name, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
+            **({"label_selector": dict(pool.labels)} if pool.labels else {}),
+        ).remote(pool_name)
+        return self.keepers[pool_name]
+
+    async def _salvage(self, slot: SlotState, incarnation: int, kind: str) -> None:
+        """Hand the dead incarnation's latest progress snapshot from its pool's keeper to the outer optimizer,
+        which merges what is still valid and moves the slot's resume cursor past it (policies/salvage.py).
+        The monitor only passes refs on: it never fetches the snapshot (it runs without torch)."""
+        keeper = self.keepers.get(slot.pool)
+        if keeper is None:
+            return
+        if kind == "diverged":  # its progress is what went wrong: take the snapshot, merge nothing
+            keeper.take.remote(slot.island, incarnation)
+            return
+        try:
+            got = await asyncio.wait_for(
+                self._outer().salvage.remote(slot.island, incarnation, [keeper.take.remote(slot.island, incarnation)]),
+                timeout=min(10.0, self.call_timeout_s))
+        except Exception as err:  # noqa: BLE001 - best effort: the progress is lost, as without salvage
+            log.warning("island %d incarnation %d: no salvage (%s)", slot.island, incarnation,
+                        str(err).strip().splitlines()[-1][:200])
+            return
+        if got.get("keeper_error"):
+            log.warning("island %d incarnation %d: no salvage, its pool's keeper is gone (%s); starting a new one",
+                        slot.island, incarnation, got["keeper_error"])
+            self._ensure_keeper(slot.pool)  # a dead keeper's name is free again
+        self.salvages.append({"island": slot.island, "incarnation": incarnation, **got})
+        if got.get("tokens"):
+            log.info("island %d incarnation %d: salvaged %s tokens from step %s (skipped: %s)", slot.island,
+                     incarnation, got["tokens"], got.get("step"), got.get("skipped") or "none")
 
     # ------------------------------------------------------------------ warm spares
 
@@ -390,6 +444,7 @@ class HealthMonitor:
             slot.finals.append(slot.status)
             slot.status = None
         await self._teardown(slot)
+        await self._salvage(slot, slot.incarnation, kind)  # before the restart asks where to resume
         decision = self.budget.on_failure(slot.island, time.monotonic())
         if not decision.restart:
             log.error("island %d will not be restarted: %s", slot.island, decision.reason)
@@ -458,7 +513,7 @@ class HealthMonitor:
 
     def _state(self) -> dict:
         return {"timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),
-                "detections": list(self.detections),
+                "detections": list(self.detections), "salvages": list(self.salvages),
                 "slots": {i: {"failures": s.failures, "restarts": s.restarts, "finals": list(s.finals),
                               "incarnation": s.incarnation, "state": s.state} for i, s in self.slots.items()},
                 "faults": dict(self.faults)}
@@ -467,6 +522,7 @@ class HealthMonitor:
         self.timeline = list(saved["timeline"])
         self.detect_s, self.rejoin_s = list(saved["detect_s"]), list(saved["rejoin_s"])
         self.detections = list(saved["detections"])
+        self.salvages = list(saved.get("salvages", []))
         self.faults = dict(saved["faults"])
         for i, st in saved["slots"].items():
             slot = self.slots[int(i)]
@@ -561,6 +617,7 @@ class HealthMonitor:
             "slots": {i: dataclasses.asdict(s) | {"status": s.status, "finals": list(s.finals)} for i, s in self.slots.items()},
             "timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),
             "spares": {pool: len(sp) for pool, sp in self.spares.items()}, "detections": list(self.detections),
+            "salvages": list(self.salvages),
         }
 
     async def stop(self, flush: bool = False) -> dict:
@@ -602,3 +659,9 @@ class HealthMonitor:
                 ray.kill(handle, no_restart=True)
                 release_group(group)
             spares.clear()
+        for keeper in self.keepers.values():
+            try:
+                ray.kill(keeper, no_restart=True)
+            except Exception as err:  # noqa: BLE001 - already gone is fine
+                log.info("kill keeper: %s", err)
+        self.keepers.clear()

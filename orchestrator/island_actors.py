@@ -43,6 +43,40 @@ def _warm_up() -> None:
     opt.step()
 
 
+class _Shelver:
+    """Hands an island's progress snapshots to its pool's keeper (orchestrator/keeper.py), fire and forget.
+
+    The keeper is looked up by name on first use and again after a call to it failed, so a keeper the
+    health monitor replaced is found. While the previous snapshot is still on its way the next one is
+    skipped (a slow keeper never builds a backlog); calls from one caller run in order.
+    """
+
+    def __init__(self, spec: IslandSpec) -> None:
+        assert spec.keeper is not None
+        self.namespace, self.name = spec.keeper
+        self.island, self.incarnation = spec.island, spec.incarnation
+        self._handle: Any = None
+        self._last: Any = None  # ref of the previous keep() call
+        self.skipped = 0
+
+    def __call__(self, step: int, blob: bytes) -> bool:
+        """Send one snapshot; False when it was skipped."""
+        if self._last is not None:
+            done, _ = ray.wait([self._last], timeout=0)
+            if not done:
+                self.skipped += 1
+                return False
+            last, self._last = self._last, None
+            try:
+                ray.get(last)
+            except Exception:  # noqa: BLE001 - the keeper died: look it up again below
+                self._handle = None
+        if self._handle is None:
+            self._handle = ray.get_actor(self.name, namespace=self.namespace)  # raises if there is none now
+        self._last = self._handle.keep.remote(self.island, self.incarnation, step, blob)
+        return True
+
+
 class _IslandShell:
     """A LearnerIsland process. Created with a spec it trains at once; created without one it is a
     warm spare (imports done, data fetched, no training) until `activate` gives it an island slot.
@@ -84,7 +118,8 @@ class _IslandShell:
         if spec.workers > 1:  # rank 0 hosts the rendezvous on its node; followers get `rendezvous()`
             group = self._group = WorkerGroup(rank=0, world_size=spec.workers, addr=ray.util.get_node_ip_address(),
                                               backend=backend_for(spec.accelerator))
-        self._island = LearnerIsland(spec, self._data, initial, cursor=cursor, resolve=ray.get, group=group)
+        shelve = _Shelver(spec) if spec.keeper is not None and spec.salvage_every_steps > 0 else None
+        self._island = LearnerIsland(spec, self._data, initial, cursor=cursor, resolve=ray.get, group=group, shelve=shelve)
         self._island.start()
         return spec.island, spec.incarnation
 

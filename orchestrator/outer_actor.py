@@ -100,6 +100,10 @@ class _OuterShell:
         # island -> fragment -> (newest waiting update, its float32 tensors: what a difference is taken of)
         self._down_queue: dict[int, dict[int, tuple[FragmentUpdate, list]]] = {}
         self._down_senders: set[int] = set()  # islands whose downlink sender task is running
+        # (island, incarnation) -> {"seq": {fragment: highest seq taken}, "cursor": highest data cursor taken}:
+        # what a salvaged snapshot is checked against (policies/salvage.py).
+        self._taken: dict[tuple[int, int], dict] = {}
+        self._resume_floor: dict[int, int] = {}  # island slot -> cursor its next incarnation resumes from at least
 
     def _now(self) -> float:
         return time.monotonic() - self._t0
@@ -154,6 +158,9 @@ class _OuterShell:
                 if self._finishing:
                     return  # the island stopped and its outbox is empty: nothing more will come
                 continue
+            taken = self._taken.setdefault((island, incarnation), {"seq": {}, "cursor": 0})
+            taken["seq"][sub.fragment] = max(taken["seq"].get(sub.fragment, -1), sub.seq)
+            taken["cursor"] = max(taken["cursor"], sub.cursor)
             if self._stopping:
                 await self._core(self.core.record_late, sub)
                 return
@@ -171,7 +178,7 @@ class _OuterShell:
     async def _receive(self, island: int, sub: Submission, handle: Any) -> None:
         results, refusal = await self._core(self.core.receive, sub, self._now())
         await self._publish(results)
-        if refusal is not None:
+        if refusal is not None and handle is not None:  # None: a salvage, whose island is gone
             # Resync the refused island's fragment to the current version (or just clear its bookkeeping).
             p = refusal.fragment
             if 0 <= p < len(self._refs):
@@ -385,8 +392,55 @@ class _OuterShell:
         return {"epoch": self.epoch, "diverged": sorted(diverged), "islands": islands}
 
     async def resume_cursor(self, island: int) -> int:
-        """The data cursor of the island's newest merged submission (where a new incarnation resumes)."""
-        return await self._core(lambda: self.core.resume_cursor.get(island, 0))
+        """Where a new incarnation of the slot resumes its data: after the newest merged submission, or
+        after everything taken from or salvaged of the incarnation that died (whichever is later)."""
+        merged = await self._core(lambda: self.core.resume_cursor.get(island, 0))
+        return max(merged, self._resume_floor.get(island, 0))
+
+    async def salvage(self, island: int, incarnation: int, blob: list[Any]) -> dict:
+        """Merge what is still valid of a dead incarnation's progress snapshot (policies/salvage.py).
+
+        `blob`: [ref to the pickled ProgressSnapshot the pool's keeper held, or to None]. The accepted
+        submissions take the island's uplink like any other (EMULATED delay included) and join the next
+        round of their fragment without counting toward its quorum. Returns {"tokens": per fragment,
+        "step", "skipped": {fragment: why}, "seqs": of the salvaged submissions}, or {"keeper_error": why}
+        when the keeper could not be asked.
+        """
+        import pickle
+
+        from policies.salvage import salvageable
+
+        try:
+            data = await blob[0]  # an ObjectRef is awaitable
+        except (RayActorError, RayTaskError) as err:
+            return {"keeper_error": str(err).strip().splitlines()[-1][:200]}
+        P = self.core.plan.num_fragments
+        taken = self._taken.pop((island, incarnation), {"seq": {}, "cursor": 0})
+        floor = taken["cursor"]  # taken work is merged or refused: a new incarnation never reads it again
+        tokens = [0] * P
+        out: dict = {"tokens": tokens, "step": None, "skipped": {}, "seqs": []}
+        if data is not None:
+            snapshot = await self._core(pickle.loads, data)
+            if (snapshot.island, snapshot.incarnation) != (island, incarnation):
+                raise ValueError(f"the keeper handed over island {snapshot.island}/{snapshot.incarnation}'s snapshot "
+                                 f"for {island}/{incarnation}")
+            result = salvageable(snapshot, taken=taken["seq"], seen_seq=max(taken["seq"].values(), default=-1),
+                                 epoch=self.epoch)
+            out["step"], out["skipped"] = snapshot.step, {str(p): why for p, why in result.skipped.items()}
+            region = self._region(island)
+            out["seqs"] = [sub.seq for sub in result.submissions]
+            for sub in result.submissions:
+                tokens[sub.fragment] += sub.tokens
+                floor = max(floor, sub.cursor)
+                if self._network.emulated:
+                    done_at = self._links.reserve(region, "up", sub.nbytes, time.time())
+                    self._in_transit[sub.key] = sub
+                    self._spawn(self._arrive(island, sub, None, done_at))
+                else:
+                    self._links.account(region, "up", sub.nbytes)
+                    await self._receive(island, sub, None)
+        self._resume_floor[island] = max(self._resume_floor.get(island, 0), floor)
+        return out
 
     async def accounting(self) -> dict:
         """Useful time, version advance times, and per-incarnation received tokens (goodput, token fates)."""

@@ -138,6 +138,7 @@ class OuterOptimizer:
         self._quorum_at: list[float | None] = [None] * P
         self._grace = [0.0] * P
         self.islands: dict[int, int] = {}  # live island -> current incarnation
+        self._last_incarnation: dict[int, int] = {}  # island slot -> newest incarnation ever registered
         self.step_time = MovingAverage(0.2)
         self.quorum_time = MovingAverage(0.2)
         self.sync_time = MovingAverage(0.2)
@@ -164,6 +165,7 @@ class OuterOptimizer:
         if old is not None and incarnation < old:
             raise ValueError(f"island {island} incarnation {incarnation} is older than the live one ({old})")
         self.islands[island] = incarnation
+        self._last_incarnation[island] = max(self._last_incarnation.get(island, 0), incarnation)
 
     def unregister(self, island: int) -> None:
         """Mark an island slot dead: it no longer counts toward 'every live island submitted'."""
@@ -173,9 +175,11 @@ class OuterOptimizer:
 
     def _check(self, sub: Submission) -> tuple[str | None, int, list[torch.Tensor]]:
         live = self.islands.get(sub.island)
-        if live is None:
+        # Work a slot's newest incarnation sent before it died (on the wire, or salvaged) is still good;
+        # it joins a round but never counts toward its quorum (_pending_islands).
+        if live is None and sub.incarnation != self._last_incarnation.get(sub.island):
             return f"unknown or dead island {sub.island}", 0, []
-        if sub.incarnation != live:
+        if live is not None and sub.incarnation != live:
             return f"stale incarnation {sub.incarnation} of island {sub.island} (live: {live})", 0, []
         if not 0 <= sub.fragment < self.plan.num_fragments:
             return f"fragment {sub.fragment} out of range 0..{self.plan.num_fragments - 1}", 0, []
@@ -273,8 +277,9 @@ class OuterOptimizer:
         return max(1, len(self.islands))
 
     def _pending_islands(self, p: int) -> int:
-        # Quorum counts islands, not submissions: a fast island's second submission is not a second vote.
-        return len({s.island for s, _, _ in self._pending[p]})
+        # Quorum counts live islands, not submissions: a fast island's second submission is not a second
+        # vote, and a dead island's last work (salvaged, or late off the wire) is no vote at all.
+        return len({s.island for s, _, _ in self._pending[p] if self.islands.get(s.island) == s.incarnation})
 
     def _decisions(self, now: float):
         for p in range(self.plan.num_fragments):

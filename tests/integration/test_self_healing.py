@@ -112,6 +112,11 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
         snap = ray.get(monitor().snapshot.remote(), timeout=10)
         assert [snap["slots"][i]["failures"] for i in range(4)] == [0, 1, 1, 1]
         assert snap["slots"][0]["incarnation"] == 1
+        # What island 1 had not yet submitted was salvaged from its pool's keeper; the diverged island's was not.
+        salvaged = {(s["island"], s["incarnation"]): s for s in snap["salvages"]}
+        assert sum(salvaged[(1, 1)]["tokens"]) > 0 and salvaged[(1, 1)]["step"] >= 10, salvaged
+        assert not sum(salvaged.get((2, 1), {}).get("tokens") or [0]), "a diverged island's progress is not merged"
+        keeper = actor(f"{run.run_id}-keeper-a")._actor_id.hex()
         for i in (1, 2, 3):
             assert ray.get(actor(f"{run.run_id}-island{i}-inc2").ping.remote(), timeout=10)[:2] == (i, 2)
         # The monitor restarted three islands without ever loading torch (its process stays light);
@@ -132,6 +137,8 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
         assert {i: s["name"] for i, s in after["slots"].items()} == before
         assert {i: actor(n)._actor_id.hex() for i, n in before.items()} == ids
         assert [after["slots"][i]["failures"] for i in range(4)] == [0, 1, 1, 1], "its bookkeeping survived"
+        assert actor(f"{run.run_id}-keeper-a")._actor_id.hex() == keeper, "the keeper, too, outlived the monitor"
+        assert after["salvages"] == snap["salvages"]
 
         # Killing the outer optimizer: it restores its newest checkpoint and rounds go on. Periodic
         # checkpoints (every 2 s) may land between ours and the kill, so the restart restores ours
@@ -168,6 +175,10 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
     up = min(e["at"] for e in timeline if e["island"] == 1 and e["incarnation"] == 2 and e["state"] == "training")
     rounds = read_events(tmp_path / "run", "rounds").to_pylist()
     assert any(down < r["wall_time"] < up for r in rounds)
+    # Island 1's salvaged progress was merged after it died, in rounds of the live islands.
+    keys = {(i, inc, seq) for r in rounds for i, inc, seq in zip(r["participants"], r["incarnations"], r["seqs"])}
+    assert {(1, 1, seq) for seq in salvaged[(1, 1)]["seqs"]} <= keys
+    assert summary["salvaged_tokens"] > 0 and summary["salvage_snapshot_bytes"] > 0
     # The hang was detected within the island's own timeout (factor x step time, at least the floor).
     faults = {f["island"]: f for f in read_events(tmp_path / "run", "faults").to_pylist()}
     assert set(faults) == {1, 2, 3} and all(f["outcome"] == "fired" for f in faults.values())
