@@ -13,6 +13,7 @@ failure-free run) and writes JSON. Pool speeds are EMULATED by throttling (label
   python benchmarks/chaos.py --budget 9000000      # the same 3 kills per island over a 3x longer run
   python benchmarks/chaos.py --quick               # a smoke run (~4 minutes)
   python benchmarks/chaos.py --failures 3 --json /tmp/chaos.json
+  python benchmarks/chaos.py --salvage-every 0     # without salvage (a dead island's unsubmitted work is lost)
 """
 
 from __future__ import annotations
@@ -64,13 +65,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="faults spread over (10 s, horizon); default 85%% of the failure-free run's wall time")
     ap.add_argument("--seed", type=int, default=0, help="tape seed")
     ap.add_argument("--warm-spares", type=int, default=1, help="warm spares per pool (default 1)")
+    ap.add_argument("--salvage-every", type=int, default=None,
+                    help="health.salvage_every_steps for every run (default: the config's; 0 = off)")
     ap.add_argument("--quick", action="store_true", help="smaller budget, 1 failure per island")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     budget = args.budget or (1_200_000 if args.quick else RunConfig().run.token_budget)
     failures = 1 if args.quick else args.failures
     root = Path(tempfile.mkdtemp(prefix="chaos-bench-"))
-    common = [f"run.token_budget={budget}", f"health.warm_spares={args.warm_spares}", "eval.interval_s=30"]
+    salvage = RunConfig().health.salvage_every_steps if args.salvage_every is None else args.salvage_every
+    common = [f"run.token_budget={budget}", f"health.warm_spares={args.warm_spares}", "eval.interval_s=30",
+              f"health.salvage_every_steps={salvage}"]
     chaos = ["chaos.mode=tape", f"chaos.params={{path: {root / 'tape.yaml'}}}"]
     ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV},
              logging_level="ERROR")
@@ -91,23 +96,25 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     ref = results["decoupled, no faults"]["eval_loss"]
     rows = ["| run | goodput | uptime | fill s | longest gap s | faults fired | failures | restarts | detect s | rejoin s | held-out loss "
-            "| vs no faults | tokens lost | wall s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| vs no faults | tokens lost | tokens salvaged | wall s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     for name, s in results.items():
         rows.append(f"| {name} | {s['goodput']:.3f} | {s['uptime']:.3f} | {s['fill_s']:.1f} | {fmt(s['longest_gap_s'], '.1f')} | {s['faults_injected']} | "
                     f"{s['failures']} | {s['restarts']} | "
                     f"{fmt(s['mean_time_to_detect_s'], '.2f')} | {fmt(s['mean_time_to_rejoin_s'], '.1f')} | "
                     f"{s['eval_loss']:.4f} | {100 * (s['eval_loss'] / ref - 1):+.1f}% | {s['tokens_lost']:,.0f} | "
-                    f"{s['wall_s']:.0f} |")
+                    f"{s['salvaged_tokens']:,.0f} | {s['wall_s']:.0f} |")
     print("\n".join(rows))
     print(f"\n{emulation_note(RunConfig())}")
     print(f"token budget {budget:,} per run; tape: {failures} kills per island over 10-{horizon:.0f} s; "
-          f"warm spares per pool: {args.warm_spares}; uptime counts from the first version advance (fill s before it)")
+          f"warm spares per pool: {args.warm_spares}; salvage every {salvage} steps (0 = off); "
+          "uptime counts from the first version advance (fill s before it)")
     if args.json:
         args.json.write_text(json.dumps({"budget": budget, "failures_per_island": failures, "horizon_s": horizon, "results": {
             k: {f: v[f] for f in ("goodput", "uptime", "fill_s", "longest_gap_s", "faults_injected", "failures", "restarts", "mean_time_to_detect_s",
-                                  "mean_time_to_rejoin_s", "eval_loss", "eval_bits_per_byte", "tokens_lost", "wall_s")}
+                                  "mean_time_to_rejoin_s", "eval_loss", "eval_bits_per_byte", "tokens_lost", "salvaged_tokens",
+                                  "salvage_snapshot_s", "time_by_state_s", "wall_s")}
             for k, v in results.items()}}, indent=2))
     return 0
 
