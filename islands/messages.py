@@ -40,6 +40,7 @@ class Submission:
     created_at: float = 0.0  # wall clock (time.time) when the island cut it
     compute_s: float = 0.0  # wall time of the inner steps this submission covers (goodput's useful time)
     cursor: int = 0  # the island's data cursor (batches drawn) when it cut this submission
+    salvaged: bool = False  # progress of a dead incarnation, handed on from its keeper (policies/salvage.py)
 
     @property
     def key(self) -> SubmissionKey:

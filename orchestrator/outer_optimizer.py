@@ -175,11 +175,16 @@ class OuterOptimizer:
 
     def _check(self, sub: Submission) -> tuple[str | None, int, list[torch.Tensor]]:
         live = self.islands.get(sub.island)
-        # Work a slot's newest incarnation sent before it died (on the wire, or salvaged) is still good;
-        # it joins a round but never counts toward its quorum (_pending_islands).
-        if live is None and sub.incarnation != self._last_incarnation.get(sub.island):
+        last = self._last_incarnation.get(sub.island)
+        # Work a slot's newest incarnation sent before it died (late off the wire) is still good, and so is
+        # a salvaged snapshot of any incarnation we admitted, even once the next one is live. Both join a
+        # round but never count toward its quorum (_pending_islands).
+        if sub.salvaged:
+            if last is None or sub.incarnation > last:
+                return f"unknown or dead island {sub.island}: salvaged work of incarnation {sub.incarnation}", 0, []
+        elif live is None and sub.incarnation != last:
             return f"unknown or dead island {sub.island}", 0, []
-        if live is not None and sub.incarnation != live:
+        elif live is not None and sub.incarnation != live:
             return f"stale incarnation {sub.incarnation} of island {sub.island} (live: {live})", 0, []
         if not 0 <= sub.fragment < self.plan.num_fragments:
             return f"fragment {sub.fragment} out of range 0..{self.plan.num_fragments - 1}", 0, []

@@ -16,7 +16,8 @@ Ray or tensors:
 - a fragment whose base came from an outer optimizer that has since restarted (another epoch) was
   discarded by the resync: skipped;
 - the rest are renumbered after every seq the outer optimizer has seen from that incarnation, so a
-  salvaged submission never shares a key with a real one.
+  salvaged submission never shares a key with a real one, and marked `salvaged`: the outer optimizer
+  takes them even once the slot's next incarnation is live (an emulated uplink can deliver them late).
 """
 
 from __future__ import annotations
@@ -80,5 +81,5 @@ def salvageable(snapshot: ProgressSnapshot, *, taken: dict[int, int], seen_seq: 
         else:
             keep.append(sub)
     first = max(seen_seq + 1, snapshot.next_seq)
-    return Salvaged([replace(sub, seq=first + j) for j, sub in enumerate(keep)], skipped)
+    return Salvaged([replace(sub, seq=first + j, salvaged=True) for j, sub in enumerate(keep)], skipped)
 

@@ -3,6 +3,7 @@ the real OuterOptimizer core merges what the salvage rules keep, without countin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 
@@ -103,3 +104,21 @@ def test_work_of_an_older_incarnation_is_still_refused():
     outer.unregister(1)
     _, refusal = outer.receive(old, now=1.0)
     assert refusal is not None and "unknown or dead island 1" in refusal.reason
+
+
+def test_salvaged_work_is_taken_even_after_the_next_incarnation_registered():
+    outer, (_, dying), shelved = setup(every=3)
+    for _ in range(3):
+        dying.step()
+    dying.wait_shelved()
+    outer.unregister(1)
+    outer.register(1, 2)  # a warm spare took the slot before the salvage came off its (emulated) uplink
+    got = salvageable(pickle.loads(shelved[-1][1]), taken={}, seen_seq=-1, epoch=0)
+    assert all(s.salvaged for s in got.submissions)
+    for s in got.submissions:
+        _, refusal = outer.receive(s, now=1.0)
+        assert refusal is None
+    assert outer.pending_tokens() == [s.tokens for s in got.submissions]
+    forged = dataclasses.replace(got.submissions[0], incarnation=3, seq=99)
+    _, refusal = outer.receive(forged, now=1.0)
+    assert refusal is not None and "unknown or dead island 1: salvaged work of incarnation 3" in refusal.reason
