@@ -12,6 +12,7 @@ failure-free run) and writes JSON. Pool speeds are EMULATED by throttling (label
   python benchmarks/chaos.py                       # the default 3M-token budget: ~10 minutes on 2 cores
   python benchmarks/chaos.py --budget 9000000      # the same 3 kills per island over a 3x longer run
   python benchmarks/chaos.py --quick               # a smoke run (~4 minutes)
+  python benchmarks/chaos.py --repeats 3           # three side by sides and a table of medians (~25 minutes)
   python benchmarks/chaos.py --failures 3 --json /tmp/chaos.json
   python benchmarks/chaos.py --salvage-every 0     # without salvage (a dead island's unsubmitted work is lost)
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -57,6 +59,12 @@ def run_one(name: str, overrides: list[str], root: Path) -> dict:
     return summary
 
 
+FIELDS = ("goodput", "uptime", "fill_s", "longest_gap_s", "faults_injected", "failures", "restarts", "mean_time_to_detect_s",
+          "mean_time_to_rejoin_s", "eval_loss", "eval_bits_per_byte", "tokens_lost", "salvaged_tokens", "salvage_snapshot_s",
+          "time_by_state_s", "wall_s")
+METHODS = ("decoupled + faults", "sync-diloco + faults", "decoupled, no faults")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--failures", type=int, default=3, help="kills per island on the tape (default 3)")
@@ -67,55 +75,85 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-spares", type=int, default=1, help="warm spares per pool (default 1)")
     ap.add_argument("--salvage-every", type=int, default=None,
                     help="health.salvage_every_steps for every run (default: the config's; 0 = off)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the three side by side this many times and add a table of medians (default 1)")
     ap.add_argument("--quick", action="store_true", help="smaller budget, 1 failure per island")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     budget = args.budget or (1_200_000 if args.quick else RunConfig().run.token_budget)
     failures = 1 if args.quick else args.failures
     root = Path(tempfile.mkdtemp(prefix="chaos-bench-"))
     salvage = RunConfig().health.salvage_every_steps if args.salvage_every is None else args.salvage_every
     common = [f"run.token_budget={budget}", f"health.warm_spares={args.warm_spares}", "eval.interval_s=30",
               f"health.salvage_every_steps={salvage}"]
-    chaos = ["chaos.mode=tape", f"chaos.params={{path: {root / 'tape.yaml'}}}"]
     ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV},
              logging_level="ERROR")
+    repeats: list[dict] = []
     try:
-        print(f"runs in {root}; token budget {budget:,} per run", file=sys.stderr)
-        clean = run_one("decoupled-clean", common, root)
-        horizon = args.horizon_s or 0.85 * clean["wall_s"]
-        tape = fixed_tape(islands=RunConfig().num_islands, failures_per_island=failures, horizon_s=horizon,
-                          start_s=10.0, seed=args.seed)
-        tape.to_yaml(root / "tape.yaml")
-        print(f"fault tape: {len(tape)} kills ({failures} per island) over 10-{horizon:.0f}s", file=sys.stderr)
-        results = {
-            "decoupled + faults": run_one("decoupled-faults", common + chaos, root),
-            "sync-diloco + faults": run_one("sync-faults", common + chaos + ["mode=sync-diloco"], root),
-            "decoupled, no faults": clean,
-        }
+        print(f"runs in {root}; token budget {budget:,} per run; {args.repeats} repeat(s)", file=sys.stderr)
+        for r in range(1, args.repeats + 1):
+            where = root / f"r{r}"
+            where.mkdir(parents=True, exist_ok=True)
+            clean = run_one("decoupled-clean", common, where)
+            # Each repeat's tape follows its own failure-free run, so the failure rate per run is the same.
+            horizon = args.horizon_s or 0.85 * clean["wall_s"]
+            tape = fixed_tape(islands=RunConfig().num_islands, failures_per_island=failures, horizon_s=horizon,
+                              start_s=10.0, seed=args.seed)
+            tape.to_yaml(where / "tape.yaml")
+            chaos = ["chaos.mode=tape", f"chaos.params={{path: {where / 'tape.yaml'}}}"]
+            print(f"repeat {r}: fault tape of {len(tape)} kills ({failures} per island) over 10-{horizon:.0f}s",
+                  file=sys.stderr)
+            repeats.append({
+                "horizon_s": horizon,
+                METHODS[0]: run_one("decoupled-faults", common + chaos, where),
+                METHODS[1]: run_one("sync-faults", common + chaos + ["mode=sync-diloco"], where),
+                METHODS[2]: clean,
+            })
     finally:
         ray.shutdown()
-    ref = results["decoupled, no faults"]["eval_loss"]
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     rows = ["| run | goodput | uptime | fill s | longest gap s | faults fired | failures | restarts | detect s | rejoin s | held-out loss "
             "| vs no faults | tokens lost | tokens salvaged | wall s |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-    for name, s in results.items():
-        rows.append(f"| {name} | {s['goodput']:.3f} | {s['uptime']:.3f} | {s['fill_s']:.1f} | {fmt(s['longest_gap_s'], '.1f')} | {s['faults_injected']} | "
-                    f"{s['failures']} | {s['restarts']} | "
-                    f"{fmt(s['mean_time_to_detect_s'], '.2f')} | {fmt(s['mean_time_to_rejoin_s'], '.1f')} | "
-                    f"{s['eval_loss']:.4f} | {100 * (s['eval_loss'] / ref - 1):+.1f}% | {s['tokens_lost']:,.0f} | "
-                    f"{s['salvaged_tokens']:,.0f} | {s['wall_s']:.0f} |")
+    for r, rep in enumerate(repeats, 1):
+        ref = rep[METHODS[2]]["eval_loss"]  # each repeat against its own failure-free run
+        for name in METHODS:
+            s = rep[name]
+            s["vs_no_faults"] = s["eval_loss"] / ref - 1
+            label = name if len(repeats) == 1 else f"{name} (r{r})"
+            rows.append(f"| {label} | {s['goodput']:.3f} | {s['uptime']:.3f} | {s['fill_s']:.1f} | {fmt(s['longest_gap_s'], '.1f')} | "
+                        f"{s['faults_injected']} | {s['failures']} | {s['restarts']} | "
+                        f"{fmt(s['mean_time_to_detect_s'], '.2f')} | {fmt(s['mean_time_to_rejoin_s'], '.1f')} | "
+                        f"{s['eval_loss']:.4f} | {100 * s['vs_no_faults']:+.1f}% | {s['tokens_lost']:,.0f} | "
+                        f"{s['salvaged_tokens']:,.0f} | {s['wall_s']:.0f} |")
     print("\n".join(rows))
+    medians = {}
+    if len(repeats) > 1:
+        med = lambda name, key: statistics.median(rep[name][key] for rep in repeats)  # noqa: E731
+        ref = med(METHODS[2], "eval_loss")
+        print(f"\nMedians over {len(repeats)} repeats ('vs no faults': the median of each repeat's own ratio, "
+              "then the ratio of the medians):\n")
+        print("| run | goodput | uptime | longest gap s | held-out loss | vs no faults (median ratio) | vs no faults (ratio of medians) |"
+              " tokens lost | tokens salvaged |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name in METHODS:
+            medians[name] = {k: med(name, k) for k in ("goodput", "uptime", "longest_gap_s", "eval_loss", "vs_no_faults",
+                                                          "tokens_lost", "salvaged_tokens")}
+            m = medians[name]
+            print(f"| {name} | {m['goodput']:.3f} | {m['uptime']:.3f} | {m['longest_gap_s']:.1f} | {m['eval_loss']:.4f} | "
+                  f"{100 * m['vs_no_faults']:+.1f}% | {100 * (m['eval_loss'] / ref - 1):+.1f}% | {m['tokens_lost']:,.0f} | "
+                  f"{m['salvaged_tokens']:,.0f} |")
     print(f"\n{emulation_note(RunConfig())}")
-    print(f"token budget {budget:,} per run; tape: {failures} kills per island over 10-{horizon:.0f} s; "
-          f"warm spares per pool: {args.warm_spares}; salvage every {salvage} steps (0 = off); "
+    print(f"token budget {budget:,} per run; tape: {failures} kills per island over 10 s to 85% of each repeat's "
+          f"failure-free wall time; warm spares per pool: {args.warm_spares}; salvage every {salvage} steps (0 = off); "
           "uptime counts from the first version advance (fill s before it)")
     if args.json:
-        args.json.write_text(json.dumps({"budget": budget, "failures_per_island": failures, "horizon_s": horizon, "results": {
-            k: {f: v[f] for f in ("goodput", "uptime", "fill_s", "longest_gap_s", "faults_injected", "failures", "restarts", "mean_time_to_detect_s",
-                                  "mean_time_to_rejoin_s", "eval_loss", "eval_bits_per_byte", "tokens_lost", "salvaged_tokens",
-                                  "salvage_snapshot_s", "time_by_state_s", "wall_s")}
-            for k, v in results.items()}}, indent=2))
+        args.json.write_text(json.dumps({
+            "budget": budget, "failures_per_island": failures, "salvage_every_steps": salvage, "medians": medians,
+            "repeats": [{"horizon_s": rep["horizon_s"], **{k: {f: rep[k][f] for f in FIELDS + ("vs_no_faults",)} for k in METHODS}}
+                        for rep in repeats]}, indent=2))
     return 0
 
 

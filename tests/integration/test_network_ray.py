@@ -10,6 +10,7 @@ directly, slow enough that every delay is a few hundred milliseconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 
@@ -255,3 +256,67 @@ def test_differences_go_down_in_order_and_islands_hold_what_the_sender_tracks(ra
         assert h.island.step(), "it trains on from the decoded copy"
     # Differences made the downlink cheaper than whole float32 fragments for the same sends.
     assert 0 < status["bytes_down"] < sum(fragment_bytes[u.fragment] for h in handles for _, u in h.adopted)
+
+
+def test_a_salvage_takes_its_islands_uplink_and_merges_after_the_slot_came_back(ray_cluster, tmp_path):
+    """The shell's salvage path over an EMULATED WAN: island 1 dies with progress in its keeper; a new
+    incarnation registers at once (a warm spare); the salvage still arrives, delayed by island 1's
+    uplink, is merged, and moves the slot's resume cursor past it."""
+    from orchestrator.keeper import ProgressKeeper
+
+    async def body():
+        cfg = model_config("nano")
+        model = build_model(cfg, seed=3)
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
+        settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000)
+        tensors, meta = OuterOptimizer(init, plan, settings=settings).state_dict()
+        uri = str(tmp_path / "ckpt")
+        CheckpointStore(uri).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
+        shell = _OuterShell(plan, settings, model.embedding_parameter_names(), uri, checkpoint_every_s=1e9,
+                            network=NETWORK, island_regions=REGIONS)
+        data = np.random.default_rng(0).integers(0, 256, size=50_000, dtype=np.uint8)
+        keeper = ProgressKeeper("eu-west")
+        handles = []
+        for i in REGIONS:
+            spec = IslandSpec(island=i, incarnation=1, pool=REGIONS[i], num_islands=2, model_config=cfg, plan=plan,
+                              inner=InnerSettings(lr=1e-3, warmup_steps=0, batch_size=4), sync_every_steps=40, seed=3,
+                              salvage_every_steps=5)
+            shelve = (lambda step, blob, i=i: keeper.keep(i, 1, step, blob)) if i == 1 else None
+            handles.append(LocalIsland(LearnerIsland(spec, data, await shell.latest(), resolve=ray.get, shelve=shelve)))
+            await shell.register(i, 1, handles[-1])
+        live, dying = handles
+        for _ in range(27):  # island 1: cuts at steps 20 (fragment 0); snapshots every 5 steps, the last at 25
+            dying.island.step()
+        dying.island.wait_shelved()
+        await shell.unregister(1)  # it dies; a warm spare is slot 1's incarnation 2 at once
+        await shell.register(1, 2, LocalIsland(LearnerIsland(dataclasses.replace(dying.island.spec, incarnation=2),
+                                                             data, await shell.latest(), resolve=ray.get)))
+        before = (await shell.status())["bytes_by_link"].get("eu-west", {}).get("up", 0)
+        t0 = time.time()
+        blob = keeper.take(1, 1)
+
+        async def fetched():
+            return blob
+
+        got = await shell.salvage(1, 1, [fetched()])
+        assert got["step"] == 25 and got["skipped"] == {} and got["tokens"][1] == 25 * dying.island.total_tokens // 27
+        assert got["tokens"][0] == 5 * dying.island.total_tokens // 27, "fragment 0 was cut at step 20"
+        assert (await shell.status())["in_transit"] >= 2, "the salvage travels island 1's uplink"
+        live.island.start()  # the live island's rounds are what the salvaged work joins
+        deadline = time.monotonic() + 120
+        while {(1, 1, s) for s in got["seqs"]} - {(i, inc, s) for r in shell.core.rounds
+                                                   for i, inc, s in zip(r.participants, r.incarnations, r.seqs)}:
+            assert time.monotonic() < deadline, "the salvaged submissions were never merged"
+            await asyncio.sleep(0.1)
+        live.island.stop()
+        status = await shell.status()
+        keys = {(1, 1, s) for s in got["seqs"]}
+        salvaged = [r for r in shell.core.rounds if keys & set(zip(r.participants, r.incarnations, r.seqs))]
+        assert min(r.wall_time for r in salvaged) >= t0 + NETWORK.link("eu-west").latency_s
+        assert status["bytes_by_link"]["eu-west"]["up"] > before
+        assert not [r for r in shell.core.refusals if (r.island, r.incarnation, r.seq) in keys]
+        assert await shell.resume_cursor(1) >= 25, "incarnation 2 would not read the salvaged batches again"
+        await shell.stop()
+
+    asyncio.run(body())
