@@ -212,6 +212,7 @@ def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: l
         ("failures / restarts", f"{_fmt(s('failures'))} / {_fmt(s('restarts'))}"),
         ("mean time to detect / to rejoin (s)",
          f"{_fmt(s('mean_time_to_detect_s'), '.2f')} / {_fmt(s('mean_time_to_rejoin_s'), '.2f')}"),
+        ("tokens salvaged from dead islands (salvages)", f"{_fmt(s('salvaged_tokens'), ',.0f')} ({_fmt(s('salvages'))})"),
         ("rounds (refusals)", f"{_fmt(s('rounds'))} ({_fmt(s('refusals'))})"),
         ("bytes sent (up + down)", f"{mb(s('bytes_sent'))} ({mb(s('bytes_up'))} up, {mb(s('bytes_down'))} down)"),
         ("wall time (s)", _fmt(s("wall_s"), ".0f")),
