@@ -134,6 +134,8 @@ class OuterOptimizer:
             self._rings[p].push(0, [t.clone() for t in self.params[p]])
         # Accepted submissions per fragment: (submission, staleness, decoded fp32 deltas).
         self._pending: list[list[tuple[Submission, int, list[torch.Tensor]]]] = [[] for _ in range(P)]
+        # Per fragment, the islands whose pending submissions vote toward its quorum (see _pending_islands).
+        self._voters: list[set[int]] = [set() for _ in range(P)]
         self._round_open = [now] * P
         self._quorum_at: list[float | None] = [None] * P
         self._grace = [0.0] * P
@@ -240,6 +242,8 @@ class OuterOptimizer:
         if sub.step_time_s > 0:
             self.step_time.update(sub.step_time_s)
         self._pending[p].append((sub, staleness, deltas))
+        if not sub.salvaged and self.islands.get(sub.island) == sub.incarnation:
+            self._voters[p].add(sub.island)
         if self._quorum_at[p] is None and self._pending_islands(p) >= self.settings.min_quorum:
             self._quorum_at[p] = now
             self.quorum_time.update(now - self._round_open[p])
@@ -282,9 +286,11 @@ class OuterOptimizer:
         return max(1, len(self.islands))
 
     def _pending_islands(self, p: int) -> int:
-        # Quorum counts live islands, not submissions: a fast island's second submission is not a second
-        # vote, and a dead island's last work (salvaged, or late off the wire) is no vote at all.
-        return len({s.island for s, _, _ in self._pending[p] if self.islands.get(s.island) == s.incarnation})
+        # Quorum counts islands, not submissions: a fast island's second submission is not a second vote.
+        # A submission votes if its incarnation was live when it arrived (dying afterwards does not take
+        # the vote back: K = 1 rounds would stall). A dead island's work that arrives late, or salvaged,
+        # joins the round without a vote.
+        return len(self._voters[p])
 
     def _decisions(self, now: float):
         for p in range(self.plan.num_fragments):
@@ -333,6 +339,7 @@ class OuterOptimizer:
         self.advances.append(record.wall_time)
         self.rounds.append(record)
         self._pending[p] = []
+        self._voters[p] = set()
         self._quorum_at[p] = None
         self._round_open[p] = now
         log.info("round fragment %d -> v%d: islands %s weights %s staleness %s (%s)", p, version,
@@ -414,6 +421,7 @@ class OuterOptimizer:
             self._rings[p] = VersionRing(self.settings.max_staleness + 1)
             self._rings[p].push(meta["versions"][p], [t.clone() for t in self.params[p]])
             self._pending[p] = []
+            self._voters[p] = set()
             self._quorum_at[p] = None
         self.versions = list(meta["versions"])
         self.tokens_merged = list(meta["tokens_merged"])

@@ -122,3 +122,17 @@ def test_salvaged_work_is_taken_even_after_the_next_incarnation_registered():
     forged = dataclasses.replace(got.submissions[0], incarnation=3, seq=99)
     _, refusal = outer.receive(forged, now=1.0)
     assert refusal is not None and "unknown or dead island 1: salvaged work of incarnation 3" in refusal.reason
+
+
+def test_a_submission_keeps_its_vote_when_its_island_dies_after_sending_it():
+    # K = 1: island 1 submits, then dies before its round closes (in a grace window, say). The round must
+    # still close without waiting for another live island's submission (that wait stalled the run).
+    outer, (_, dying), _ = setup()
+    outer.hold()  # keep the round open across the death, as a grace window would
+    for _ in range(4):
+        dying.step()
+    _, refusal = outer.receive(dying.next_submission(0), now=1.0)
+    assert refusal is None and outer.versions == [0, 0]
+    outer.unregister(1)
+    outer.holding = False  # the window ends
+    assert [(r.fragment, r.record.participants) for r in outer.poll(now=5.0)] == [(0, [1])], "its vote stood"
