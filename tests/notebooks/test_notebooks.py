@@ -65,7 +65,9 @@ def check_self_healing(res: dict, cwd: Path) -> None:
     assert res["failures"] == 2 and res["restarts"] == 2
     assert res["healed"], "the notebook stops once both broken islands train again"
     assert res["incarnations"] == {"0": 2, "1": 1, "2": 2}
-    assert res["tokens_lost"] > 0, "a killed and a hung incarnation lose their unsubmitted work"
+    # Both broken incarnations had unsubmitted work (with P = 2 one fragment always has H/P steps or more):
+    # what was left with the keeper is salvaged and merged, the steps since are lost.
+    assert res["tokens_lost"] + res["salvaged_tokens"] > 0, "the broken incarnations' unsubmitted work has a fate"
     assert 0.0 < res["goodput"] < 1.0
     assert res["eval_loss"] < res["first_eval_loss"], "training went on through the faults"
     assert res["mean_time_to_rejoin_s"] is not None
