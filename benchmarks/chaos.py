@@ -1,6 +1,7 @@
 """Goodput under failures: decoupled vs synchronous DiLoCo under the same fault tape, and failure-free.
 
-Runs the default model and data three times in one local Ray session (same token budget each):
+Runs the default model and data three ways in one local Ray session (same token budget each), and
+all three `--repeats` times (default 3), then prints every row and a table of medians:
   1. decoupled without faults (the quality reference; its length sets the tape's horizon),
   2. decoupled (the default config) under a fault tape in which every island is killed N times,
   3. sync-diloco under the same tape.
@@ -9,10 +10,10 @@ says otherwise, so every kill fires on a machine of any speed. Prints a markdown
 uptime, pipeline fill, faults fired, detect and rejoin times, final held-out loss and its gap to the
 failure-free run) and writes JSON. Pool speeds are EMULATED by throttling (labelled in the output).
 
-  python benchmarks/chaos.py                       # the default 3M-token budget: ~10 minutes on 2 cores
-  python benchmarks/chaos.py --budget 9000000      # the same 3 kills per island over a 3x longer run
+  python benchmarks/chaos.py                       # 3 repeats at the default 3M budget, medians: ~25 minutes on 2 cores
+  python benchmarks/chaos.py --repeats 1           # one side by side (~8 minutes)
+  python benchmarks/chaos.py --budget 9000000 --repeats 1   # the same 3 kills per island over a 3x longer run
   python benchmarks/chaos.py --quick               # a smoke run (~4 minutes)
-  python benchmarks/chaos.py --repeats 3           # three side by sides and a table of medians (~25 minutes)
   python benchmarks/chaos.py --failures 3 --json /tmp/chaos.json
   python benchmarks/chaos.py --salvage-every 0     # without salvage (a dead island's unsubmitted work is lost)
 """
@@ -75,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-spares", type=int, default=1, help="warm spares per pool (default 1)")
     ap.add_argument("--salvage-every", type=int, default=None,
                     help="health.salvage_every_steps for every run (default: the config's; 0 = off)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="run the three side by side this many times and add a table of medians (default 1)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="run the three side by side this many times and add a table of medians (default 3; 1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="smaller budget, 1 failure per island")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     budget = args.budget or (1_200_000 if args.quick else RunConfig().run.token_budget)
