@@ -217,9 +217,8 @@ class LearnerIsland:
             for p in range(self.spec.plan.num_fragments):
                 if self._steps[p] > 0 and self._base[p]:
                     subs.append(self._progress(p, self._k + len(subs)))
-            if subs:
-                snapshot = ProgressSnapshot(island=self.spec.island, incarnation=self.spec.incarnation, next_seq=self._k,
-                                            epochs=list(self._epoch), step=self.total_steps, submissions=subs)
+            snapshot = ProgressSnapshot(island=self.spec.island, incarnation=self.spec.incarnation, next_seq=self._k,
+                                        epochs=list(self._epoch), step=self.total_steps, submissions=subs)
         if subs:
             if self._snapshot_sender is None:
                 self._snapshot_sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"island-{self.spec.island}-shelve")

@@ -57,14 +57,12 @@ class _Shelver:
         self.island, self.incarnation = spec.island, spec.incarnation
         self._handle: Any = None
         self._last: Any = None  # ref of the previous keep() call
-        self.skipped = 0
 
     def __call__(self, step: int, blob: bytes) -> bool:
         """Send one snapshot; False when it was skipped."""
         if self._last is not None:
             done, _ = ray.wait([self._last], timeout=0)
             if not done:
-                self.skipped += 1
                 return False
             last, self._last = self._last, None
             try:

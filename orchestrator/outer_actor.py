@@ -164,16 +164,19 @@ class _OuterShell:
             if self._stopping:
                 await self._core(self.core.record_late, sub)
                 return
-            region = self._region(island)
-            if self._network.emulated:
-                # The core sees it when its uplink transfer (from when the island cut it) completes; a task,
-                # so this poller fetches the next submission meanwhile.
-                done_at = self._links.reserve(region, "up", sub.nbytes, sub.created_at or time.time())
-                self._in_transit[sub.key] = sub
-                self._spawn(self._arrive(island, sub, handle, done_at))
-                continue
-            self._links.account(region, "up", sub.nbytes)
-            await self._receive(island, sub, handle)
+            await self._send_up(island, sub, handle, sent_at=sub.created_at or time.time())
+
+    async def _send_up(self, island: int, sub: Submission, handle: Any, sent_at: float) -> None:
+        """A submission on its island's uplink: counted, and handed to the core now or, over an EMULATED
+        network, when its transfer from `sent_at` completes (a task, so the caller goes on meanwhile)."""
+        region = self._region(island)
+        if self._network.emulated:
+            done_at = self._links.reserve(region, "up", sub.nbytes, sent_at)
+            self._in_transit[sub.key] = sub
+            self._spawn(self._arrive(island, sub, handle, done_at))
+            return
+        self._links.account(region, "up", sub.nbytes)
+        await self._receive(island, sub, handle)
 
     async def _receive(self, island: int, sub: Submission, handle: Any) -> None:
         results, refusal = await self._core(self.core.receive, sub, self._now())
@@ -424,21 +427,13 @@ class _OuterShell:
             if (snapshot.island, snapshot.incarnation) != (island, incarnation):
                 raise ValueError(f"the keeper handed over island {snapshot.island}/{snapshot.incarnation}'s snapshot "
                                  f"for {island}/{incarnation}")
-            result = salvageable(snapshot, taken=taken["seq"], seen_seq=max(taken["seq"].values(), default=-1),
-                                 epoch=self.epoch)
+            result = salvageable(snapshot, taken=taken["seq"], epoch=self.epoch)
             out["step"], out["skipped"] = snapshot.step, {str(p): why for p, why in result.skipped.items()}
-            region = self._region(island)
             out["seqs"] = [sub.seq for sub in result.submissions]
             for sub in result.submissions:
                 tokens[sub.fragment] += sub.tokens
                 floor = max(floor, sub.cursor)
-                if self._network.emulated:
-                    done_at = self._links.reserve(region, "up", sub.nbytes, time.time())
-                    self._in_transit[sub.key] = sub
-                    self._spawn(self._arrive(island, sub, None, done_at))
-                else:
-                    self._links.account(region, "up", sub.nbytes)
-                    await self._receive(island, sub, None)
+                await self._send_up(island, sub, None, sent_at=time.time())  # from the keeper, now
         self._resume_floor[island] = max(self._resume_floor.get(island, 0), floor)
         return out
 

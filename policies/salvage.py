@@ -58,12 +58,11 @@ def salvage_due(steps: int, every: int) -> bool:
     return every > 0 and steps > 0 and steps % every == 0
 
 
-def salvageable(snapshot: ProgressSnapshot, *, taken: dict[int, int], seen_seq: int, epoch: int) -> Salvaged:
+def salvageable(snapshot: ProgressSnapshot, *, taken: dict[int, int], epoch: int) -> Salvaged:
     """Which of `snapshot`'s submissions the outer optimizer (at `epoch`) may still merge.
 
     `taken` maps fragment -> the highest seq the outer optimizer took of that fragment from this
-    incarnation; `seen_seq` is the highest seq it took of any fragment (-1: none). Salvaged
-    submissions get seqs above both `seen_seq` and the snapshot's own.
+    incarnation. Salvaged submissions get seqs above every seq taken and the snapshot's own.
     """
     keep: list[Any] = []
     skipped: dict[int, str] = {}
@@ -80,6 +79,6 @@ def salvageable(snapshot: ProgressSnapshot, *, taken: dict[int, int], seen_seq: 
             skipped[p] = f"cut again after the snapshot (seq {taken[p]} >= {snapshot.next_seq})"
         else:
             keep.append(sub)
-    first = max(seen_seq + 1, snapshot.next_seq)
+    first = max(max(taken.values(), default=-1) + 1, snapshot.next_seq)
     return Salvaged([replace(sub, seq=first + j, salvaged=True) for j, sub in enumerate(keep)], skipped)
 

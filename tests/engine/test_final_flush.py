@@ -7,35 +7,24 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from islands.island import IslandSpec, LearnerIsland
-from islands.messages import FragmentUpdate
-from islands.model import build_model, model_config
 from islands.trainer import InnerSettings
-from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
-from policies.fragments import plan_fragments
+from orchestrator.outer_optimizer import OuterSettings
+from tests.engine.nano import nano_world
 
 INNER = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=2)
 
 
 def setup(m: int = 2):
-    cfg = model_config("nano")
-    model = build_model(cfg, seed=1)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
     # K = all: a round waits for both islands, so a lone submission would wait forever without the flush.
-    outer = OuterOptimizer(init, plan, settings=OuterSettings(min_quorum=m, grace_gamma=math.inf, grace_cap_s=math.inf),
-                           embedding_names=model.embedding_parameter_names())
-    latest = [FragmentUpdate(p, 0, [outer.fragment(p)]) for p in range(2)]
-    data = np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint8)
+    w = nano_world(OuterSettings(min_quorum=m, grace_gamma=math.inf, grace_cap_s=math.inf))
     islands = []
     for i in range(m):
-        spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=m, model_config=cfg, plan=plan, inner=INNER,
+        spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=m, model_config=w.cfg, plan=w.plan, inner=INNER,
                           sync_every_steps=8, seed=1)  # P = 2: a cut every 4 steps
-        islands.append(LearnerIsland(spec, data, latest))
-        outer.register(i, 1)
-    return outer, islands
+        islands.append(LearnerIsland(spec, w.data, w.latest))
+        w.outer.register(i, 1)
+    return w.outer, islands
 
 
 def drain(outer, island) -> list:

@@ -7,38 +7,28 @@ import dataclasses
 import math
 import pickle
 
-import numpy as np
 import torch
 
 from islands.island import IslandSpec, LearnerIsland
-from islands.messages import FragmentUpdate
-from islands.model import build_model, model_config
 from islands.trainer import InnerSettings
-from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.outer_optimizer import OuterSettings
 from policies.compression import decompress
-from policies.fragments import plan_fragments
 from policies.salvage import salvageable
+from tests.engine.nano import nano_world
 
 INNER = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=2)
 
 
 def setup(every: int = 3):
-    cfg = model_config("nano")
-    model = build_model(cfg, seed=1)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
-    outer = OuterOptimizer(init, plan, settings=OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0),
-                           embedding_names=model.embedding_parameter_names())
-    latest = [FragmentUpdate(p, 0, [outer.fragment(p)]) for p in range(2)]
-    data = np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint8)
+    w = nano_world(OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
     shelved: list[tuple[int, bytes]] = []
     islands = []
     for i in range(2):
-        spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=2, model_config=cfg, plan=plan, inner=INNER,
+        spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
                           sync_every_steps=8, seed=1, salvage_every_steps=every)  # P = 2: a cut every 4 steps
-        islands.append(LearnerIsland(spec, data, latest, shelve=(lambda step, blob: shelved.append((step, blob))) if i else None))
-        outer.register(i, 1)
-    return outer, islands, shelved
+        islands.append(LearnerIsland(spec, w.data, w.latest, shelve=(lambda step, blob: shelved.append((step, blob))) if i else None))
+        w.outer.register(i, 1)
+    return w.outer, islands, shelved
 
 
 def test_snapshots_hold_exactly_the_progress_a_cut_would_send():
@@ -71,7 +61,7 @@ def test_a_dead_islands_salvaged_progress_merges_with_the_next_live_round_and_is
     assert refusal is None and [r.version for r in results] == [1]
     outer.unregister(1)  # killed after its step-6 snapshot
     snap = pickle.loads(shelved[-1][1])
-    got = salvageable(snap, taken={0: 0}, seen_seq=0, epoch=snap.epochs[0])
+    got = salvageable(snap, taken={0: 0}, epoch=snap.epochs[0])
     assert got.skipped == {} and [s.seq for s in got.submissions] == [1, 2]
     salvaged = {s.fragment: s for s in got.submissions}
     # Fragment 0's snapshot is measured from version 0 and the round above made version 1: staleness 1, accepted.
@@ -113,7 +103,7 @@ def test_salvaged_work_is_taken_even_after_the_next_incarnation_registered():
     dying.wait_shelved()
     outer.unregister(1)
     outer.register(1, 2)  # a warm spare took the slot before the salvage came off its (emulated) uplink
-    got = salvageable(pickle.loads(shelved[-1][1]), taken={}, seen_seq=-1, epoch=0)
+    got = salvageable(pickle.loads(shelved[-1][1]), taken={}, epoch=0)
     assert all(s.salvaged for s in got.submissions)
     for s in got.submissions:
         _, refusal = outer.receive(s, now=1.0)

@@ -79,22 +79,29 @@ def fifo_done(items: list[tuple[float, int]], link: Link) -> list[float]:
     return out
 
 
-async def run_shell(tmp_path, train_s: float, downlink: str = "none", publish_to: str = "all",
-                    downlink_delta: str | None = None, network: NetworkModel = NETWORK,
-                    ) -> tuple[dict, list, list[LocalIsland], list[int], list]:
+def make_shell(tmp_path, settings: OuterSettings, network: NetworkModel):
+    """A real outer-optimizer shell over the nano model (seed 3, 2 fragments), seeded from checkpoint 0
+    as the driver does; returns (shell, model config, plan, training bytes)."""
     cfg = model_config("nano")
     model = build_model(cfg, seed=3)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
-    # K = 1 and no grace: a round closes the moment its submission reaches the core.
-    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000,
-                             downlink=downlink, publish_to=publish_to, downlink_delta=downlink_delta)
     tensors, meta = OuterOptimizer(init, plan, settings=settings).state_dict()
     uri = str(tmp_path / "ckpt")
     CheckpointStore(uri).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
     shell = _OuterShell(plan, settings, model.embedding_parameter_names(), uri, checkpoint_every_s=1e9,
                         network=network, island_regions=REGIONS)
     data = np.random.default_rng(0).integers(0, 256, size=50_000, dtype=np.uint8)
+    return shell, cfg, plan, data
+
+
+async def run_shell(tmp_path, train_s: float, downlink: str = "none", publish_to: str = "all",
+                    downlink_delta: str | None = None, network: NetworkModel = NETWORK,
+                    ) -> tuple[dict, list, list[LocalIsland], list[int], list]:
+    # K = 1 and no grace: a round closes the moment its submission reaches the core.
+    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000,
+                             downlink=downlink, publish_to=publish_to, downlink_delta=downlink_delta)
+    shell, cfg, plan, data = make_shell(tmp_path, settings, network)
     inner = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=4, emulated_slowdown=2.0)
     handles = []
     for i in REGIONS:
@@ -265,17 +272,8 @@ def test_a_salvage_takes_its_islands_uplink_and_merges_after_the_slot_came_back(
     from orchestrator.keeper import ProgressKeeper
 
     async def body():
-        cfg = model_config("nano")
-        model = build_model(cfg, seed=3)
-        init = {n: p.detach().clone() for n, p in model.named_parameters()}
-        plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
         settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000)
-        tensors, meta = OuterOptimizer(init, plan, settings=settings).state_dict()
-        uri = str(tmp_path / "ckpt")
-        CheckpointStore(uri).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
-        shell = _OuterShell(plan, settings, model.embedding_parameter_names(), uri, checkpoint_every_s=1e9,
-                            network=NETWORK, island_regions=REGIONS)
-        data = np.random.default_rng(0).integers(0, 256, size=50_000, dtype=np.uint8)
+        shell, cfg, plan, data = make_shell(tmp_path, settings, NETWORK)
         keeper = ProgressKeeper("eu-west")
         handles = []
         for i in REGIONS:

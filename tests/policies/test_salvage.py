@@ -26,25 +26,25 @@ def test_salvage_due_every_n_steps_and_never_when_off():
 
 
 def test_nothing_taken_since_the_snapshot_salvages_every_fragment_renumbered_after_the_snapshot():
-    got = salvageable(snapshot(next_seq=5), taken={0: 2, 1: 3, 2: 4}, seen_seq=4, epoch=0)
+    got = salvageable(snapshot(next_seq=5), taken={0: 2, 1: 3, 2: 4}, epoch=0)
     assert got.skipped == {}
     assert [(s.fragment, s.seq, s.tokens) for s in got.submissions] == [(0, 5, 100), (1, 6, 100), (2, 7, 100)]
 
 
 def test_a_fragment_cut_again_after_the_snapshot_is_covered_by_that_cut():
     # Seq 5 (fragment 2) and 6 (fragment 0) were cut and taken after the snapshot: their progress is in them.
-    got = salvageable(snapshot(next_seq=5), taken={0: 6, 1: 4, 2: 5}, seen_seq=6, epoch=0)
+    got = salvageable(snapshot(next_seq=5), taken={0: 6, 1: 4, 2: 5}, epoch=0)
     assert sorted(got.skipped) == [0, 2] and "cut again after the snapshot" in got.skipped[0]
     assert [(s.fragment, s.seq) for s in got.submissions] == [(1, 7)], "renumbered above every seq seen"
 
 
 def test_a_cut_taken_before_the_snapshot_does_not_cover_it():
-    got = salvageable(snapshot(next_seq=5), taken={1: 4}, seen_seq=4, epoch=0)
+    got = salvageable(snapshot(next_seq=5), taken={1: 4}, epoch=0)
     assert 1 not in got.skipped and len(got.submissions) == 3
 
 
 def test_progress_measured_from_a_restarted_outer_optimizers_lineage_is_skipped():
-    got = salvageable(snapshot(epochs=(0, 1, 1)), taken={}, seen_seq=-1, epoch=1)
+    got = salvageable(snapshot(epochs=(0, 1, 1)), taken={}, epoch=1)
     assert list(got.skipped) == [0] and "epoch 0, now 1" in got.skipped[0]
     assert [s.fragment for s in got.submissions] == [1, 2]
 
@@ -52,7 +52,7 @@ def test_progress_measured_from_a_restarted_outer_optimizers_lineage_is_skipped(
 def test_a_snapshot_mixing_incarnations_is_an_error():
     bad = snapshot(subs=[sub(0, 5), sub(1, 6, incarnation=1)])
     with pytest.raises(ValueError, match="holds a submission of 1/1"):
-        salvageable(bad, taken={}, seen_seq=-1, epoch=0)
+        salvageable(bad, taken={}, epoch=0)
 
 
 def test_keeper_holds_the_newest_snapshot_per_island_and_hands_it_over_once():
