@@ -48,8 +48,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _InFlight:
+    """A cut not yet merged or refused.
+
+    `snapshot` is theta[p] just after the cut: while the cut is in flight the fragment's later progress is
+    measured from it, since the cut already carries everything before it. A rebase adoption shifts it with
+    theta; an overwrite or mix adoption replaces the parameters it was taken of, so it is dropped (None) and
+    the new base is the reference again.
+    """
+
     fragment: int
-    snapshot: list[torch.Tensor] | None  # theta[p] at submission, kept (and shifted) only for rebase
+    snapshot: list[torch.Tensor] | None
 
 
 class IslandFailed(RuntimeError):
@@ -194,7 +202,7 @@ class LearnerIsland:
     def _progress(self, p: int, seq: int) -> Submission:
         """Fragment p's progress since its last cut as a submission numbered `seq` (no counter changes)."""
         with torch.no_grad():
-            deltas = [(b - t.detach()).cpu() for b, t in zip(self._base[p], self._theta[p])]  # .cpu(): no-op on CPU
+            deltas = [(a - t.detach()).cpu() for a, t in zip(self._anchor(p), self._theta[p])]  # .cpu(): no-op on CPU
         payload = [compress(d, self.spec.compression, block_size=self.spec.compression_block_size) for d in deltas]
         return Submission(
             island=self.spec.island, incarnation=self.spec.incarnation, seq=seq, fragment=p,
@@ -202,6 +210,21 @@ class LearnerIsland:
             step_time_s=self._step_time.value or 0.0, train_loss=self._loss.value or math.nan,
             payload=payload, created_at=time.time(), compute_s=self._compute[p], cursor=self.trainer.sampler.cursor,
         )
+
+    def _anchor(self, p: int) -> list[torch.Tensor]:
+        """What fragment p's unsubmitted progress is measured from (caller holds self._cv).
+
+        The parameters at its newest cut still in flight, if they are still the reference (see `_InFlight`),
+        else the base it last adopted. Measured from the base, a cut, snapshot or final flush made while an
+        earlier cut is in flight would carry that cut's progress a second time.
+        """
+        newest = max((k for k, f in self._inflight.items() if f.fragment == p and f.snapshot is not None),
+                     key=lambda k: k.seq, default=None)
+        if newest is None:
+            return self._base[p]
+        snapshot = self._inflight[newest].snapshot
+        assert snapshot is not None
+        return snapshot
 
     def _shelve_progress(self) -> None:
         """Leave every fragment's unsubmitted progress with the pool's keeper (policies/salvage.py says why).
@@ -259,8 +282,7 @@ class LearnerIsland:
             self._corrupt_next -= 1
             sub.payload = [_corrupt(c) for c in sub.payload]
             log.warning("island %d: corrupting submission %d (injected fault)", self.spec.island, seq)
-        snapshot = [t.detach().clone() for t in self._theta[p]] if self._adoption.kind == "rebase" else None
-        self._inflight[sub.key] = _InFlight(p, snapshot)
+        self._inflight[sub.key] = _InFlight(p, [t.detach().clone() for t in self._theta[p]])
         self._outbox.append(sub)
         self._cv.notify_all()
 
@@ -495,8 +517,8 @@ class LearnerIsland:
         # island's newest merged submission if it took part, else the fragment's base.
         anchor = self._base[p]
         if mine and self._adoption.kind == "rebase":
-            newest = max(mine, key=lambda k: k.seq)
-            anchor = self._inflight[newest].snapshot
+            snapshot = self._inflight[max(mine, key=lambda k: k.seq)].snapshot
+            anchor = snapshot if snapshot is not None else anchor
         with torch.no_grad():
             if not self._base[p]:  # first adoption: nothing local to keep
                 new = [g.detach().to(t.dtype).clone() for g, t in zip(global_, self._theta[p])]
@@ -508,11 +530,14 @@ class LearnerIsland:
         with self._cv:
             for key in mine:
                 self._inflight.pop(key, None)
-            if self._adoption.kind == "rebase":
-                for flight in self._inflight.values():  # keep "theta - snapshot" invariant for later rounds
-                    if flight.fragment == p and flight.snapshot is not None:
-                        for s, d in zip(flight.snapshot, shift):
-                            s.add_(d)
+            for flight in self._inflight.values():
+                if flight.fragment != p or flight.snapshot is None:
+                    continue
+                if self._adoption.kind == "rebase":  # keep "theta - snapshot" invariant for later rounds
+                    for s, d in zip(flight.snapshot, shift):
+                        s.add_(d)
+                else:  # the progress it was the reference for was replaced: measure from the new base
+                    flight.snapshot = None
             self._base[p] = [g.detach().to(torch.float32).clone() for g in global_]
             self._version[p] = update.version
             self._epoch[p] = update.epoch
