@@ -6,7 +6,7 @@ compute matches a 12B model on 2-5 Gbps links). Runs, one after another, each in
 
   decoupled          K = 1, grace, token weights, RDA, outer gradients in int4 (--compression),
                      published fragments in int8 (--downlink), later versions as int4 differences
-                     from each island's copy (--downlink-delta)
+                     from each island's copy (--downlink-delta), rebase adoption (--adoption)
   sync-diloco        K = all, mean, P = 1, islands wait for each round
   streaming-diloco   K = all, mean, P fragments in turn, islands wait for each round
   data-parallel      Ray Train TorchTrainer, all-reduce every step (orchestrator/baseline_dp.py),
@@ -58,6 +58,7 @@ from orchestrator.actors import WORKER_ENV, ignore_zero_copy_warnings  # noqa: E
 from orchestrator.baseline_dp import train_data_parallel  # noqa: E402
 from orchestrator.config import build_config  # noqa: E402
 from orchestrator.driver import load_corpus, measure_step_s, train  # noqa: E402
+from policies.adoption import parse_adoption  # noqa: E402
 
 REGIONS = ("us-east", "us-central", "us-west", "us-south")
 TARGETS = {"speedup": 20.0, "bytes": 500.0, "loss_gap": 0.02, "het_gap": 0.02, "het_goodput": 0.99}
@@ -124,7 +125,8 @@ def base_config(args: argparse.Namespace) -> dict:
 def methods(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     """(name, runner, config additions) of every run of the scenario, in run order."""
     comp = {"compression": args.compression, "step_scale": args.step_scale, "downlink": args.downlink,
-            "downlink_delta": None if args.downlink_delta == "none" else args.downlink_delta, "publish_to": args.publish_to}
+            "downlink_delta": None if args.downlink_delta == "none" else args.downlink_delta, "publish_to": args.publish_to,
+            "adoption": args.adoption}
     if args.max_staleness is not None:
         comp["max_staleness"] = args.max_staleness
     if args.scenario == "heterogeneity":
@@ -344,6 +346,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--publish-to", choices=("all", "participants"), default="all",
                     help="outer.publish_to of the decoupled runs: all (every island adopts every version) or "
                          "participants (an island receives a fragment only from the rounds that merged it)")
+    ap.add_argument("--adoption", default=None,
+                    help="outer.adoption of the decoupled runs: overwrite, rebase or mix(alpha) (default rebase for "
+                         "wan-4-regions, where a K = 1 round per submission would otherwise overwrite every other "
+                         "island's unmerged progress on that fragment; overwrite, the engine's default, for heterogeneity)")
     ap.add_argument("--step-scale", choices=("participation", "none"), default="participation",
                     help="outer.step_scale of the decoupled runs (default participation; none = unscaled K < all rounds)")
     ap.add_argument("--max-staleness", type=int, default=None,
@@ -360,6 +366,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--repeats {args.repeats}: pass 1 or more")
     if args.max_staleness is not None and args.max_staleness < 0:
         ap.error(f"--max-staleness {args.max_staleness}: pass an int >= 0")
+    if args.adoption is not None:
+        try:
+            parse_adoption(args.adoption)
+        except ValueError as err:
+            ap.error(f"--adoption: {err}")
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)
     if args.network is None:
         args.network = "none" if args.scenario == "heterogeneity" else "wan-4-regions"
@@ -367,6 +378,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.downlink = "none" if args.scenario == "heterogeneity" else "int8"
     if args.downlink_delta is None:
         args.downlink_delta = "none" if args.scenario == "heterogeneity" else "int4"
+    if args.adoption is None:
+        args.adoption = "overwrite" if args.scenario == "heterogeneity" else "rebase"
     args.dp_cap_s = args.dp_cap_s or (30.0 if args.quick else 600.0)
     args.repeats = 1 if args.quick else args.repeats
     args.eval_interval_s = 3.0 if args.quick else 10.0
@@ -417,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     first = runs[0]
     notes = sorted({s["network"] for s in first.values()} | {s["emulation"] for s in first.values() if s.get("emulation")})
     notes += [f"{args.repeats} repeat(s), medians; token budget {args.budget:,} per run; model {args.model}; "
-              f"decoupled outer gradients {args.compression}, downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {args.started} UTC."]
+              f"decoupled outer gradients {args.compression}, downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, adoption {args.adoption}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {args.started} UTC."]
     table = table_het(res, notes) if het else table_wan(res, notes)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
