@@ -257,6 +257,7 @@ class HealthSection(_Section):
     backoff_base_s: float = Field(0.5, gt=0, description="First restart delay; doubles per consecutive failure.")
     backoff_cap_s: float = Field(30.0, gt=0, description="Longest restart delay, seconds.")
     reset_after_s: float = Field(60.0, gt=0, description="Healthy this long resets an island's backoff.")
+    reset_on_submission: bool = Field(True, description="A restarted island that cuts a submission resets its backoff at once: failures with work between them are not a crash loop.")
     max_restarts: int | None = Field(None, ge=0, description="Give up on an island slot after this many restarts (None = never).")
     tick_s: float = Field(0.25, gt=0, description="Seconds between health checks.")
     warm_spares: int = Field(1, ge=0, description="Idle island processes kept ready per pool (imports done): a restart activates one in under a second instead of starting a process.")

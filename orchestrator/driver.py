@@ -331,7 +331,7 @@ class Run:
             call_timeout_s=cfg.run.call_timeout_s, tick_s=h.tick_s,
             health={"factor": h.hang_factor, "floor_s": h.hang_floor_s, "startup_s": h.startup_s, "unreachable_s": h.unreachable_s},
             restart={"base_s": h.backoff_base_s, "cap_s": h.backoff_cap_s, "reset_after_s": h.reset_after_s,
-                     "max_restarts": h.max_restarts},
+                     "max_restarts": h.max_restarts, "reset_on_submission": h.reset_on_submission},
             warm_spares=h.warm_spares, worker_cls=IslandWorkerActor, keeper_cls=ProgressKeeperActor,
             island_runtime_env=dict(ray.get_runtime_context().runtime_env),
         )

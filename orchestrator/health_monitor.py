@@ -60,6 +60,11 @@ class SlotState:
     finals: list = field(default_factory=list)  # last statuses of dead incarnations (token accounting)
 
 
+def _has_submitted(status) -> bool:
+    """Whether an island incarnation's status shows a submission cut (what earns its backoff back)."""
+    return status is not None and sum(status.submitted_tokens or ()) > 0
+
+
 def island_name(run_id: str, island: int, incarnation: int) -> str:
     """The detached actor (and placement group) name of one island incarnation."""
     return f"{run_id}-island{island}-inc{incarnation}"
@@ -577,7 +582,7 @@ class HealthMonitor:
             if st.steps != slot.steps:
                 slot.steps, slot.last_progress_at = st.steps, now
                 if slot.state == "reintegrating":
-                    self.budget.on_healthy(slot.island, now)
+                    self.budget.on_healthy(slot.island, now, submitted=_has_submitted(st))
             elif st.state == "blocked":
                 # Waiting for a round is not a hang, so the hang clock restarts when the island unblocks.
                 # Counted from its last step instead, a sync island whose round took 30 s was judged hung
@@ -596,7 +601,7 @@ class HealthMonitor:
             step_time_s=st.step_time_s if st else None, status_ok=ok, last_status_at=slot.last_status_at, **self.health,
         )
         if verdict.healthy:
-            self.budget.on_healthy(slot.island, now)
+            self.budget.on_healthy(slot.island, now, submitted=_has_submitted(st))
         else:
             await self._fail(slot, verdict.kind, verdict.reason)
 

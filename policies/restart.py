@@ -3,7 +3,9 @@
 The health monitor (DESIGN.md section 4) calls :meth:`RestartBudget.on_failure` when an island
 dies, hangs or diverges and restarts it at the returned time; it calls
 :meth:`RestartBudget.on_healthy` on every healthy check, so an island that stays healthy long
-enough earns its backoff back. Time is an argument; nothing here reads the clock.
+enough earns its backoff back, and so does one that has cut a submission since its restart (work
+the outer optimizer can merge is the health a crash loop never shows). Time is an argument; nothing
+here reads the clock.
 """
 
 from __future__ import annotations
@@ -70,13 +72,16 @@ class RestartBudget:
     and ``attempt[m] > max_restarts`` the decision is to give up, otherwise to restart at
     ``now + backoff_s(attempt[m])``. ``max_restarts`` limits *consecutive* failures (a crash loop),
     not the total over the run: once the island has stayed healthy for ``reset_after_s`` seconds
-    after its last restart (``now >= restart_at + reset_after_s`` in :meth:`on_healthy`),
-    ``attempt[m]`` returns to 0.
+    after its last restart (``now >= restart_at + reset_after_s`` in :meth:`on_healthy`), or, with
+    ``reset_on_submission``, has cut a submission since it (``submitted=True``), ``attempt[m]``
+    returns to 0. Without the second rule, independent failures of a slot that trains and submits
+    between them (one every 30 s in the chaos benchmark) doubled its backoff as if it were crash-looping.
 
     Args:
         base_s, factor, cap_s: see :func:`backoff_s`.
         reset_after_s: healthy seconds after a restart that clear the count, ``>= 0``.
         max_restarts: most consecutive restarts per island, ``>= 0``; ``None`` = unlimited.
+        reset_on_submission: a submission cut since the last restart also clears the count.
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class RestartBudget:
         cap_s: float = 30.0,
         reset_after_s: float = 60.0,
         max_restarts: int | None = None,
+        reset_on_submission: bool = True,
     ) -> None:
         _check_backoff(base_s=base_s, factor=factor, cap_s=cap_s)
         if math.isnan(reset_after_s) or reset_after_s < 0:
@@ -99,6 +105,7 @@ class RestartBudget:
         self.cap_s = float(cap_s)
         self.reset_after_s = float(reset_after_s)
         self.max_restarts = max_restarts
+        self.reset_on_submission = bool(reset_on_submission)
         self._attempt: dict[int, int] = {}
         self._restart_at: dict[int, float] = {}
         self._restarts: dict[int, int] = {}
@@ -126,15 +133,18 @@ class RestartBudget:
         self._restarts[island] = self._restarts.get(island, 0) + 1
         return RestartDecision(True, at, attempt, f"island {island} failure {attempt} in a row: restart in {delay:g}s")
 
-    def on_healthy(self, island: int, now: float) -> bool:
-        """Record a healthy check; clear the count once ``now >= restart_at + reset_after_s``.
+    def on_healthy(self, island: int, now: float, *, submitted: bool = False) -> bool:
+        """Record a healthy check; clear the count once ``now >= restart_at + reset_after_s``, or at
+        once if ``submitted`` (the island's incarnation since its last restart has cut a submission)
+        and ``reset_on_submission``.
 
         Returns whether the count was cleared by this call.
         """
         if self._attempt.get(island, 0) == 0:
             return False
         restart_at = self._restart_at.get(island)
-        if restart_at is None or now < restart_at + self.reset_after_s:
+        earned = submitted and self.reset_on_submission and restart_at is not None and now >= restart_at
+        if not earned and (restart_at is None or now < restart_at + self.reset_after_s):
             return False
         self._attempt[island] = 0
         return True
@@ -176,5 +186,6 @@ class RestartBudget:
     def __repr__(self) -> str:
         return (
             f"RestartBudget(base_s={self.base_s}, factor={self.factor}, cap_s={self.cap_s}, "
-            f"reset_after_s={self.reset_after_s}, max_restarts={self.max_restarts})"
+            f"reset_after_s={self.reset_after_s}, max_restarts={self.max_restarts}, "
+            f"reset_on_submission={self.reset_on_submission})"
         )

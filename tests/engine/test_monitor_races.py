@@ -10,6 +10,8 @@ that interleaving with a status call the test releases by hand.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 from islands.model import model_config
 from islands.spec import InnerSettings, IslandSpec, IslandStatus
@@ -155,3 +157,22 @@ def test_time_blocked_on_a_round_does_not_count_towards_a_hang():
         assert teardowns == [1]
 
     asyncio.run(scenario())
+
+
+def test_a_restarted_island_earns_its_backoff_back_by_submitting_not_by_stepping():
+    async def check(mon, status):
+        mon.handles[0] = _answered(status)
+        await mon._check(mon.slots[0])
+
+    async def scenario():
+        mon, _, _ = _monitor()
+        mon.budget.on_failure(0, now=time.monotonic() - 1.0)  # the previous incarnation failed 1 s ago
+        stepping = dataclasses.replace(_status("training", 20), submitted_tokens=[0])
+        await check(mon, stepping)
+        after_steps = mon.budget.attempt(0)
+        await check(mon, dataclasses.replace(stepping, steps=30, submitted_tokens=[4096]))
+        return after_steps, mon.budget.attempt(0)
+
+    after_steps, after_submission = asyncio.run(scenario())
+    assert after_steps == 1, "stepping alone is what a crash loop does too: the backoff stands"
+    assert after_submission == 0, "a submission cut since the restart clears it"

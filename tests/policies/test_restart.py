@@ -66,6 +66,31 @@ def test_budget_resets_after_healthy_spell_since_last_restart():
     assert budget.restarts(0) == 3  # the total over the run keeps counting
 
 
+def test_a_submission_since_the_restart_resets_the_budget_at_once():
+    budget = RestartBudget(reset_after_s=60.0)
+    budget.on_failure(0, now=0.0)  # restart at 0.5
+    budget.on_failure(0, now=10.0)  # attempt 2, restart at 11.0
+    assert budget.on_healthy(0, now=20.0) is False, "healthy, no submission yet, 9 s since the restart"
+    assert budget.on_healthy(0, now=21.0, submitted=True) is True
+    d = budget.on_failure(0, now=40.0)  # killed again 29 s later: an independent failure, not a crash loop
+    assert (d.at, d.attempt) == (40.5, 1)
+
+
+def test_a_crash_loop_without_submissions_still_backs_off_and_gives_up():
+    budget = RestartBudget(max_restarts=2, reset_after_s=60.0)
+    assert budget.on_failure(1, now=0.0).restart
+    assert budget.on_healthy(1, now=3.0) is False  # stepping, never reaching a submission
+    assert budget.on_failure(1, now=5.0).at == 6.0  # doubled
+    assert not budget.on_failure(1, now=9.0).restart
+
+
+def test_reset_on_submission_off_keeps_the_time_rule_only():
+    budget = RestartBudget(reset_after_s=60.0, reset_on_submission=False)
+    budget.on_failure(0, now=0.0)
+    assert budget.on_healthy(0, now=20.0, submitted=True) is False
+    assert budget.on_healthy(0, now=60.5, submitted=True) is True
+
+
 def test_healthy_checks_of_unknown_island_do_nothing():
     budget = RestartBudget()
     assert budget.on_healthy(4, now=1e9) is False
