@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="YAML run config (default: built-in defaults, same as configs/default.yaml)")
     t.add_argument("--run-dir", help="where to write the event log and summary (default: runs/<timestamp>)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set outer.min_quorum=2 (repeatable)")
+                   help="override a config field, e.g. --set outer.min_quorum=2 or one pool's: --set pools.slow.islands=3 (repeatable)")
     t.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run whose driver died, from its checkpoints")

@@ -402,21 +402,55 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return path, yaml.safe_load(raw) if raw.strip() else None
 
 
+def _list_entry(item: str, key: str, entries: list[Any], part: str) -> Any:
+    """The entry of list `key` that `part` names: an index, or the `name` of a dict entry (pools by name)."""
+    names = [e.get("name") for e in entries if isinstance(e, dict)]
+    if part.lstrip("-").isdigit():
+        i = int(part)
+        if not 0 <= i < len(entries):
+            raise ConfigError(f"--set {item!r}: {key} has {len(entries)} entries, so index {i} does not exist; "
+                              f"use 0..{len(entries) - 1}" + (f" or a name ({', '.join(map(str, names))})" if names else ""))
+        return entries[i]
+    for e in entries:
+        if isinstance(e, dict) and e.get("name") == part:
+            return e
+    raise ConfigError(f"--set {item!r}: {key} has no entry named {part!r}; use one of {', '.join(map(str, names))} "
+                      f"or an index 0..{len(entries) - 1}")
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply dotted `key=value` overrides (values parsed as YAML scalars) to a config dict, returning a new dict."""
+    """Apply dotted `key=value` overrides (values parsed as YAML) to a config dict, returning a new dict.
+
+    A part after a list picks one entry, by index or by its `name`: `pools.1.islands=3` or
+    `pools.slow.emulated_slowdown=2`. A list the dict does not have yet starts as its default
+    (RunConfig's), so this works without a config file too.
+    """
     out = yaml.safe_load(yaml.safe_dump(data))  # deep copy through plain types
     for item in overrides:
         path, value = _parse_override(item)
-        node = out
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
+        node: Any = out
+        for depth, part in enumerate(path[:-1]):
+            if isinstance(node, list):
+                child = _list_entry(item, ".".join(path[:depth]), node, part)
+            else:
+                child = node.get(part)
+                if child is None and depth == 0 and isinstance(_default_lists().get(part), list):
+                    child = node[part] = _default_lists()[part]
+                elif child is None:
+                    child = node[part] = {}
+            if not isinstance(child, (dict, list)):
                 raise ConfigError(f"--set {item!r}: '{part}' is not a section")
             node = child
+        if isinstance(node, list):
+            raise ConfigError(f"--set {item!r}: {'.'.join(path)} is a whole entry of a list; set one of its "
+                              f"fields, e.g. --set {'.'.join(path)}.islands=2")
         node[path[-1]] = value
     return out
+
+
+def _default_lists() -> dict[str, Any]:
+    """The built-in config's top-level lists (pools), as plain data."""
+    return {k: v for k, v in RunConfig().model_dump(mode="json").items() if isinstance(v, list)}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -45,6 +45,10 @@ def test_sync_diloco_preset_sets_the_degenerate_settings():
         (["pools=[{name: a, accelerator: H100}]"], "pool 'a': accelerator 'H100' trains on a GPU but gpus_per_worker is 0"),
         (["network.step_concurrency=0"], "config field 'network.step_concurrency'"),
         (["outer.publish_to=some"], "config field 'outer.publish_to': Input should be 'all' or 'participants'"),
+        (["pools.2.islands=1"], "pools has 2 entries, so index 2 does not exist; use 0..1 or a name (fast, slow)"),
+        (["pools.medium.islands=1"], "pools has no entry named 'medium'; use one of fast, slow or an index 0..1"),
+        (["pools.slow=1"], "pools.slow is a whole entry of a list; set one of its fields"),
+        (["pools.0.islands=-1"], "config field 'pools.0.islands'"),
     ],
 )
 def test_bad_config_gives_one_line_error_naming_field_and_fix(overrides, expected):
@@ -53,6 +57,16 @@ def test_bad_config_gives_one_line_error_naming_field_and_fix(overrides, expecte
     msg = str(err.value)
     assert expected in msg
     assert "\n" not in msg
+
+
+def test_set_addresses_one_pool_by_index_or_name_and_leaves_the_others(tmp_path):
+    default = RunConfig().pools
+    cfg = load_config(None, ["pools.0.islands=3", "pools.slow.emulated_slowdown=2.5"])
+    assert [(p.name, p.islands, p.emulated_slowdown) for p in cfg.pools] == [
+        (default[0].name, 3, default[0].emulated_slowdown), (default[1].name, default[1].islands, 2.5)]
+    path = tmp_path / "c.yaml"
+    path.write_text("pools: [{name: a, islands: 1}, {name: b, islands: 1}, {name: c, islands: 1}]\n")
+    assert [p.islands for p in load_config(path, ["pools.c.islands=4", "pools.1.islands=2"]).pools] == [1, 2, 4]
 
 
 def test_missing_config_file_is_named(tmp_path):
