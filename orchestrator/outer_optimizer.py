@@ -21,7 +21,7 @@ import torch
 from islands.messages import Submission, SubmissionKey
 from policies.compression import Compressed, decompress
 from policies.fragments import FragmentPlan
-from policies.merge import merge_fragment
+from policies.merge import join_segments, merge_fragment
 from policies.outer_optimizer import FragmentOuterOptimizer, round_step_scale
 from policies.quorum import MovingAverage, decide_round, grace_window_s
 from policies.staleness import VersionRing, check_staleness
@@ -306,13 +306,19 @@ class OuterOptimizer:
         t0 = time.perf_counter()
         subs = [s for s, _, _ in self._pending[p]]
         staleness = [st for _, st, _ in self._pending[p]]
-        deltas = [d for _, _, d in self._pending[p]]
-        weights = merge_weights(
-            tokens=[s.tokens for s in subs], steps=[s.inner_steps for s in subs],
-            scheme=self.settings.weighting, staleness=staleness,
+        # An island's several submissions in one round are consecutive segments: weighted and merged as one.
+        groups, deltas = join_segments([(s.island, s.incarnation) for s in subs], [d for _, _, d in self._pending[p]])
+        tokens = [sum(subs[i].tokens for i in g) for g in groups]
+        group_weights = merge_weights(
+            tokens=tokens, steps=[sum(subs[i].inner_steps for i in g) for g in groups],
+            scheme=self.settings.weighting, staleness=[max(staleness[i] for i in g) for g in groups],
             staleness_discount=self.settings.staleness_discount,
         )
-        outer_grad = merge_fragment(deltas, weights, rule=self.settings.merge_rule, embedding_mask=self._embedding_mask[p])
+        outer_grad = merge_fragment(deltas, group_weights, rule=self.settings.merge_rule, embedding_mask=self._embedding_mask[p])
+        weights = [0.0] * len(subs)  # per submission, for the record: its group's weight shared by tokens
+        for g, members in enumerate(groups):
+            for i in members:
+                weights[i] = group_weights[g] * (subs[i].tokens / tokens[g] if tokens[g] else 1.0 / len(members))
         scale = 1.0
         if final:
             self._opts[p].average_step(outer_grad)

@@ -9,12 +9,12 @@ under a plain mean. Embedding tensors use the plain weighted mean, as the design
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["MERGE_RULES", "rda_merge", "mean_merge", "merge_fragment"]
+__all__ = ["MERGE_RULES", "rda_merge", "mean_merge", "merge_fragment", "join_segments"]
 
 MERGE_RULES = ("rda", "mean")
 
@@ -126,3 +126,42 @@ def merge_fragment(
         else:
             out.append(mean_merge(column, weights))
     return out
+
+
+def join_segments(
+    keys: Sequence[Hashable], submissions: Sequence[Sequence[Tensor]]
+) -> tuple[list[list[int]], list[list[Tensor]]]:
+    """Group one round's submissions by ``keys`` (an island incarnation) and add up each group's tensors.
+
+    One island's submissions of a fragment are consecutive segments of its trajectory: while a cut is in
+    flight the island measures later progress from it (islands/island.py, ``_anchor``), and a salvaged
+    snapshot is measured the same way. Two segments in one round are therefore one outer gradient, their
+    sum; averaging them with the other islands' as if they were two islands would count the island's
+    steps at about half their length.
+
+    Returns ``(groups, joined)``: ``groups[g]`` lists the input indexes of group ``g`` in order of first
+    appearance, ``joined[g][t]`` is the sum of tensor ``t`` over the group. A group of one passes its
+    tensors through untouched, so a round of one submission per island is bitwise what it was.
+    """
+    if len(keys) != len(submissions):
+        raise ValueError(f"got {len(keys)} keys for {len(submissions)} submissions; give one key per submission")
+    index: dict[Hashable, int] = {}
+    groups: list[list[int]] = []
+    for i, key in enumerate(keys):
+        if key not in index:
+            index[key] = len(groups)
+            groups.append([])
+        groups[index[key]].append(i)
+    joined: list[list[Tensor]] = []
+    for members in groups:
+        if len(members) == 1:
+            joined.append(list(submissions[members[0]]))
+            continue
+        first = submissions[members[0]]
+        for m in members[1:]:
+            if len(submissions[m]) != len(first):
+                raise ValueError(f"submissions {members[0]} and {m} of one island hold {len(first)} and "
+                                 f"{len(submissions[m])} tensors; segments of one fragment hold the same tensors")
+        joined.append([torch.stack([submissions[m][t].to(torch.float32) for m in members]).sum(0)
+                       for t in range(len(first))])
+    return groups, joined

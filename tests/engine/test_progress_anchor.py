@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 import torch
 
 from islands.island import IslandSpec, LearnerIsland
@@ -159,3 +160,26 @@ def test_overwrite_measures_from_the_new_version_once_a_round_replaced_the_fragm
     end = frag(island, w)
     flush = flushed(island, 0)
     assert close(decoded(flush), sub(v1, end)), "the cut in flight no longer measures anything"
+
+
+def test_a_flush_behind_a_cut_in_flight_puts_the_global_fragment_at_the_islands_parameters():
+    # K = 2: the island's cut waits in the outer optimizer for a second island that never submits.
+    w = nano_world(OuterSettings(min_quorum=2, grace_gamma=float("inf"), grace_cap_s=float("inf")))
+    spec = IslandSpec(island=0, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
+                      sync_every_steps=8, seed=1)
+    island = LearnerIsland(spec, w.data, w.latest)
+    w.outer.register(0, 1)
+    w.outer.register(1, 1)
+    for _ in range(6):
+        island.step()  # fragment 0 cut at step 4, pending in the outer optimizer
+    results, refusal = w.outer.receive(island.next_submission(0), now=1.0)
+    assert refusal is None and results == []
+    end = frag(island, w)
+    flush = flushed(island, 0)  # steps 5-6, measured from the cut
+    results, refusal = w.outer.receive(flush, now=2.0)
+    assert refusal is None and results == []
+    (final, *_) = w.outer.close_all(now=3.0)
+    assert final.fragment == 0 and final.record.participants == [0, 0]
+    assert close([t.float() for t in final.tensors], end), \
+        "its two segments are one outer gradient: the final step lands on the island's parameters"
+    assert sum(final.record.weights) == pytest.approx(1.0)

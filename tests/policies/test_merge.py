@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from policies.merge import MERGE_RULES, mean_merge, merge_fragment, rda_merge
+from policies.merge import MERGE_RULES, join_segments, mean_merge, merge_fragment, rda_merge
 
 
 def _rda_reference(deltas, weights):
@@ -139,3 +139,21 @@ def test_rda_errors():
         rda_merge([torch.zeros(2), torch.zeros(2, 1)], [0.5, 0.5])
     with pytest.raises(ValueError, match=r"weights\[1\] must be >= 0, got -0.5"):
         mean_merge([torch.zeros(2), torch.zeros(2)], [1.5, -0.5])
+
+
+def test_join_segments_adds_one_islands_segments_and_passes_singles_through():
+    a1, a2 = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])], [torch.tensor([0.5, -1.0]), torch.tensor([1.0])]
+    b = [torch.tensor([7.0, 7.0]), torch.tensor([7.0])]
+    groups, joined = join_segments([("a", 1), ("b", 1), ("a", 1)], [a1, b, a2])
+    assert groups == [[0, 2], [1]]
+    assert [t.tolist() for t in joined[0]] == [[1.5, 1.0], [4.0]]
+    assert all(x is y for x, y in zip(joined[1], b)), "a group of one is passed through, bitwise"
+
+
+def test_join_segments_keeps_incarnations_apart_and_checks_its_input():
+    groups, _ = join_segments([("a", 1), ("a", 2)], [[torch.zeros(1)], [torch.zeros(1)]])
+    assert groups == [[0], [1]], "a new incarnation starts from the global version: not a segment of the old"
+    with pytest.raises(ValueError, match="one key per submission"):
+        join_segments([("a", 1)], [])
+    with pytest.raises(ValueError, match="hold 1 and 2 tensors"):
+        join_segments([("a", 1), ("a", 1)], [[torch.zeros(1)], [torch.zeros(1), torch.zeros(1)]])
