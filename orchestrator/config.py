@@ -434,10 +434,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 child = _list_entry(item, ".".join(path[:depth]), node, part)
             else:
                 child = node.get(part)
-                if child is None and depth == 0 and isinstance(_default_lists().get(part), list):
-                    child = node[part] = _default_lists()[part]
-                elif child is None:
-                    child = node[part] = {}
+                if child is None:
+                    default = _default_lists().get(part) if depth == 0 else None
+                    child = node[part] = default if default is not None else {}
             if not isinstance(child, (dict, list)):
                 raise ConfigError(f"--set {item!r}: '{part}' is not a section")
             node = child
