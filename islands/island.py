@@ -118,6 +118,7 @@ class LearnerIsland:
         self._compute = [0.0] * P  # wall seconds of steps since the previous cut of each fragment
         self._submitted = [0] * P
         self._discarded = [0] * P
+        self._overwritten = [0] * P  # per fragment: progress an overwrite adoption replaced (never merged)
         self._blocked_s = 0.0
         # Injected faults (chaos): a hang stops the inner loop while the control interface still answers.
         self._hang_until = 0.0
@@ -386,7 +387,7 @@ class LearnerIsland:
                 train_loss=self._loss.value, step_time_s=self._step_time.value,
                 versions=list(self._version), unsubmitted_tokens=list(self._tokens), outbox_tokens=outbox,
                 inflight=taken, cursor=self.trainer.sampler.cursor, submitted_tokens=list(self._submitted),
-                discarded_tokens=list(self._discarded), blocked_s=self._blocked_s, faults=self._faults,
+                discarded_tokens=list(self._discarded), overwritten_tokens=list(self._overwritten), blocked_s=self._blocked_s, faults=self._faults,
                 error=self._error, shelve_s=self._shelve_s, shelved_bytes=self._shelved_bytes,
             )
 
@@ -528,6 +529,11 @@ class LearnerIsland:
             for t, n in zip(self._theta[p], new):
                 t.copy_(n)  # in place: the optimizer holds these tensors; never modify `global_`
         with self._cv:
+            if self._adoption.kind == "overwrite" and self._steps[p]:
+                # The fragment's progress since its last cut was just replaced: it never reaches the global
+                # parameters, so its tokens and compute are not the next cut's (DESIGN.md section 6, useful).
+                self._overwritten[p] += self._tokens[p]
+                self._tokens[p], self._steps[p], self._compute[p] = 0, 0, 0.0
             for key in mine:
                 self._inflight.pop(key, None)
             for flight in self._inflight.values():

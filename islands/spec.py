@@ -135,6 +135,7 @@ class IslandStatus:
     cursor: int  # data batches drawn
     submitted_tokens: list[int] = field(default_factory=list)  # per fragment: cut into submissions (incl. dropped)
     discarded_tokens: list[int] = field(default_factory=list)  # per fragment: never submitted, dropped by a resync
+    overwritten_tokens: list[int] = field(default_factory=list)  # per fragment: progress replaced by an overwrite adoption
     blocked_s: float = 0.0  # time spent waiting for rounds (synchronous modes)
     faults: int = 0  # faults injected into this incarnation
     shelve_s: float = 0.0  # inner-loop time spent taking progress snapshots (pickling and sending run beside it)

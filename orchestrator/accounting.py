@@ -2,7 +2,7 @@
 
 Per fragment p (each inner step's tokens count once for every fragment), from independent sources:
 
-  processed_p = merged_p + refused_p + in_flight_p + lost_p
+  processed_p = merged_p + refused_p + in_flight_p + lost_p + overwritten_p
 
 - merged, refused: the outer optimizer's ledger (since this driver session began);
 - in flight at stop: pending in the outer optimizer, taken after stop began, in live islands' outboxes,
@@ -11,6 +11,8 @@ Per fragment p (each inner step's tokens count once for every fragment), from in
   way, or received by an outer optimizer that then restored an older checkpoint) plus unsubmitted
   progress thrown away by a resync; for a dead incarnation, everything it processed that the outer
   optimizer never received;
+- overwritten: progress an `overwrite` adoption replaced before it was cut (the island's own or another
+  island's round published fragment p over it), as the islands count it;
 - processed: live incarnations' token counts, and for dead ones the larger of their last reported
   count and what the outer optimizer received from them (work after the last heartbeat is unseen).
 """
@@ -31,7 +33,7 @@ def token_fates(
     live: Iterable[Any],
     dead: Iterable[Any],
 ) -> dict[str, list[int]]:
-    """Per-fragment processed / merged / refused / in_flight / lost token counts.
+    """Per-fragment processed / merged / refused / in_flight / lost / overwritten token counts.
 
     `live` and `dead` are island statuses (islands.island.IslandStatus) of live and dead incarnations;
     `received` maps (island, incarnation) to per-fragment tokens the outer optimizer received;
@@ -43,6 +45,7 @@ def token_fates(
     refused = [ledger["refused"][p] - base["refused"][p] for p in range(P)]
     in_flight = [ledger["pending"][p] + ledger["late"][p] for p in range(P)]
     lost = [0] * P
+    overwritten = [0] * P
     processed = [0] * P
     zero = [0] * P
     for st in live:
@@ -50,14 +53,24 @@ def token_fates(
         for p in range(P):
             in_flight[p] += st.outbox_tokens[p] + st.unsubmitted_tokens[p]
             lost[p] += st.submitted_tokens[p] - st.outbox_tokens[p] - got[p] + st.discarded_tokens[p]
+            overwritten[p] += _at(st.overwritten_tokens, p)
             processed[p] += st.tokens
     for st in dead:
         got = received.get((st.island, st.incarnation), zero)
         for p in range(P):
             seen = max(st.tokens, got[p])
             processed[p] += seen
-            lost[p] += seen - got[p]
-    return {"processed": processed, "merged": merged, "refused": refused, "in_flight": in_flight, "lost": lost}
+            # What it overwrote by its last report was never going to be received; the rest is lost.
+            gone = min(_at(st.overwritten_tokens, p), seen - got[p])
+            overwritten[p] += gone
+            lost[p] += seen - got[p] - gone
+    return {"processed": processed, "merged": merged, "refused": refused, "in_flight": in_flight, "lost": lost,
+            "overwritten": overwritten}
+
+
+def _at(counts: Sequence[int], p: int) -> int:
+    # Statuses from before a field existed (a resumed run's parked finals) have an empty list.
+    return counts[p] if p < len(counts) else 0
 
 
 def run_goodput(
@@ -84,7 +97,8 @@ def run_goodput(
         intervals=merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end), useful_s=min(useful_s, islands * (run_end - run_start)),
         run_start=run_start, run_end=run_end, islands=islands, version_advances=inside, uptime_window_s=window,
         tokens_merged=mean(fates["merged"]), tokens_lost=mean(fates["lost"]), tokens_refused=mean(fates["refused"]),
-        tokens_in_flight=mean(fates["in_flight"]), uptime_until=until,
+        tokens_in_flight=mean(fates["in_flight"]), tokens_overwritten=mean(fates.get("overwritten", [0] * P)),
+        uptime_until=until,
     )
     return {"goodput": report.goodput, "uptime": report.uptime, "uptime_window_s": window, "fill_s": report.fill_s,
             "allocated_s": report.allocated_s, "useful_s": report.useful_s, "time_by_state_s": report.by_state_s}

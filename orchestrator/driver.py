@@ -530,6 +530,7 @@ class Run:
             "tokens_refused": mean(fates["refused"]),
             "tokens_lost": mean(fates["lost"]),
             "tokens_in_flight": mean(fates["in_flight"]),
+            "tokens_overwritten": mean(fates["overwritten"]),  # replaced by an overwrite adoption before a cut
             "token_ledger": fates,
             "goodput": good["goodput"],
             "uptime": good["uptime"],  # from the first version advance (policies/goodput.py)

@@ -203,8 +203,9 @@ def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: l
         ("held-out loss (nats/byte)", _fmt(s("eval_loss"), ".4f")),
         ("held-out bits/byte", f"{_fmt(bpb, '.3f')} (unigram baseline {_fmt(unigram, '.3f')}{below})"),
         ("tokens processed", _fmt(s("tokens_processed"), ",")),
-        ("tokens merged / refused / lost / in flight",
-         " / ".join(_fmt(s(k), ",.0f") for k in ("tokens_merged", "tokens_refused", "tokens_lost", "tokens_in_flight"))),
+        ("tokens merged / refused / lost / in flight / overwritten",
+         " / ".join(_fmt(s(k), ",.0f") for k in ("tokens_merged", "tokens_refused", "tokens_lost", "tokens_in_flight",
+                                                  "tokens_overwritten"))),
         ("goodput", _fmt(s("goodput"), ".3f") + pct(s("goodput"))),
         ("uptime (from the first version advance)", _fmt(s("uptime"), ".3f") + pct(s("uptime"))
          + (f"; pipeline fill {s('fill_s'):.1f} s before it" if s("fill_s") is not None else "")),

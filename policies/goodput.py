@@ -13,7 +13,8 @@
   without failures; counting that pipeline fill as down gave a failure-free run an uptime of
   0.88-0.94, so uptime could not tell a stall from a start. The fill is reported apart (``fill_s``).
   The clock stops when the run begins stopping (``uptime_until``): versions are then held on purpose.
-- Tokens: every token has a fate (merged, lost with a failure, refused, or still in flight at the
+- Tokens: every token has a fate (merged, lost with a failure, refused, overwritten by an ``overwrite``
+  adoption before it was cut, or still in flight at the
   end); ``processed`` is their sum.
 
 Pure functions over numbers: the health monitor records the timeline, the driver calls
@@ -131,7 +132,7 @@ class GoodputReport:
         useful_s: island compute time that reached the global parameters.
         lost_s: ``allocated_s - useful_s``.
         by_state_s: seconds per timeline state (every state present), intervals clipped to the run.
-        tokens: ``merged``, ``lost``, ``refused``, ``in_flight`` and their sum ``processed``.
+        tokens: ``merged``, ``lost``, ``refused``, ``in_flight``, ``overwritten`` and their sum ``processed``.
     """
 
     goodput: float
@@ -192,6 +193,7 @@ def goodput_report(
     tokens_lost: int,
     tokens_refused: int,
     tokens_in_flight: int,
+    tokens_overwritten: int = 0,
     uptime_until: float | None = None,
 ) -> GoodputReport:
     """The run's goodput, uptime, time by state and token fates (module docstring for formulas).
@@ -220,7 +222,8 @@ def goodput_report(
             f"useful_s {useful_s} exceeds allocated_s {allocated} ({islands} islands x {run_end - run_start}s); "
             "useful time counts island compute that reached the global parameters, at most the allocated time"
         )
-    tokens = {"merged": tokens_merged, "lost": tokens_lost, "refused": tokens_refused, "in_flight": tokens_in_flight}
+    tokens = {"merged": tokens_merged, "lost": tokens_lost, "refused": tokens_refused, "in_flight": tokens_in_flight,
+              "overwritten": tokens_overwritten}
     for fate, n in tokens.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"tokens_{fate} must be an int >= 0, got {n!r}")

@@ -183,3 +183,25 @@ def test_a_flush_behind_a_cut_in_flight_puts_the_global_fragment_at_the_islands_
     assert close([t.float() for t in final.tensors], end), \
         "its two segments are one outer gradient: the final step lands on the island's parameters"
     assert sum(final.record.weights) == pytest.approx(1.0)
+
+
+def test_overwritten_progress_is_counted_as_overwritten_not_as_the_next_cuts():
+    for adoption in ("overwrite", "rebase"):
+        w, (other, island), _ = setup(adoption)
+        for _ in range(6):
+            island.step()  # cut of fragment 0 at step 4; steps 5-6 unsubmitted on both fragments
+        per_step = island.total_tokens // island.total_steps
+        for _ in range(4):
+            other.step()
+        results, _ = w.outer.receive(other.next_submission(0), now=1.0)
+        for u in publish(results):
+            island.adopt(u)
+        island.apply_updates()
+        st = island.status()
+        if adoption == "overwrite":
+            assert st.overwritten_tokens == [2 * per_step, 0] and st.unsubmitted_tokens == [0, 6 * per_step]
+        else:
+            assert st.overwritten_tokens == [0, 0] and st.unsubmitted_tokens == [2 * per_step, 6 * per_step]
+        island.step()
+        flush = flushed(island, 0)
+        assert flush.tokens == (1 if adoption == "overwrite" else 3) * per_step, adoption

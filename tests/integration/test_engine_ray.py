@@ -55,7 +55,8 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
     assert summary["tokens_processed"] >= 300_000
     for p in range(len(ledger["merged"])):
         assert ledger["processed"][p] == summary["tokens_processed"]
-        assert ledger["processed"][p] == ledger["merged"][p] + ledger["refused"][p] + ledger["in_flight"][p]
+        assert ledger["processed"][p] == (ledger["merged"][p] + ledger["refused"][p] + ledger["in_flight"][p]
+                                          + ledger["overwritten"][p])
         assert ledger["lost"][p] == 0, "no failure, no loss"
     assert summary["failures"] == 0 and 0.0 < summary["goodput"] <= 1.0 and summary["uptime"] > 0.0
     assert summary["tokens_merged"] > 0 and summary["rounds"] > 0

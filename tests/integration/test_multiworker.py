@@ -133,7 +133,7 @@ def test_run_with_two_worker_island_merges_rebuilds_whole_after_a_follower_dies(
     ledger = summary["token_ledger"]
     for p in range(2):
         assert ledger["processed"][p] == (ledger["merged"][p] + ledger["refused"][p] + ledger["in_flight"][p]
-                                          + ledger["lost"][p])
+                                          + ledger["lost"][p] + ledger["overwritten"][p])
     assert summary["tokens_merged"] > 0 and math.isfinite(summary["eval_loss"])
     # Every island step counts both workers' batches.
     step_tokens = 2 * 8 * 32

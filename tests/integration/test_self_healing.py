@@ -162,7 +162,7 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
     ledger = summary["token_ledger"]
     for p in range(2):
         assert ledger["processed"][p] == (ledger["merged"][p] + ledger["refused"][p] + ledger["in_flight"][p]
-                                          + ledger["lost"][p])
+                                          + ledger["lost"][p] + ledger["overwritten"][p])
     assert summary["tokens_lost"] > 0 and summary["tokens_refused"] > 0
     assert summary["failures"] == 3 and summary["restarts"] == 3 and summary["faults_injected"] == 3
     assert math.isfinite(summary["eval_loss"]) and summary["eval_loss"] < summary["evals"][0]["eval_loss"]

@@ -88,7 +88,7 @@ def test_goodput_report_hand_computed():
     r = goodput_report(
         intervals=_hand_timeline(), useful_s=120.0, run_start=0.0, run_end=100.0, islands=2,
         version_advances=[10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0], uptime_window_s=10.0,
-        tokens_merged=1000, tokens_lost=200, tokens_refused=50, tokens_in_flight=30,
+        tokens_merged=1000, tokens_lost=200, tokens_refused=50, tokens_in_flight=30, tokens_overwritten=7,
     )
     assert r == GoodputReport(
         goodput=0.6,  # 120 / (2 x 100)
@@ -98,7 +98,7 @@ def test_goodput_report_hand_computed():
         useful_s=120.0,
         lost_s=80.0,
         by_state_s={"training": 170.0, "blocked": 10.0, "dead": 5.0, "restarting": 10.0, "reintegrating": 5.0},
-        tokens={"merged": 1000, "lost": 200, "refused": 50, "in_flight": 30, "processed": 1280},
+        tokens={"merged": 1000, "lost": 200, "refused": 50, "in_flight": 30, "overwritten": 7, "processed": 1287},
     )
     assert sum(r.by_state_s.values()) == r.allocated_s  # the timeline covers every slot-second here
 
