@@ -61,7 +61,7 @@ def run_one(name: str, overrides: list[str], root: Path) -> dict:
 
 
 FIELDS = ("goodput", "uptime", "fill_s", "longest_gap_s", "faults_injected", "failures", "restarts", "mean_time_to_detect_s",
-          "mean_time_to_rejoin_s", "eval_loss", "eval_bits_per_byte", "tokens_lost", "salvaged_tokens", "salvage_snapshot_s",
+          "mean_time_to_rejoin_s", "eval_loss", "eval_bits_per_byte", "tokens_lost", "tokens_overwritten", "salvaged_tokens", "salvage_snapshot_s",
           "time_by_state_s", "wall_s")
 METHODS = ("decoupled + faults", "sync-diloco + faults", "decoupled, no faults")
 
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     rows = ["| run | goodput | uptime | fill s | longest gap s | faults fired | failures | restarts | detect s | rejoin s | held-out loss "
-            "| vs no faults | tokens lost | tokens salvaged | wall s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| vs no faults | tokens lost | tokens overwritten | tokens salvaged | wall s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r, rep in enumerate(repeats, 1):
         ref = rep[METHODS[2]]["eval_loss"]  # each repeat against its own failure-free run
         for name in METHODS:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{s['faults_injected']} | {s['failures']} | {s['restarts']} | "
                         f"{fmt(s['mean_time_to_detect_s'], '.2f')} | {fmt(s['mean_time_to_rejoin_s'], '.1f')} | "
                         f"{s['eval_loss']:.4f} | {100 * s['vs_no_faults']:+.1f}% | {s['tokens_lost']:,.0f} | "
-                        f"{s['salvaged_tokens']:,.0f} | {s['wall_s']:.0f} |")
+                        f"{s['tokens_overwritten']:,.0f} | {s['salvaged_tokens']:,.0f} | {s['wall_s']:.0f} |")
     print("\n".join(rows))
     medians = {}
     if len(repeats) > 1:
