@@ -346,10 +346,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--publish-to", choices=("all", "participants"), default="all",
                     help="outer.publish_to of the decoupled runs: all (every island adopts every version) or "
                          "participants (an island receives a fragment only from the rounds that merged it)")
-    ap.add_argument("--adoption", default=None,
-                    help="outer.adoption of the decoupled runs: overwrite, rebase or mix(alpha) (default rebase for "
-                         "wan-4-regions, where a K = 1 round per submission would otherwise overwrite every other "
-                         "island's unmerged progress on that fragment; overwrite, the engine's default, for heterogeneity)")
+    ap.add_argument("--adoption", default="rebase",
+                    help="outer.adoption of the decoupled runs: rebase (default, the engine's), overwrite or mix(alpha); "
+                         "with K = 1 every round goes to every island, and overwrite replaces their unmerged progress")
     ap.add_argument("--step-scale", choices=("participation", "none"), default="participation",
                     help="outer.step_scale of the decoupled runs (default participation; none = unscaled K < all rounds)")
     ap.add_argument("--max-staleness", type=int, default=None,
@@ -366,7 +365,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--repeats {args.repeats}: pass 1 or more")
     if args.max_staleness is not None and args.max_staleness < 0:
         ap.error(f"--max-staleness {args.max_staleness}: pass an int >= 0")
-    if args.adoption is not None:
+    if args.adoption:
         try:
             parse_adoption(args.adoption)
         except ValueError as err:
@@ -378,8 +377,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.downlink = "none" if args.scenario == "heterogeneity" else "int8"
     if args.downlink_delta is None:
         args.downlink_delta = "none" if args.scenario == "heterogeneity" else "int4"
-    if args.adoption is None:
-        args.adoption = "overwrite" if args.scenario == "heterogeneity" else "rebase"
     args.dp_cap_s = args.dp_cap_s or (30.0 if args.quick else 600.0)
     args.repeats = 1 if args.quick else args.repeats
     args.eval_interval_s = 3.0 if args.quick else 10.0

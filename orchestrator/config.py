@@ -122,7 +122,7 @@ class OuterSection(_Section):
         "(distinct islands merged / live islands), so K < all rounds add up to one synchronous step per H; "
         "'none' = the unscaled rule (policies.outer_optimizer.round_step_scale).")
     max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old.")
-    adoption: str = Field("overwrite", description="How islands adopt a new fragment: overwrite | rebase | mix(alpha).")
+    adoption: str = Field("rebase", description="How islands adopt a new fragment: rebase (keep the progress not yet merged) | overwrite (the paper: replace it) | mix(alpha). With K < all every round goes to every island, and overwrite then discards most of each island's progress (the overwritten token fate).")
     compression: str = Field("none", description="Outer-gradient wire format: none | bf16 | int8 | int4.")
     compression_block_size: int = Field(256, gt=0, description="Elements per quantization scale block (uplink and downlink).")
     downlink: Literal["none", "bf16", "int8"] = Field(
