@@ -365,11 +365,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--repeats {args.repeats}: pass 1 or more")
     if args.max_staleness is not None and args.max_staleness < 0:
         ap.error(f"--max-staleness {args.max_staleness}: pass an int >= 0")
-    if args.adoption:
-        try:
-            parse_adoption(args.adoption)
-        except ValueError as err:
-            ap.error(f"--adoption: {err}")
+    try:
+        parse_adoption(args.adoption)
+    except ValueError as err:
+        ap.error(f"--adoption: {err}")
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)
     if args.network is None:
         args.network = "none" if args.scenario == "heterogeneity" else "wan-4-regions"

@@ -219,13 +219,8 @@ class LearnerIsland:
         else the base it last adopted. Measured from the base, a cut, snapshot or final flush made while an
         earlier cut is in flight would carry that cut's progress a second time.
         """
-        newest = max((k for k, f in self._inflight.items() if f.fragment == p and f.snapshot is not None),
-                     key=lambda k: k.seq, default=None)
-        if newest is None:
-            return self._base[p]
-        snapshot = self._inflight[newest].snapshot
-        assert snapshot is not None
-        return snapshot
+        flights = [(k.seq, f.snapshot) for k, f in self._inflight.items() if f.fragment == p and f.snapshot is not None]
+        return max(flights, key=lambda sf: sf[0])[1] if flights else self._base[p]
 
     def _shelve_progress(self) -> None:
         """Leave every fragment's unsubmitted progress with the pool's keeper (policies/salvage.py says why).
@@ -517,9 +512,8 @@ class LearnerIsland:
         # The parameters that not-yet-merged local progress is measured from: just after this
         # island's newest merged submission if it took part, else the fragment's base.
         anchor = self._base[p]
-        if mine and self._adoption.kind == "rebase":
-            snapshot = self._inflight[max(mine, key=lambda k: k.seq)].snapshot
-            anchor = snapshot if snapshot is not None else anchor
+        if mine and self._adoption.kind == "rebase":  # rebase never drops a cut's snapshot
+            anchor = self._inflight[max(mine, key=lambda k: k.seq)].snapshot
         with torch.no_grad():
             if not self._base[p]:  # first adoption: nothing local to keep
                 new = [g.detach().to(t.dtype).clone() for g, t in zip(global_, self._theta[p])]

@@ -59,8 +59,21 @@ def add(a, b):
     return [x + y for x, y in zip(a, b)]
 
 
-def publish(results) -> list[FragmentUpdate]:
-    return [FragmentUpdate(r.fragment, r.version, [r.tensors], merged=r.merged) for r in results]
+def merge_and_adopt(w, island: LearnerIsland, submission, *, now: float, version: int) -> list[torch.Tensor]:
+    """The outer optimizer merges `submission` into fragment 0's `version`; `island` adopts it at a step boundary."""
+    results, refusal = w.outer.receive(submission, now=now)
+    assert refusal is None and [r.version for r in results] == [version]
+    for r in results:
+        island.adopt(FragmentUpdate(r.fragment, r.version, [r.tensors], merged=r.merged))
+    island.apply_updates()
+    return [t.float() for t in results[0].tensors]
+
+
+def others_round(w, other: LearnerIsland, island: LearnerIsland) -> list[torch.Tensor]:
+    """`other` cuts fragment 0 after 4 steps, which makes version 1 without `island`; `island` adopts it."""
+    for _ in range(4):
+        other.step()
+    return merge_and_adopt(w, island, other.next_submission(0), now=1.0, version=1)
 
 
 def flushed(island: LearnerIsland, p: int):
@@ -97,25 +110,12 @@ def test_rebase_keeps_unmerged_progress_through_others_rounds_and_its_own():
     for _ in range(2):
         island.step()
     before = frag(island, w)
-    # Another island's round makes version 1 of fragment 0 without us.
-    for _ in range(4):
-        other.step()
-    results, refusal = w.outer.receive(other.next_submission(0), now=1.0)
-    assert refusal is None and [r.version for r in results] == [1]
-    v1 = [t.float() for t in results[0].tensors]
-    for u in publish(results):
-        island.adopt(u)
-    island.apply_updates()
+    v1 = others_round(w, other, island)  # another island's round makes version 1 of fragment 0 without us
     assert close(frag(island, w), add(v1, sub(before, v0))), "rebase: v1 plus everything since v0"
     # Our cut, still in flight, now merges: version 2 holds it; only the steps after it stay local.
     shifted_cut = add(at_cut, sub(v1, v0))
     before = frag(island, w)
-    results, refusal = w.outer.receive(mine, now=2.0)
-    assert refusal is None and [r.version for r in results] == [2]
-    v2 = [t.float() for t in results[0].tensors]
-    for u in publish(results):
-        island.adopt(u)
-    island.apply_updates()
+    v2 = merge_and_adopt(w, island, mine, now=2.0, version=2)
     assert close(frag(island, w), add(v2, sub(before, shifted_cut))), "its own round: v2 plus the steps after its cut"
     island.step()
     end = frag(island, w)
@@ -130,13 +130,8 @@ def test_rebase_measures_a_cut_made_while_an_earlier_one_is_in_flight_from_that_
         island.step()
     at_cut = frag(island, w)
     assert island.next_submission(0).seq == 0  # taken, never merged: in flight to the end
-    for _ in range(4):
-        other.step()
-    results, _ = w.outer.receive(other.next_submission(0), now=1.0)
-    v1 = [t.float() for t in results[0].tensors]
-    for u in publish(results):
-        island.adopt(u)
-    island.step()  # adopts v1 at its step boundary, then steps
+    v1 = others_round(w, other, island)
+    island.step()
     island.step()
     end = frag(island, w)
     flush = flushed(island, 0)
@@ -148,13 +143,7 @@ def test_overwrite_measures_from_the_new_version_once_a_round_replaced_the_fragm
     for _ in range(4):
         island.step()
     assert island.next_submission(0).seq == 0  # in flight
-    for _ in range(4):
-        other.step()
-    results, _ = w.outer.receive(other.next_submission(0), now=1.0)
-    v1 = [t.float() for t in results[0].tensors]
-    for u in publish(results):
-        island.adopt(u)
-    island.apply_updates()
+    v1 = others_round(w, other, island)
     assert close(frag(island, w), v1), "overwrite: the local fragment is replaced"
     island.step()
     end = frag(island, w)
@@ -191,12 +180,7 @@ def test_overwritten_progress_is_counted_as_overwritten_not_as_the_next_cuts():
         for _ in range(6):
             island.step()  # cut of fragment 0 at step 4; steps 5-6 unsubmitted on both fragments
         per_step = island.total_tokens // island.total_steps
-        for _ in range(4):
-            other.step()
-        results, _ = w.outer.receive(other.next_submission(0), now=1.0)
-        for u in publish(results):
-            island.adopt(u)
-        island.apply_updates()
+        others_round(w, other, island)
         st = island.status()
         if adoption == "overwrite":
             assert st.overwritten_tokens == [2 * per_step, 0] and st.unsubmitted_tokens == [0, 6 * per_step]
