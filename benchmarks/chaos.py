@@ -16,6 +16,7 @@ failure-free run) and writes JSON. Pool speeds are EMULATED by throttling (label
   python benchmarks/chaos.py --quick               # a smoke run (~4 minutes)
   python benchmarks/chaos.py --failures 3 --json /tmp/chaos.json
   python benchmarks/chaos.py --salvage-every 0     # without salvage (a dead island's unsubmitted work is lost)
+  python benchmarks/chaos.py --set outer.adoption=overwrite --skip-sync   # an A/B of one decoupled setting
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 
 from orchestrator.actors import WORKER_ENV  # noqa: E402
-from orchestrator.config import RunConfig, apply_overrides, build_config  # noqa: E402
+from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config  # noqa: E402
 from orchestrator.driver import emulation_note, train  # noqa: E402
 from orchestrator.eventlog import read_events  # noqa: E402
 from policies.chaos import fixed_tape  # noqa: E402
@@ -78,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="health.salvage_every_steps for every run (default: the config's; 0 = off)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="run the three side by side this many times and add a table of medians (default 3; 1 with --quick)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for both decoupled runs (repeatable), e.g. outer.adoption=overwrite; "
+                         "the sync-diloco run keeps its preset")
+    ap.add_argument("--skip-sync", action="store_true",
+                    help="leave out the sync-diloco run (for A/Bs of a decoupled setting)")
     ap.add_argument("--quick", action="store_true", help="smaller budget, 1 failure per island")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
@@ -87,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     budget = args.budget or (1_200_000 if args.quick else RunConfig().run.token_budget)
     failures = 1 if args.quick else args.failures
+    try:  # a bad --set fails here, in one line, before any run
+        build_config(apply_overrides({}, args.overrides))
+    except ConfigError as err:
+        ap.error(str(err))
+    methods = tuple(m for m in METHODS if not (args.skip_sync and m.startswith("sync")))
     root = Path(tempfile.mkdtemp(prefix="chaos-bench-"))
     salvage = RunConfig().health.salvage_every_steps if args.salvage_every is None else args.salvage_every
     common = [f"run.token_budget={budget}", f"health.warm_spares={args.warm_spares}", "eval.interval_s=30",
@@ -99,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(1, args.repeats + 1):
             where = root / f"r{r}"
             where.mkdir(parents=True, exist_ok=True)
-            clean = run_one("decoupled-clean", common, where)
+            clean = run_one("decoupled-clean", common + args.overrides, where)
             # Each repeat's tape follows its own failure-free run, so the failure rate per run is the same.
             horizon = args.horizon_s or 0.85 * clean["wall_s"]
             tape = fixed_tape(islands=RunConfig().num_islands, failures_per_island=failures, horizon_s=horizon,
@@ -108,12 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             chaos = ["chaos.mode=tape", f"chaos.params={{path: {where / 'tape.yaml'}}}"]
             print(f"repeat {r}: fault tape of {len(tape)} kills ({failures} per island) over 10-{horizon:.0f}s",
                   file=sys.stderr)
-            repeats.append({
-                "horizon_s": horizon,
-                METHODS[0]: run_one("decoupled-faults", common + chaos, where),
-                METHODS[1]: run_one("sync-faults", common + chaos + ["mode=sync-diloco"], where),
-                METHODS[2]: clean,
-            })
+            rep = {"horizon_s": horizon, METHODS[0]: run_one("decoupled-faults", common + args.overrides + chaos, where)}
+            if METHODS[1] in methods:
+                rep[METHODS[1]] = run_one("sync-faults", common + chaos + ["mode=sync-diloco"], where)
+            rep[METHODS[2]] = clean
+            repeats.append(rep)
     finally:
         ray.shutdown()
     fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r, rep in enumerate(repeats, 1):
         ref = rep[METHODS[2]]["eval_loss"]  # each repeat against its own failure-free run
-        for name in METHODS:
+        for name in methods:
             s = rep[name]
             s["vs_no_faults"] = s["eval_loss"] / ref - 1
             label = name if len(repeats) == 1 else f"{name} (r{r})"
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print("| run | goodput | uptime | longest gap s | held-out loss | vs no faults (median ratio) | vs no faults (ratio of medians) |"
               " tokens lost | tokens salvaged |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for name in METHODS:
+        for name in methods:
             medians[name] = {k: med(name, k) for k in ("goodput", "uptime", "longest_gap_s", "eval_loss", "vs_no_faults",
                                                           "tokens_lost", "salvaged_tokens")}
             m = medians[name]
@@ -151,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{emulation_note(RunConfig())}")
     print(f"token budget {budget:,} per run; tape: {failures} kills per island over 10 s to 85% of each repeat's "
           f"failure-free wall time; warm spares per pool: {args.warm_spares}; salvage every {salvage} steps (0 = off); "
+          f"decoupled overrides: {' '.join(args.overrides) or 'none'}; "
           "uptime counts from the first version advance (fill s before it)")
     if args.json:
         args.json.write_text(json.dumps({
-            "budget": budget, "failures_per_island": failures, "salvage_every_steps": salvage, "medians": medians,
-            "repeats": [{"horizon_s": rep["horizon_s"], **{k: {f: rep[k][f] for f in FIELDS + ("vs_no_faults",)} for k in METHODS}}
+            "budget": budget, "failures_per_island": failures, "salvage_every_steps": salvage, "overrides": args.overrides,
+            "medians": medians,
+            "repeats": [{"horizon_s": rep["horizon_s"], **{k: {f: rep[k][f] for f in FIELDS + ("vs_no_faults",)} for k in methods}}
                         for rep in repeats]}, indent=2))
     return 0
 
