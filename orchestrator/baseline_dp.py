@@ -137,6 +137,7 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from orchestrator.evaluation import Evaluator
+    from policies.stopping import target_reached
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -159,6 +160,7 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
                           batch_size=config["eval_batch_size"]) if rank == 0 else None
     steps, tokens_per_step = config["steps"], world * inner.batch_size * model_cfg.seq_len
     delay_s, max_wall_s, interval = config["allreduce_delay_s"], config["max_wall_s"], config["eval_interval_s"]
+    stopped_by = "token_budget"  # rank 0 decides every stop and tells the others through the step's all-reduce
     bf16 = config["wire"] == "bf16"
 
     evals: list[dict] = []
@@ -197,7 +199,9 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         if bf16:  # what crosses the emulated wire: the gradient rounded to bf16
             flat[:numel] = flat[:numel].to(torch.bfloat16).to(torch.float32)
         flat[numel] = loss.detach()
-        flat[numel + 1] = 1.0 if rank == 0 and max_wall_s is not None and time.monotonic() - t0 >= max_wall_s else 0.0
+        if rank == 0 and stopped_by == "token_budget" and max_wall_s is not None and time.monotonic() - t0 >= max_wall_s:
+            stopped_by = "max_wall_s"
+        flat[numel + 1] = 1.0 if rank == 0 and stopped_by != "token_budget" else 0.0
         compute = time.perf_counter() - s0
         stretch = slot.emulated_slowdown  # EMULATION of the pool's speed, as islands/trainer.py
         if slot.emulated_jitter > 0:
@@ -228,6 +232,8 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         if rank == 0 and time.monotonic() >= next_eval and done < steps:
             evaluate(done, t0, train_loss)
             next_eval = time.monotonic() + interval
+            if target_reached([e["eval_loss"] for e in evals], config["stop_at_eval_loss"]):
+                stopped_by = "stop_at_eval_loss"  # the flag goes out with the next step's all-reduce
     wall_s = time.monotonic() - t0
     record = {"rank": rank, "island": slot.island, "pool": slot.pool, "region": slot.region,
               "node": ray.get_runtime_context().get_node_id(), "steps": done, "tokens": done * inner.batch_size * model_cfg.seq_len,
@@ -238,7 +244,7 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         return None
     evaluate(done, t0, train_loss)
     return {"world_size": world, "backend": dist.get_backend(), "steps": done, "tokens_per_step": tokens_per_step,
-            "train_loss": train_loss, "wall_s": wall_s, "eval_s": eval_s, "evals": evals,
+            "train_loss": train_loss, "wall_s": wall_s, "eval_s": eval_s, "evals": evals, "stopped_by": stopped_by,
             "workers": sorted(records, key=lambda r: r["island"])}
 
 
@@ -300,7 +306,8 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
             "slots": slots, "model_config": model_cfg, "inner": inner_settings(cfg), "seed": cfg.run.seed,
             "train": [ray.put(corpus.train)], "heldout": [ray.put(corpus.heldout)],
             "eval_batches": cfg.eval.batches, "eval_batch_size": cfg.eval.batch_size, "eval_interval_s": cfg.eval.interval_s,
-            "steps": steps, "max_wall_s": cfg.run.max_wall_s, "allreduce_delay_s": delay_s, "wire": wire,
+            "steps": steps, "max_wall_s": cfg.run.max_wall_s, "stop_at_eval_loss": cfg.run.stop_at_eval_loss,
+            "allreduce_delay_s": delay_s, "wire": wire,
             "torch_threads": cfg.inner.torch_threads, "progress": queue,
         }
         trainer = TorchTrainer(
@@ -398,6 +405,7 @@ def _summary(cfg: RunConfig, out: dict, *, network, wire: str, grad_bytes: int, 
         "network_wait_s": sum(w["network_s"] for w in workers) / len(workers),
         "eval_s": out["eval_s"],
         "wall_s": wall,
+        "stopped_by": out["stopped_by"],  # token_budget | max_wall_s | stop_at_eval_loss
         "startup_s": max(0.0, fit_s - wall),  # Ray Train controller, placement, worker start, imports, data
         "corpus": corpus,
         "ray_train_path": result_path,

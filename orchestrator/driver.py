@@ -46,6 +46,7 @@ from orchestrator.runtime import CONTROL_PLANE_RUNTIME_ENV
 from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
 from policies.network import NetworkModel, build_network
+from policies.stopping import target_reached
 
 log = logging.getLogger(__name__)
 _TRANSIENT = (RayActorError, RayTaskError, GetTimeoutError)
@@ -252,6 +253,7 @@ class Run:
         self.tokens_before = 0
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self._stop_requested = False
+        self.stopped_by = "token_budget"
         self.metrics = RunMetrics(self.run_id)  # Prometheus metrics via ray.util.metrics (docs/metrics.md)
 
     def request_stop(self) -> None:
@@ -450,13 +452,19 @@ class Run:
             self.metrics.record_status(status, self.snapshot, tokens_processed=self._tokens())
             now = time.monotonic()
             if self._tokens() >= self.cfg.run.token_budget or self._stop_requested:
+                self.stopped_by = "token_budget" if not self._stop_requested else "stop request"
                 break
             if self.cfg.run.max_wall_s is not None and now - t0 >= self.cfg.run.max_wall_s:
                 log.warning("stopping on max_wall_s=%s before the token budget", self.cfg.run.max_wall_s)
+                self.stopped_by = "max_wall_s"
                 break
             if now >= next_eval:
                 self._evaluate(t0)
                 next_eval = now + self.cfg.eval.interval_s
+                if target_reached([p["eval_loss"] for p in self.eval_points], self.cfg.run.stop_at_eval_loss):
+                    log.warning("stopping on stop_at_eval_loss=%s before the token budget", self.cfg.run.stop_at_eval_loss)
+                    self.stopped_by = "stop_at_eval_loss"
+                    break
             if now >= next_flush:
                 self._drain_events()
                 self.events.flush()
@@ -560,6 +568,7 @@ class Run:
             "network_emulated": self.network.emulated,
             "network_wait_s": status["network_wait_s"],  # delivery delay the emulated links added, per direction
             "wall_s": wall,
+            "stopped_by": self.stopped_by,  # token_budget | max_wall_s | stop_at_eval_loss | stop request
             "run_start": self.run_start,  # wall clock (time.time) that goodput, chaos tapes and `at` fields count from
             "resumed": self.resume,
             "corpus": self.corpus.source,

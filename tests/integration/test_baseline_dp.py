@@ -105,6 +105,7 @@ def test_data_parallel_runs_on_ray_train_with_emulated_allreduce(ray_cluster, tm
     # Stop rule: the token budget rounded up to whole synchronous steps.
     assert summary["steps"] == steps and summary["tokens_processed"] == steps * 3 * 8 * 32
     assert all(w["steps"] == steps for w in summary["islands"])
+    assert summary["stopped_by"] == "token_budget"
 
     # Bytes: every worker sends the ring all-reduce's share of the fp32 gradient every step.
     n_params = sum(p.numel() for p in build_model(model_config("nano"), seed=0).parameters())
@@ -127,3 +128,19 @@ def test_data_parallel_runs_on_ray_train_with_emulated_allreduce(ray_cluster, tm
     assert read_events(run_dir, "evals").num_rows == len(summary["evals"]) >= 2
     assert seen and seen[-1]["tokens_processed"] == summary["tokens_processed"]
     assert 0.0 < summary["goodput"] < 1.0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_data_parallel_stops_once_the_held_out_loss_is_at_the_target(ray_cluster, tmp_path, monkeypatch):
+    # benchmarks/compare.py times DP to a target loss this way instead of running out a wall-clock cap.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
+    data = dp_config()
+    data["run"].update(token_budget=100_000_000, max_wall_s=120, stop_at_eval_loss=100.0)  # every finite loss meets it
+    data["eval"]["interval_s"] = 0.5
+    summary = train_data_parallel(build_config(data), tmp_path / "dp-target")
+    assert summary["stopped_by"] == "stop_at_eval_loss"
+    assert summary["steps"] < steps_for_budget(100_000_000, workers=3, batch_size=8, seq_len=32)
+    assert summary["wall_s"] < 60
+    assert all(w["steps"] == summary["steps"] for w in summary["islands"]), "every worker stopped at the same step"
+    assert len(set(summary["parameter_checksums"])) == 1

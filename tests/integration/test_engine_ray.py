@@ -59,6 +59,7 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
                                           + ledger["overwritten"][p])
         assert ledger["lost"][p] == 0, "no failure, no loss"
     assert summary["failures"] == 0 and 0.0 < summary["goodput"] <= 1.0 and summary["uptime"] > 0.0
+    assert summary["stopped_by"] == "token_budget"
     assert summary["tokens_merged"] > 0 and summary["rounds"] > 0
 
     # Islands land on nodes whose labels their pool selects.
@@ -80,6 +81,18 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
     assert "EMULATION" in on_disk["emulation"]
     # Nothing of the run is left behind on the cluster.
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if run_dir.name in a["name"]]
+
+
+def test_run_stops_once_the_held_out_loss_is_at_the_target(ray_cluster, tmp_path):
+    # A target every finite loss meets: the run stops at its second evaluation, long before the budget
+    # (policies/test_stopping.py covers the rule itself; this is the driver's wiring).
+    cfg = two_pool_config(islands=1, token_budget=100_000_000, max_wall_s=120, stop_at_eval_loss=100.0)
+    cfg["eval"]["interval_s"] = 1.0
+    summary = train(build_config(cfg), tmp_path / "target")
+    assert summary["stopped_by"] == "stop_at_eval_loss"
+    assert summary["tokens_processed"] < 100_000_000 and summary["wall_s"] < 60
+    assert [e["eval_loss"] <= 100.0 for e in summary["evals"][:2]] == [True, True]
+    assert json.loads((tmp_path / "target" / "summary.json").read_text())["stopped_by"] == "stop_at_eval_loss"
 
 
 def test_sync_diloco_rounds_take_every_island(ray_cluster, tmp_path):
