@@ -9,10 +9,11 @@ compute matches a 12B model on 2-5 Gbps links). Runs, one after another, each in
                      from each island's copy (--downlink-delta), rebase adoption (--adoption)
   sync-diloco        K = all, mean, P = 1, islands wait for each round
   streaming-diloco   K = all, mean, P fragments in turn, islands wait for each round
+  dp-no-network      data parallel (below) with network none: the same math, so its held-out loss
+                     at the full budget is DP's quality at equal tokens; only wall time differs
   data-parallel      Ray Train TorchTrainer, all-reduce every step (orchestrator/baseline_dp.py),
-                     capped at --dp-cap-s of wall clock
-  dp-no-network      the same data-parallel run with network none: the same math, so its held-out
-                     loss at the full budget is DP's quality at equal tokens; only wall time differs
+                     capped at --dp-cap-s of wall clock; it stops once at the target loss (set by the
+                     runs before it) for two evaluations in a row (run.stop_at_eval_loss)
 
 Scenario `heterogeneity`: two pools (fast us-east x2 islands; slow us-west x2 islands, EMULATED x1.6
 ±25% per step, i.e. 1.2x-2x slower), decoupled with K = all vs K = 1 without grace vs K = 1 with grace;
@@ -26,7 +27,8 @@ budget (so every one of them reaches it); time to it is when the loss reaches it
 (the crossing after the last evaluation above it), interpolated between evaluations.
 
   python benchmarks/compare.py --quick                        # smoke run, ~3 min on a quiet 2-core box
-  python benchmarks/compare.py --repeats 3 --out runs/compare # the measurement (~45 min)
+  python benchmarks/compare.py --repeats 3 --out runs/compare # 3 repeats, DP capped at 600 s (~45 min)
+  python benchmarks/compare.py --repeats 1 --dp-cap-s 3600 --skip-sync-baselines   # DP timed to the target (~60 min)
   python benchmarks/compare.py --scenario heterogeneity --repeats 3 --out runs/compare-het
 """
 
@@ -56,7 +58,7 @@ import ray  # noqa: E402
 from islands.model import model_config  # noqa: E402
 from orchestrator.actors import WORKER_ENV, ignore_zero_copy_warnings  # noqa: E402
 from orchestrator.baseline_dp import train_data_parallel  # noqa: E402
-from orchestrator.config import build_config  # noqa: E402
+from orchestrator.config import ConfigError, apply_overrides, build_config  # noqa: E402
 from orchestrator.driver import load_corpus, measure_step_s, train  # noqa: E402
 from policies.adoption import parse_adoption  # noqa: E402
 
@@ -129,15 +131,18 @@ def methods(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
             "adoption": args.adoption}
     if args.max_staleness is not None:
         comp["max_staleness"] = args.max_staleness
+    mine = apply_overrides({}, args.overrides)  # --set: the decoupled runs only
     if args.scenario == "heterogeneity":
-        return [("K=all", "engine", {"mode": "decoupled", "outer": {**comp, "min_quorum": "all"}}),
-                ("K=1, no grace", "engine", {"mode": "decoupled", "outer": {**comp, "grace_gamma": 0.0}}),
-                ("K=1 + grace", "engine", {"mode": "decoupled", "outer": comp})]
-    return [("decoupled", "engine", {"mode": "decoupled", "outer": comp}),
-            ("sync-diloco", "engine", {"mode": "sync-diloco"}),
-            ("streaming-diloco", "engine", {"mode": "streaming-diloco"}),
-            ("data-parallel", "dp", {"run": {"max_wall_s": args.dp_cap_s}}),
-            ("dp-no-network", "dp", {"network": {"scenario": "none", "local_step_s": None}})]
+        return [("K=all", "engine", deep_merge({"mode": "decoupled", "outer": {**comp, "min_quorum": "all"}}, mine)),
+                ("K=1, no grace", "engine", deep_merge({"mode": "decoupled", "outer": {**comp, "grace_gamma": 0.0}}, mine)),
+                ("K=1 + grace", "engine", deep_merge({"mode": "decoupled", "outer": comp}, mine))]
+    sync = [] if args.skip_sync_baselines else [("sync-diloco", "engine", {"mode": "sync-diloco"}),
+                                                ("streaming-diloco", "engine", {"mode": "streaming-diloco"})]
+    return [("decoupled", "engine", deep_merge({"mode": "decoupled", "outer": comp}, mine)),
+            *sync,
+            # No network first: its final loss can set the target the capped DP run stops at.
+            ("dp-no-network", "dp", {"network": {"scenario": "none", "local_step_s": None}}),
+            ("data-parallel", "dp", {"run": {"max_wall_s": args.dp_cap_s}})]
 
 
 def run_one(name: str, runner: str, data: dict, run_dir: Path) -> dict:
@@ -161,6 +166,12 @@ def measure_local_step(args: argparse.Namespace) -> float:
 
 
 # ---------------------------------------------------------------------------- analysis
+
+
+def target_so_far(rep: dict[str, dict], budget: int) -> float | None:
+    """The target loss as analyse_wan will set it, from the runs so far that finished the budget (None: none did)."""
+    complete = [s["eval_loss"] for s in rep.values() if s["tokens_processed"] >= budget]
+    return max(complete) if complete else None
 
 
 def analyse_wan(runs: list[dict[str, dict]], cap_s: float, budget: int) -> dict:
@@ -356,9 +367,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--network", default=None,
                     help="network scenario for every run (default: wan-4-regions for the wan scenario, none for "
                          "heterogeneity, which isolates the speed gap)")
-    ap.add_argument("--dp-cap-s", type=float, default=None, help="wall cap of the data-parallel run (default 600; --quick 30)")
+    ap.add_argument("--dp-cap-s", type=float, default=None,
+                    help="wall cap of the data-parallel run (default 600; --quick 30); it stops sooner once at the target "
+                         "loss, so a generous cap (3600) measures its time to the target instead of projecting it")
+    ap.add_argument("--dp-run-out", dest="dp_stop_at_target", action="store_false",
+                    help="let the data-parallel run go on to its cap or budget after it reaches the target loss")
+    ap.add_argument("--skip-sync-baselines", action="store_true",
+                    help="wan-4-regions without sync and streaming DiLoCo (they finish below decoupled, so the target "
+                         "is decoupled's either way): decoupled against data parallel only")
     ap.add_argument("--local-step-s", type=float, default=None, help="inner-step time the network is scaled to (default: measured once)")
     ap.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for the decoupled runs (repeatable), e.g. outer.lr=0.35; applied after the "
+                         "flags above, so it wins over them")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -369,6 +390,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parse_adoption(args.adoption)
     except ValueError as err:
         ap.error(f"--adoption: {err}")
+    try:  # a bad --set fails here, in one line, before any run
+        build_config(apply_overrides({}, args.overrides))
+    except ConfigError as err:
+        ap.error(str(err))
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)
     if args.network is None:
         args.network = "none" if args.scenario == "heterogeneity" else "wan-4-regions"
@@ -417,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
             rep = {}
             for name, runner, extra in methods(args):
                 slug = name.replace(" ", "").replace(",", "-").replace("=", "").replace("+", "-")
+                if name == "data-parallel" and args.dp_stop_at_target:
+                    target = target_so_far(rep, args.budget)
+                    if target is not None:  # it only needs to get there: the rest of its cap adds nothing measured
+                        extra = deep_merge(extra, {"run": {"stop_at_eval_loss": target}})
                 rep[name] = run_one(name, runner, deep_merge(base, extra), args.out / "runs" / f"{slug}-r{r + 1}")
             runs.append(rep)
     finally:
@@ -426,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     first = runs[0]
     notes = sorted({s["network"] for s in first.values()} | {s["emulation"] for s in first.values() if s.get("emulation")})
     notes += [f"{args.repeats} repeat(s), medians; token budget {args.budget:,} per run; model {args.model}; "
-              f"decoupled outer gradients {args.compression}, downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, adoption {args.adoption}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}; started {args.started} UTC."]
+              f"decoupled outer gradients {args.compression}, downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, adoption {args.adoption}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}{'; decoupled overrides ' + ' '.join(args.overrides) if args.overrides else ''}; started {args.started} UTC."]
     table = table_het(res, notes) if het else table_wan(res, notes)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

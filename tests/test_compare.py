@@ -1,0 +1,63 @@
+"""benchmarks/compare.py's run plan and analysis, without running anything (the runs are benchmarks)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("compare_bench", Path(__file__).parents[1] / "benchmarks" / "compare.py")
+compare = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare)
+
+BUDGET = 1000
+
+
+def run(final: float, tokens: int, evals: list[tuple[float, float]], **extra) -> dict:
+    """A summary.json with the fields the analysis reads; evals as (wall s, loss), tokens linear in time."""
+    last = evals[-1][0]
+    return {"eval_loss": final, "tokens_processed": tokens, "bytes_sent": 10 * tokens, "goodput": 0.5, "wall_s": last,
+            "evals": [{"wall_s": t, "eval_loss": loss, "tokens_processed": tokens * t / last} for t, loss in evals], **extra}
+
+
+def test_the_no_network_dp_runs_before_the_capped_one_and_sync_baselines_can_be_skipped():
+    names = [n for n, _, _ in compare.methods(compare.parse_args([]))]
+    assert names == ["decoupled", "sync-diloco", "streaming-diloco", "dp-no-network", "data-parallel"]
+    names = [n for n, _, _ in compare.methods(compare.parse_args(["--skip-sync-baselines"]))]
+    assert names == ["decoupled", "dp-no-network", "data-parallel"]
+    assert compare.parse_args([]).dp_stop_at_target and not compare.parse_args(["--dp-run-out"]).dp_stop_at_target
+
+
+def test_target_so_far_is_the_worst_final_loss_among_runs_that_finished_the_budget():
+    rep = {"decoupled": run(2.2, BUDGET, [(0, 5.0), (10, 2.2)]),
+           "capped": run(3.0, BUDGET // 2, [(0, 5.0), (10, 3.0)]),  # did not finish: does not set the target
+           "dp-no-network": run(1.8, BUDGET, [(0, 5.0), (10, 1.8)])}
+    assert compare.target_so_far(rep, BUDGET) == 2.2
+    assert compare.target_so_far({"capped": rep["capped"]}, BUDGET) is None
+
+
+def test_a_dp_run_stopped_at_the_target_gives_a_measured_speedup():
+    dec = run(2.2, BUDGET, [(0, 5.0), (5, 3.0), (10, 2.2)], tokens_per_step=1)
+    ref = run(1.8, BUDGET, [(0, 5.0), (2, 2.6), (4, 1.8)], tokens_per_step=10)
+    # Stopped after two evaluations at or below 2.2: it crosses the target halfway between 200 s and 300 s.
+    dp = run(2.0, BUDGET // 4, [(0, 5.0), (100, 3.0), (200, 2.4), (300, 2.0), (400, 1.9)], tokens_per_step=10,
+             allreduce_emulated_s=1.0)
+    res = compare.analyse_wan([{"decoupled": dec, "dp-no-network": ref, "data-parallel": dp}], cap_s=3600, budget=BUDGET)
+    row = res["per_repeat"][0]
+    assert row["target_loss"] == 2.2
+    assert row["methods"]["data-parallel"]["time_to_target_s"] == pytest.approx(250.0)
+    assert row["speedup"] == pytest.approx(25.0) and not row["speedup_is_lower_bound"]
+    # Quality at equal tokens comes from the no-network run: the stopped run did not finish the budget.
+    assert row["loss_gap"] == pytest.approx(2.2 / 1.8 - 1)
+
+
+def test_set_reaches_the_decoupled_runs_only_and_a_bad_one_is_a_one_line_error(capsys):
+    plan = {n: extra for n, _, extra in compare.methods(compare.parse_args(["--set", "outer.lr=0.35"]))}
+    assert plan["decoupled"]["outer"]["lr"] == 0.35 and plan["decoupled"]["outer"]["compression"] == "int4"
+    assert "lr" not in plan["sync-diloco"].get("outer", {})
+    het = compare.methods(compare.parse_args(["--scenario", "heterogeneity", "--set", "outer.lr=0.35"]))
+    assert [extra["outer"]["lr"] for _, _, extra in het] == [0.35, 0.35, 0.35]
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--set", "outer.lr=-1"])
+    assert "outer.lr" in capsys.readouterr().err
