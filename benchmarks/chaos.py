@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"repeat {r}: fault tape of {len(tape)} kills ({failures} per island) over 10-{horizon:.0f}s",
                   file=sys.stderr)
             rep = {"horizon_s": horizon, METHODS[0]: run_one("decoupled-faults", common + args.overrides + chaos, where)}
-            if METHODS[1] in methods:
+            if not args.skip_sync:
                 rep[METHODS[1]] = run_one("sync-faults", common + chaos + ["mode=sync-diloco"], where)
             rep[METHODS[2]] = clean
             repeats.append(rep)
