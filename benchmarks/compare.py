@@ -169,7 +169,8 @@ def measure_local_step(args: argparse.Namespace) -> float:
 
 
 def target_so_far(rep: dict[str, dict], budget: int) -> float | None:
-    """The target loss as analyse_wan will set it, from the runs so far that finished the budget (None: none did)."""
+    """The worst final loss among the runs that finished the budget (None: none did): analyse_wan's target,
+    and what the DP run stops at when it runs after the others."""
     complete = [s["eval_loss"] for s in rep.values() if s["tokens_processed"] >= budget]
     return max(complete) if complete else None
 
@@ -178,10 +179,12 @@ def analyse_wan(runs: list[dict[str, dict]], cap_s: float, budget: int) -> dict:
     """Per repeat: target loss, times to it, bytes/token, loss gaps; then medians over repeats."""
     per_repeat = []
     for rep in runs:
-        complete = [n for n in rep if rep[n]["tokens_processed"] >= budget]
         # Every run that finished the budget reaches the target; if none did (--quick caps), the best final loss.
-        target = max(rep[n]["eval_loss"] for n in complete) if complete else min(s["eval_loss"] for s in rep.values())
-        row: dict[str, Any] = {"target_loss": target, "all_capped": not complete, "methods": {}}
+        target = target_so_far(rep, budget)
+        all_capped = target is None
+        if all_capped:
+            target = min(s["eval_loss"] for s in rep.values())
+        row: dict[str, Any] = {"target_loss": target, "all_capped": all_capped, "methods": {}}
         for n, s in rep.items():
             t, toks = time_to_target(s["evals"], target)
             row["methods"][n] = {"time_to_target_s": t, "tokens_to_target": toks, "final_loss": s["eval_loss"],

@@ -97,7 +97,7 @@ def run_goodput(
         intervals=merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end), useful_s=min(useful_s, islands * (run_end - run_start)),
         run_start=run_start, run_end=run_end, islands=islands, version_advances=inside, uptime_window_s=window,
         tokens_merged=mean(fates["merged"]), tokens_lost=mean(fates["lost"]), tokens_refused=mean(fates["refused"]),
-        tokens_in_flight=mean(fates["in_flight"]), tokens_overwritten=mean(fates.get("overwritten", [0] * P)),
+        tokens_in_flight=mean(fates["in_flight"]), tokens_overwritten=mean(fates["overwritten"]),
         uptime_until=until,
     )
     return {"goodput": report.goodput, "uptime": report.uptime, "uptime_window_s": window, "fill_s": report.fill_s,
