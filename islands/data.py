@@ -7,6 +7,14 @@ standard-library source as bytes, split by file, no download), and :func:`load_p
 
 Each island samples its own contiguous shard of ``train`` with a :class:`ShardSampler`; batch
 ``c`` depends only on ``(seed, shard_index, c)``, so a restarted island resumes at its cursor.
+
+Both loaders put documents (files, rows) in a fixed pseudo-random order by default
+(``shuffle_documents=True``), so that every contiguous shard is a representative sample of the
+corpus, as a pre-training pipeline that shuffles documents before sharding gives. In source order
+the stdlib's shards differ sharply (one island gets ``encodings/`` and ``idlelib/``, two get mostly
+``test/``): islands then train on different distributions, which data parallel averages away every
+step and DiLoCo only every H steps. ``shuffle_documents=False`` keeps that source order, for
+studying such non-IID islands.
 """
 
 from __future__ import annotations
@@ -77,6 +85,15 @@ def _is_heldout_file(relative_posix: str, heldout_fraction: float) -> bool:
     return zlib.crc32(relative_posix.encode("utf-8")) / 2**32 < heldout_fraction
 
 
+# Salt for the document order, so the order does not correlate with the held-out rule's hash.
+_ORDER_SALT = b"document-order\0"
+
+
+def _file_order_key(relative_posix: str) -> tuple[int, str]:
+    """Sort key of the shuffled file order: a salted crc32 of the path, ties broken by the path."""
+    return zlib.crc32(_ORDER_SALT + relative_posix.encode("utf-8")), relative_posix
+
+
 def _join_files(paths: list[pathlib.Path], cap: int | None) -> tuple[np.ndarray, int]:
     """Join files with b"\\n" up to ``cap`` bytes (if given); return (uint8 array, files read)."""
     parts: list[bytes] = []
@@ -93,13 +110,16 @@ def _join_files(paths: list[pathlib.Path], cap: int | None) -> tuple[np.ndarray,
     return np.frombuffer(joined, dtype=np.uint8), len(parts)
 
 
-def load_stdlib_corpus(*, heldout_fraction: float = 0.02, max_bytes: int | None = None) -> Corpus:
+def load_stdlib_corpus(*, heldout_fraction: float = 0.02, max_bytes: int | None = None,
+                       shuffle_documents: bool = True) -> Corpus:
     """The running Python's standard-library source as a byte corpus (vocab 256).
 
     A file is held out iff ``crc32(relative path) / 2**32 < heldout_fraction``, so the split is the
-    same on every machine with the same Python and held-out text is never trained on. Files are
-    joined with b"\\n" in sorted order. ``max_bytes`` caps ``train`` (files are read in order until
-    the cap) and ``heldout`` in proportion, keeping at least 64 KiB of held-out text if available.
+    same on every machine with the same Python and held-out text is never trained on. Each split's
+    files are joined with b"\\n", ordered by a salted crc32 of their path if ``shuffle_documents``
+    (the default: contiguous shards are then representative samples), else sorted by path.
+    ``max_bytes`` caps ``train`` (files are read in that order until the cap) and ``heldout`` in
+    proportion, keeping at least 64 KiB of held-out text if available.
     """
     _check_fraction(heldout_fraction)
     if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
@@ -113,6 +133,9 @@ def load_stdlib_corpus(*, heldout_fraction: float = 0.02, max_bytes: int | None 
     for path in files:
         is_heldout = _is_heldout_file(path.relative_to(root).as_posix(), heldout_fraction)
         (heldout_files if is_heldout else train_files).append(path)
+    if shuffle_documents:
+        for split in (train_files, heldout_files):
+            split.sort(key=lambda path: _file_order_key(path.relative_to(root).as_posix()))
     heldout_cap = None
     if max_bytes is not None:
         proportional = math.ceil(max_bytes * heldout_fraction / (1 - heldout_fraction))
@@ -123,8 +146,10 @@ def load_stdlib_corpus(*, heldout_fraction: float = 0.02, max_bytes: int | None 
         raise DataError(f"stdlib split at heldout_fraction={heldout_fraction} left {len(train)} "
                         f"train and {len(heldout)} held-out bytes; use a fraction near 0.02")
     megabytes = (len(train) + len(heldout)) / 1e6
+    order = "shuffled" if shuffle_documents else "sorted"
     source = (f"Python {platform.python_version()} standard library source "
-              f"({n_train + n_heldout} files, {megabytes:.1f} MB; {n_heldout} files held out)")
+              f"({n_train + n_heldout} files, {megabytes:.1f} MB; {n_heldout} files held out; "
+              f"files {order})")
     return Corpus(train=train, heldout=heldout, vocab_size=256, source=source)
 
 
@@ -193,10 +218,13 @@ def _read_column(fs: pafs.FileSystem, files: list[str], column: str, path: str,
     return dataset.to_table(columns=[column]).column(column)
 
 
-def _row_hash_unit(n_rows: int) -> np.ndarray:
-    """A stable pseudo-random float in [0, 1) per row index (splitmix64 finalizer)."""
-    z = np.arange(n_rows, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+def _row_hash_unit(n_rows: int, salt: int = 0) -> np.ndarray:
+    """A stable pseudo-random float in [0, 1) per row index (splitmix64 finalizer).
+
+    Each ``salt`` gives an independent-looking sequence; salt 0 is the held-out rule's.
+    """
     with np.errstate(over="ignore"):  # wrap-around multiplication is the point of the hash
+        z = np.arange(n_rows, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15) * np.uint64(salt + 1)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
@@ -234,14 +262,18 @@ def _check_column_type(kind: pa.DataType, name: str, is_text: bool, path: str) -
 
 def load_parquet_corpus(path: str, *, text_column: str | None = None,
                         token_column: str | None = None, heldout_fraction: float = 0.02,
-                        vocab_size: int = 256, seq_len: int = 1) -> Corpus:
+                        vocab_size: int = 256, seq_len: int = 1,
+                        shuffle_documents: bool = True) -> Corpus:
     """Load a corpus from a Parquet file, a directory of Parquet/Arrow files, or a pyarrow.fs URI.
 
     Give exactly one of ``text_column`` (strings, encoded UTF-8, rows joined with b"\\n"; vocab 256)
     or ``token_column`` (lists of ints in ``[0, vocab_size)``, rows concatenated as they are, so put
     your own end-of-document id in each row). Row ``i`` is held out iff a stable hash of ``i`` falls
-    under ``heldout_fraction``; directory files are read in sorted path order. Each split must hold
-    at least one window of ``seq_len + 1`` tokens, else :class:`DataError`.
+    under ``heldout_fraction``; directory files are read in sorted path order. With
+    ``shuffle_documents`` (the default) each split's rows are then put in a fixed pseudo-random
+    order (a second, salted hash of the row index), so contiguous shards are representative samples;
+    without it rows keep the dataset's order. Each split must hold at least one window of
+    ``seq_len + 1`` tokens, else :class:`DataError`.
     """
     _check_fraction(heldout_fraction)
     if (text_column is None) == (token_column is None):
@@ -262,6 +294,9 @@ def load_parquet_corpus(path: str, *, text_column: str | None = None,
     _check_column_type(column.type, name, is_text, path)
 
     is_heldout = pa.array(_row_hash_unit(len(column)) < heldout_fraction)
+    if shuffle_documents:
+        order = pa.array(np.argsort(_row_hash_unit(len(column), salt=1), kind="stable"))
+        column, is_heldout = column.take(order), is_heldout.take(order)
     train = _tokens(column.filter(pc.invert(is_heldout)), name, is_text, vocab_size)
     heldout = _tokens(column.filter(is_heldout), name, is_text, vocab_size)
     for split, tokens in (("train", train), ("held-out", heldout)):
@@ -271,7 +306,8 @@ def load_parquet_corpus(path: str, *, text_column: str | None = None,
                             f"than seq_len+1={seq_len + 1}; add rows, change heldout_fraction "
                             f"or seq_len")
     megabytes = (train.nbytes + heldout.nbytes) / 1e6
-    source = f"{path} column {name!r} ({len(column)} rows, {megabytes:.1f} MB)"
+    order = "shuffled" if shuffle_documents else "in file order"
+    source = f"{path} column {name!r} ({len(column)} rows, {megabytes:.1f} MB; rows {order})"
     return Corpus(train=train, heldout=heldout, vocab_size=vocab_size, source=source)
 
 

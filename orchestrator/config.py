@@ -79,6 +79,9 @@ class DataSection(_Section):
     token_column: str | None = Field(None, description="list<int> column of token ids, for source=parquet.")
     heldout_fraction: float = Field(0.02, gt=0, lt=0.5, description="Fraction of files/rows held out for evaluation.")
     max_bytes: int | None = Field(None, gt=0, description="Cap on training bytes (keeps tests small); None = all.")
+    shuffle_documents: bool = Field(
+        True, description="Put files/rows in a fixed pseudo-random order before sharding, so each island's "
+        "shard is a representative sample; false keeps source order (islands then see different, non-IID data).")
     batch_size: int = Field(16, gt=0, description="Sequences per inner step per island.")
 
     @model_validator(mode="after")

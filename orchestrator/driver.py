@@ -76,9 +76,10 @@ def load_corpus(cfg: RunConfig) -> Corpus:
     """The training corpus named by the config (the embedded stdlib corpus by default)."""
     d = cfg.data
     if d.source == "stdlib":
-        return load_stdlib_corpus(heldout_fraction=d.heldout_fraction, max_bytes=d.max_bytes)
+        return load_stdlib_corpus(heldout_fraction=d.heldout_fraction, max_bytes=d.max_bytes,
+                                  shuffle_documents=d.shuffle_documents)
     return load_parquet_corpus(d.path, text_column=d.text_column, token_column=d.token_column,
-                               heldout_fraction=d.heldout_fraction)
+                               heldout_fraction=d.heldout_fraction, shuffle_documents=d.shuffle_documents)
 
 
 def outer_settings(cfg: RunConfig) -> OuterSettings:

@@ -47,25 +47,52 @@ def test_stdlib_files_are_sorted_stdlib_sources_without_site_packages() -> None:
     assert "os.py" in relative and "json/__init__.py" in relative
 
 
-def test_stdlib_corpus_matches_the_file_split_rule_and_is_deterministic() -> None:
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_stdlib_corpus_matches_the_file_split_rule_and_is_deterministic(shuffle: bool) -> None:
     root = Path(sysconfig.get_paths()["stdlib"])
-    corpus = load_stdlib_corpus(heldout_fraction=0.05, max_bytes=CAP)
+    corpus = load_stdlib_corpus(heldout_fraction=0.05, max_bytes=CAP, shuffle_documents=shuffle)
     assert corpus.vocab_size == 256 and corpus.train.dtype == np.uint8
     assert platform.python_version() in corpus.source and "standard library" in corpus.source
-    # Independent reconstruction: a file is held out iff crc32(relative path)/2**32 < fraction.
+    assert ("files shuffled" if shuffle else "files sorted") in corpus.source
+    # Independent reconstruction: a file is held out iff crc32(relative path)/2**32 < fraction;
+    # shuffled order sorts each split by crc32(b"document-order\0" + path), then by path.
     train_files, heldout_files = [], []
     for f in stdlib_corpus_files():
         held = zlib.crc32(f.relative_to(root).as_posix().encode()) / 2**32 < 0.05
         (heldout_files if held else train_files).append(f)
+    if shuffle:
+        def key(f: Path) -> tuple[int, str]:
+            rel = f.relative_to(root).as_posix()
+            return zlib.crc32(b"document-order\0" + rel.encode()), rel
+        train_files, heldout_files = sorted(train_files, key=key), sorted(heldout_files, key=key)
     assert heldout_files and not set(heldout_files) & set(train_files)
     train_text = b"\n".join(f.read_bytes() for f in train_files[:200])[:CAP]
     heldout_cap = max(math.ceil(CAP * 0.05 / 0.95), 64 * 1024)
     heldout_text = b"\n".join(f.read_bytes() for f in heldout_files)[:heldout_cap]
     assert len(train_text) == CAP and corpus.train.tobytes() == train_text
     assert corpus.heldout.tobytes() == heldout_text
-    again = load_stdlib_corpus(heldout_fraction=0.05, max_bytes=CAP)
+    again = load_stdlib_corpus(heldout_fraction=0.05, max_bytes=CAP, shuffle_documents=shuffle)
     assert np.array_equal(again.train, corpus.train)
     assert np.array_equal(again.heldout, corpus.heldout)
+
+
+def _bigram_tv(part: np.ndarray, whole: np.ndarray) -> float:
+    """Total variation distance between the byte-bigram distributions of two byte arrays."""
+    def dist(a: np.ndarray) -> np.ndarray:
+        pairs = a[:-1].astype(np.int64) * 256 + a[1:]
+        return np.bincount(pairs, minlength=65536) / len(pairs)
+    return 0.5 * float(np.abs(dist(part) - dist(whole)).sum())
+
+
+def test_shuffled_documents_make_every_shard_look_like_the_whole_corpus() -> None:
+    # In sorted order the stdlib's quarters differ (encodings/ and idlelib/ in one, test/ in two);
+    # shuffled, each island's shard should be a representative sample of the training text.
+    worst = {}
+    for shuffle in (True, False):
+        train = load_stdlib_corpus(shuffle_documents=shuffle).train
+        n = len(train)
+        worst[shuffle] = max(_bigram_tv(train[i * n // 4 : (i + 1) * n // 4], train) for i in range(4))
+    assert worst[True] < 0.6 * worst[False], worst
 
 
 def test_full_stdlib_corpus_is_large_and_beats_nothing_trivially() -> None:
@@ -104,10 +131,15 @@ def test_parquet_text_rows_split_disjointly_and_deterministically(tmp_path: Path
     assert not set(train_rows) & set(heldout_rows)
     assert sorted(train_rows + heldout_rows) == sorted(rows)
     assert 20 <= len(heldout_rows) <= 100  # about 20% of 300
-    assert train_rows == [r for r in rows if r in set(train_rows)]  # order kept
+    # Shuffled by default: a fixed permutation of the rows, not the file's order.
+    assert train_rows != [r for r in rows if r in set(train_rows)] and "rows shuffled" in corpus.source
     again = load_parquet_corpus(str(path), text_column="text", heldout_fraction=0.2)
     assert np.array_equal(again.train, corpus.train)
     assert "300 rows" in corpus.source
+    kept = load_parquet_corpus(str(path), text_column="text", heldout_fraction=0.2, shuffle_documents=False)
+    kept_rows = kept.train.tobytes().decode("utf-8").split("\n")
+    assert kept_rows == [r for r in rows if r in set(train_rows)]  # same split, file order kept
+    assert "rows in file order" in kept.source
 
 
 def test_parquet_directory_and_file_uri_read_files_in_sorted_order(tmp_path: Path) -> None:
