@@ -40,14 +40,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 
 from orchestrator.actors import WORKER_ENV  # noqa: E402
-from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config  # noqa: E402
+from orchestrator.config import ConfigError, RunConfig, load_config  # noqa: E402
 from orchestrator.driver import emulation_note, train  # noqa: E402
 from orchestrator.eventlog import read_events  # noqa: E402
 from policies.chaos import fixed_tape  # noqa: E402
 
 
 def run_one(name: str, overrides: list[str], root: Path) -> dict:
-    cfg = build_config(apply_overrides({}, overrides))
+    cfg = load_config(overrides=overrides)
     t0 = time.monotonic()
     summary = train(cfg, root / name)
     # The longest wait between two global version advances: a stall measure that, unlike uptime (whose
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget or (1_200_000 if args.quick else RunConfig().run.token_budget)
     failures = 1 if args.quick else args.failures
     try:  # a bad --set fails here, in one line, before any run
-        build_config(apply_overrides({}, args.overrides))
+        load_config(overrides=args.overrides)
     except ConfigError as err:
         ap.error(str(err))
     methods = tuple(m for m in METHODS if not (args.skip_sync and m.startswith("sync")))

@@ -58,7 +58,7 @@ import ray  # noqa: E402
 from islands.model import model_config  # noqa: E402
 from orchestrator.actors import WORKER_ENV, ignore_zero_copy_warnings  # noqa: E402
 from orchestrator.baseline_dp import train_data_parallel  # noqa: E402
-from orchestrator.config import ConfigError, apply_overrides, build_config  # noqa: E402
+from orchestrator.config import ConfigError, apply_overrides, build_config, load_config  # noqa: E402
 from orchestrator.driver import load_corpus, measure_step_s, train  # noqa: E402
 from policies.adoption import parse_adoption  # noqa: E402
 
@@ -394,7 +394,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as err:
         ap.error(f"--adoption: {err}")
     try:  # a bad --set fails here, in one line, before any run
-        build_config(apply_overrides({}, args.overrides))
+        load_config(overrides=args.overrides)
     except ConfigError as err:
         ap.error(str(err))
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)
