@@ -11,9 +11,9 @@ Data parallel (`dp`: Ray Train TorchTrainer, orchestrator/baseline_dp.py) reads 
 model, data, inner, eval and pool sections, so grid points that differ only in other keys (outer.*,
 health.*) share one DP run per repeat instead of repeating it.
 
-  python benchmarks/sweep.py --grid inner.lr=0.001,0.003,0.006                    # decoupled vs dp, 3M tokens each
+  python benchmarks/sweep.py --grid inner.lr=0.001,0.003,0.006 --repeats 1        # decoupled vs dp, 3M tokens, ~7 min
   python benchmarks/sweep.py --grid outer.lr=0.35,0.7 --grid outer.momentum=0.5,0.9 --methods decoupled,sync-diloco
-  python benchmarks/sweep.py --grid inner.lr=0.002,0.004 --repeats 3 --json /tmp/sweep.json
+  python benchmarks/sweep.py --grid inner.lr=0.002,0.004 --json /tmp/sweep.json   # 3 repeats: ~20 min
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated, from {', '.join(ENGINE_MODES)}, dp (default decoupled,dp)")
     ap.add_argument("--budget", type=int, default=3_000_000, help="tokens per run (default 3,000,000)")
     ap.add_argument("--islands", type=int, default=4, help="islands (and DP workers) per run (default 4)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs per cell, interleaved; medians reported (default 1)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per cell, interleaved; medians reported (default 3)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for every run (repeatable)")
     ap.add_argument("--out", type=Path, default=None, help="run directories here (default: a temp dir)")
