@@ -8,8 +8,8 @@ slowdown and no network, so the sweep measures the training algorithm, not emula
 `--set` adds overrides to every run.
 
 Data parallel (`dp`: Ray Train TorchTrainer, orchestrator/baseline_dp.py) reads only the run,
-model, data, inner, eval and pool sections, so grid points that differ only in other keys (outer.*,
-health.*) share one DP run per repeat instead of repeating it.
+model, data, inner, eval, network and pool sections, so grid points that differ only in other keys
+(outer.*, health.*) share one DP run per repeat instead of repeating it.
 
   python benchmarks/sweep.py --grid inner.lr=0.001,0.003,0.006 --repeats 1        # decoupled vs dp, 3M tokens, ~7 min
   python benchmarks/sweep.py --grid outer.lr=0.35,0.7 --grid outer.momentum=0.5,0.9 --methods decoupled,sync-diloco
@@ -36,8 +36,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # a loaded 2-core box starts workers slowly
 
-ENGINE_MODES = ("decoupled", "sync-diloco", "streaming-diloco")
-DP_SECTIONS = ("run", "model", "data", "inner", "eval", "pools")
+from orchestrator.config import MODES as ENGINE_MODES  # noqa: E402
+from orchestrator.config import ConfigError, load_config  # noqa: E402
+
+# The config sections train_data_parallel reads (network through build_run_network).
+DP_SECTIONS = ("run", "model", "data", "inner", "eval", "network", "pools")
 
 
 def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
@@ -120,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write every run's loss and the summary here")
     args = ap.parse_args(argv)
 
-    from orchestrator.config import ConfigError, load_config
-
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in ENGINE_MODES + ("dp",)]
     if bad or not methods:
@@ -131,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points = grid_points(parse_grid(args.grid))
         common = base_overrides(args.islands) + [f"run.token_budget={args.budget}"] + args.overrides
-        for p in points:  # every run's config must build before the first one starts
-            for m in methods:
-                load_config(overrides=common + list(p) + ([f"mode={m}"] if m != "dp" else []))
+        # Every run's config is built before the first run starts, so a bad value fails in one line.
+        configs = {(m, p): load_config(overrides=common + list(p) + ([f"mode={m}"] if m != "dp" else []))
+                   for p in points for m in methods}
     except (ValueError, ConfigError) as err:
         ap.error(str(err))
 
@@ -161,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                     if m == "dp" and dp_view(p) in dp_done:
                         cells.setdefault((m, p), []).append(dp_done[dp_view(p)])
                         continue
-                    cfg = load_config(overrides=common + list(p) + ([f"mode={m}"] if m != "dp" else []))
                     run_dir = root / f"r{r}" / f"p{i}-{m}"
                     t0 = time.monotonic()
+                    cfg = configs[(m, p)]
                     s = train_data_parallel(cfg, run_dir) if m == "dp" else train(cfg, run_dir)
                     done += 1
                     loss = s["eval_loss"]

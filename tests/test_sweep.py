@@ -39,6 +39,8 @@ def test_points_that_differ_only_outside_dps_sections_share_one_dp_run():
     c = ("inner.lr=0.003", "outer.lr=0.7")
     assert sweep.dp_view(a) == sweep.dp_view(b) == ("inner.lr=0.002",)
     assert sweep.dp_view(c) != sweep.dp_view(b)
+    # DP emulates the network's all-reduce, so a network key is its own DP run.
+    assert sweep.dp_view(("network.scenario=wan-4-regions", "outer.lr=0.7")) == ("network.scenario=wan-4-regions",)
 
 
 def test_the_base_is_uniform_islands_in_one_pool_without_emulation_or_network():
