@@ -7,6 +7,7 @@ import dataclasses
 import math
 import pickle
 
+import pytest
 import torch
 
 from islands.island import IslandSpec, LearnerIsland
@@ -19,20 +20,23 @@ from tests.engine.nano import nano_world
 INNER = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=2)
 
 
-def setup(every: int = 3):
+def setup(every: int = 3, compression: str = "none"):
     w = nano_world(OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
     shelved: list[tuple[int, bytes]] = []
     islands = []
     for i in range(2):
         spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
-                          sync_every_steps=8, seed=1, salvage_every_steps=every)  # P = 2: a cut every 4 steps
+                          sync_every_steps=8, seed=1, salvage_every_steps=every, compression=compression)  # P = 2: a cut every 4 steps
         islands.append(LearnerIsland(spec, w.data, w.latest, shelve=(lambda step, blob: shelved.append((step, blob))) if i else None))
         w.outer.register(i, 1)
     return w.outer, islands, shelved
 
 
-def test_snapshots_hold_exactly_the_progress_a_cut_would_send():
-    _, (_, island), shelved = setup(every=3)
+@pytest.mark.parametrize("compression", ["none", "int4"])
+def test_snapshots_hold_exactly_the_progress_a_cut_would_send(compression):
+    # int4: the snapshot is encoded on the sender thread, from differences taken at the step boundary,
+    # and still carries exactly the wire form a cut at that boundary sends.
+    _, (_, island), shelved = setup(every=3, compression=compression)
     for _ in range(6):
         island.step()  # fragment 0 is cut at step 4 (seq 0); snapshots at steps 3 and 6
     island.wait_shelved()
@@ -48,6 +52,7 @@ def test_snapshots_hold_exactly_the_progress_a_cut_would_send():
     for s in snap.submissions:
         assert (cuts[s.fragment].tokens, cuts[s.fragment].cursor) == (s.tokens, s.cursor)
         for a, b in zip(s.payload, cuts[s.fragment].payload):
+            assert a.scheme == b.scheme == compression, "the snapshot went out in the run's wire format"
             assert torch.equal(decompress(a), decompress(b))
 
 
