@@ -61,6 +61,7 @@ from orchestrator.baseline_dp import train_data_parallel  # noqa: E402
 from orchestrator.config import ConfigError, apply_overrides, build_config, load_config  # noqa: E402
 from orchestrator.driver import load_corpus, measure_step_s, train  # noqa: E402
 from policies.adoption import parse_adoption  # noqa: E402
+from policies.outer_optimizer import STEP_SCALES  # noqa: E402
 
 REGIONS = ("us-east", "us-central", "us-west", "us-south")
 TARGETS = {"speedup": 20.0, "bytes": 500.0, "loss_gap": 0.02, "het_gap": 0.02, "het_goodput": 0.99}
@@ -363,8 +364,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--adoption", default="rebase",
                     help="outer.adoption of the decoupled runs: rebase (default, the engine's), overwrite or mix(alpha); "
                          "with K = 1 every round goes to every island, and overwrite replaces their unmerged progress")
-    ap.add_argument("--step-scale", choices=("participation", "none"), default="participation",
-                    help="outer.step_scale of the decoupled runs (default participation; none = unscaled K < all rounds)")
+    ap.add_argument("--step-scale", choices=STEP_SCALES, default="participation",
+                    help="outer.step_scale of the decoupled runs (default participation; clock = also momentum decay "
+                         "per share of a full round; none = unscaled K < all rounds)")
     ap.add_argument("--max-staleness", type=int, default=None,
                     help="outer.max_staleness of the decoupled runs (default: the config's, 4)")
     ap.add_argument("--network", default=None,

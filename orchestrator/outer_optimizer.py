@@ -22,7 +22,7 @@ from islands.messages import Submission, SubmissionKey
 from policies.compression import Compressed, decompress
 from policies.fragments import FragmentPlan
 from policies.merge import join_segments, merge_fragment
-from policies.outer_optimizer import FragmentOuterOptimizer, round_step_scale
+from policies.outer_optimizer import FragmentOuterOptimizer, is_clock_rule, round_step_scale
 from policies.quorum import MovingAverage, decide_round, grace_window_s
 from policies.staleness import VersionRing, check_staleness
 from policies.weighting import merge_weights
@@ -325,7 +325,7 @@ class OuterOptimizer:
         else:
             scale = round_step_scale(self.settings.step_scale, participants=len({s.island for s in subs}),
                                      live_islands=self._live_islands())
-            self._opts[p].step(outer_grad, scale=scale)
+            self._opts[p].step(outer_grad, scale=scale, clock=is_clock_rule(self.settings.step_scale))
         self.versions[p] += 1
         version = self.versions[p]
         self._rings[p].push(version, [t.clone() for t in self.params[p]])

@@ -14,21 +14,30 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FragmentOuterOptimizer", "STEP_SCALES", "round_step_scale"]
+__all__ = ["FragmentOuterOptimizer", "STEP_SCALES", "is_clock_rule", "round_step_scale"]
 
-STEP_SCALES = ("participation", "none")
+STEP_SCALES = ("participation", "clock", "none")
 
 
 def round_step_scale(rule: str, *, participants: int, live_islands: int) -> float:
     """The factor a round's merged outer gradient is multiplied by before the Nesterov step.
 
-    ``participation``: ``min(1, participants / live_islands)``, the round's share of a full round.
-    With K = 1 a fragment gets about one round per island per H steps, each merging about one
+    ``participation`` and ``clock``: ``min(1, participants / live_islands)``, the round's share of a
+    full round. With K = 1 a fragment gets about one round per island per H steps, each merging about one
     island; unscaled, those rounds add up to M times the step that synchronous DiLoCo takes once
     per H steps from the average of the same M deltas (and Nesterov amplifies the excess by up to
     1 / (1 - momentum)). Scaled, the rounds of one H add up to the synchronous step in expectation.
     A round with every live island (K = all) gets 1, so the degenerate settings of DESIGN.md
     section 3 are unchanged. ``none``: always 1 (the paper's plain rule).
+
+    The two scaled rules differ in what the factor scales (:meth:`FragmentOuterOptimizer.step`):
+    ``participation`` scales the gradient a round feeds into the momentum buffer, and every round
+    still decays the buffer by ``momentum``, so the buffer's memory is about 1 / (1 - momentum)
+    *rounds*: with K = 1 that is M times fewer inner steps than with K = all, and the buffer builds to
+    its full amplification M times sooner. ``clock`` treats the round as a fraction ``s`` of a full
+    round in time as well: the buffer decays by ``momentum ** s`` and the parameters move ``s`` times
+    a full round's step, so 1 / s rounds of share ``s`` behave like one full round, momentum
+    included (see :meth:`FragmentOuterOptimizer.step`).
 
     Args:
         rule: one of :data:`STEP_SCALES`.
@@ -42,6 +51,13 @@ def round_step_scale(rule: str, *, participants: int, live_islands: int) -> floa
     if rule == "none":
         return 1.0
     return min(1.0, participants / live_islands)
+
+
+def is_clock_rule(rule: str) -> bool:
+    """Whether a round's step scale also scales its momentum decay and displacement (the ``clock`` rule)."""
+    if rule not in STEP_SCALES:
+        raise ValueError(f"step scale {rule!r} is unknown; use one of {', '.join(STEP_SCALES)}")
+    return rule == "clock"
 
 
 class FragmentOuterOptimizer:
@@ -95,11 +111,24 @@ class FragmentOuterOptimizer:
         """The parameters this optimizer updates, the very tensors passed in."""
         return list(self._params)
 
-    def step(self, outer_grad: Sequence[Tensor], *, scale: float = 1.0) -> None:
+    def step(self, outer_grad: Sequence[Tensor], *, scale: float = 1.0, clock: bool = False) -> None:
         """Apply one outer step with ``scale * outer_grad[i]`` as the gradient of ``params[i]``.
 
-        ``scale`` in (0, 1] is the round's share of a full round (:func:`round_step_scale`); it
-        scales the gradient that enters the momentum buffer, not the buffer already there.
+        ``scale`` in (0, 1] is the round's share of a full round (:func:`round_step_scale`). By
+        default it scales the gradient that enters the momentum buffer, not the buffer already there.
+
+        With ``clock=True`` the round counts as ``scale`` of a full round in time (momentum ``mu``,
+        ``s = scale``, ``g`` the merged outer gradient), per tensor::
+
+            buf = mu**s * buf + (1 - mu**s) / (1 - mu) * g
+            p  -= s * lr * (g + mu * buf)          # Nesterov; without it: p -= s * lr * buf
+
+        The buffer's weight on ``g`` makes it, at every full round's worth of time, what the plain
+        rule's buffer would be after that many full rounds of the same ``g``: its memory decays per
+        unit of round time, not per round. The Nesterov look-ahead stays one full round (``mu``), so
+        under a steady ``g`` the parameters move as far per unit of time as with full rounds. ``s = 1``
+        is exactly the plain step (torch's SGD), and with ``mu = 0`` it is ``p -= s * lr * g``, the
+        same as the default.
         """
         if not 0.0 < scale <= 1.0:
             raise ValueError(f"scale={scale} must be in (0, 1]; pass round_step_scale(...)")
@@ -115,6 +144,10 @@ class FragmentOuterOptimizer:
                     f"outer_grad[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}; "
                     "merge the same fragment the optimizer owns"
                 )
+        group = self._sgd.param_groups[0]
+        if clock and scale != 1.0 and group["momentum"] > 0:
+            self._clock_step(outer_grad, scale)
+            return
         try:
             for p, g in zip(self._params, outer_grad):
                 # A private float32 copy: torch's foreach Nesterov path adds into grads in place.
@@ -125,6 +158,27 @@ class FragmentOuterOptimizer:
         finally:
             for p in self._params:
                 p.grad = None
+
+    def _clock_step(self, outer_grad: list[Tensor], s: float) -> None:
+        """The ``clock=True`` step for ``0 < s < 1`` and ``momentum > 0`` (see :meth:`step`).
+
+        The buffers stay in torch's SGD state, so :meth:`state_dict` and later plain steps see them.
+        """
+        group = self._sgd.param_groups[0]
+        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        decay = mu**s
+        gain = (1.0 - decay) / (1.0 - mu)
+        with torch.no_grad():
+            for p, g in zip(self._params, outer_grad):
+                g = g.detach().to(device=p.device, dtype=torch.float32)
+                state = self._sgd.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:  # torch's first step starts the buffer at g, i.e. from zero with gain 1
+                    buf = torch.zeros_like(p)
+                buf.mul_(decay).add_(g, alpha=gain)
+                state["momentum_buffer"] = buf
+                direction = g.add(buf, alpha=mu) if nesterov else buf
+                p.sub_(direction, alpha=s * lr)
 
     def average_step(self, outer_grad: Sequence[Tensor]) -> None:
         """``params -= outer_grad``: move to the merged islands' position, without lr or momentum.

@@ -73,7 +73,7 @@ def test_a_lone_island_round_takes_its_share_of_a_full_step():
     import torch
 
     moved = {}
-    for rule in ("participation", "none"):
+    for rule in ("participation", "clock", "none"):
         outer, (a, _, _) = setup(3)
         outer.settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, step_scale=rule)
         before = outer.fragment(0)
@@ -82,9 +82,15 @@ def test_a_lone_island_round_takes_its_share_of_a_full_step():
         sub = a.next_submission(0)
         (result,), refusal = outer.receive(sub, now=1.0)
         assert refusal is None and result.record.participants == [0]
-        assert result.record.step_scale == (1 / 3 if rule == "participation" else 1.0)
+        assert result.record.step_scale == (1.0 if rule == "none" else 1 / 3)
         moved[rule] = [(b - t).double() for b, t in zip(before, outer.fragment(0))]
     # Same island, same data, same seed: the first Nesterov step is linear in the gradient.
     assert any(m.abs().max() > 0 for m in moved["none"])
     for small, full in zip(moved["participation"], moved["none"]):
         torch.testing.assert_close(small * 3, full, rtol=1e-5, atol=1e-7)
+    # clock: a third of a round in time. From a zero buffer the step is (1/3) lr (g + mu * gain * g) with
+    # gain = (1 - mu^(1/3)) / (1 - mu), against the unscaled lr (g + mu * g).
+    mu = outer.settings.momentum
+    gain = (1 - mu ** (1 / 3)) / (1 - mu)
+    for clocked, full in zip(moved["clock"], moved["none"]):
+        torch.testing.assert_close(clocked, full * (1 + mu * gain) / (3 * (1 + mu)), rtol=1e-5, atol=1e-7)

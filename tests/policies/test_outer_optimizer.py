@@ -200,3 +200,101 @@ def test_scaled_step_matches_manual_loop_on_scaled_gradients():
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="scale"):
             opt.step(g, scale=bad)
+
+
+# ------------------------------------------------------------------ the clock rule
+
+
+def _clock_reference(p0, grads, scales, *, lr, momentum, nesterov):
+    """Manual float64 loop of the clock rule, written from the docstring of step(clock=True)."""
+    p = [x.double().clone() for x in p0]
+    buf = [torch.zeros_like(x) for x in p]
+    for g, s in zip(grads, scales):
+        decay = momentum**s
+        for i, gi in enumerate(g):
+            gi = gi.double()
+            buf[i] = decay * buf[i] + (1 - decay) / (1 - momentum) * gi
+            p[i] -= s * lr * ((gi + momentum * buf[i]) if nesterov else buf[i])
+    return p
+
+
+def test_clock_rule_hand_values():
+    # mu .81, s .5: decay .9, gain .1/.19; g = 1.9 -> buf 1.0, p = 1 - .5 * 1 * (1.9 + .81 * 1.0) = -0.355
+    p = torch.tensor([1.0], dtype=torch.float32)
+    opt = FragmentOuterOptimizer([p], lr=1.0, momentum=0.81)
+    opt.step([torch.tensor([1.9])], scale=0.5, clock=True)
+    assert p.item() == pytest.approx(-0.355, abs=1e-6)
+    # A second share-.5 round with g = 0: buf .9, p = -0.355 - .5 * (0 + .81 * .9) = -0.7195
+    opt.step([torch.tensor([0.0])], scale=0.5, clock=True)
+    assert p.item() == pytest.approx(-0.7195, abs=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_clock_rule_matches_manual_loop_with_mixed_shares(nesterov):
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
+    grads = [[torch.randn_like(x) for x in params] for _ in range(7)]
+    scales = [0.25, 0.25, 1.0, 0.5, 0.75, 0.25, 1.0]  # full rounds go through torch's SGD, shares through ours
+    ref = _clock_reference(params, grads, scales, lr=0.7, momentum=0.9, nesterov=nesterov)
+    opt = FragmentOuterOptimizer(params, lr=0.7, momentum=0.9, nesterov=nesterov)
+    for g, s in zip(grads, scales):
+        opt.step(g, scale=s, clock=True)
+    for got, want in zip(params, ref):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_clock_rule_full_rounds_and_zero_momentum_are_the_default_step():
+    gen = torch.Generator().manual_seed(4)
+    p0 = torch.randn(6, generator=gen)
+    grads = [torch.randn(6, generator=gen) for _ in range(4)]
+    for momentum, scale in ((0.9, 1.0), (0.0, 0.25)):
+        a, b = p0.clone(), p0.clone()
+        oa, ob = FragmentOuterOptimizer([a], momentum=momentum), FragmentOuterOptimizer([b], momentum=momentum)
+        for g in grads:
+            oa.step([g], scale=scale)
+            ob.step([g], scale=scale, clock=True)
+        assert torch.equal(a, b)
+
+
+def test_clock_rule_shares_add_up_to_full_rounds_in_momentum_memory():
+    # A constant outer gradient for 40 full rounds' worth of time: with the clock rule, 160 rounds of
+    # share 1/4 end within 5% of 40 full rounds (the buffers agree exactly at every fourth round); with the participation rule the buffer forgets per
+    # round, so the same 160 rounds build it to about twice as far (the K = 1 overshoot it fixes).
+    g = torch.ones(1)
+
+    def run(scale, rounds, clock):
+        p = torch.zeros(1)
+        opt = FragmentOuterOptimizer([p], lr=0.7, momentum=0.9)
+        for _ in range(rounds):
+            opt.step([g], scale=scale, clock=clock)
+        return -p.item()
+
+    full = run(1.0, 40, False)
+    assert run(0.25, 160, True) == pytest.approx(full, rel=0.05)
+    early_full, early_clock, early_part = run(1.0, 5, False), run(0.25, 20, True), run(0.25, 20, False)
+    assert abs(early_clock - early_full) / early_full < 0.15
+    assert early_part > 1.3 * early_clock  # the per-round memory builds momentum four times sooner
+
+
+def test_clock_rule_buffers_survive_state_dict():
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(4, generator=gen)
+    b = a.clone()
+    oa = FragmentOuterOptimizer([a])
+    grads = [torch.randn(4, generator=gen) for _ in range(4)]
+    oa.step([grads[0]], scale=0.25, clock=True)
+    ob = FragmentOuterOptimizer([b])
+    ob.load_state_dict(oa.state_dict())
+    b.copy_(a)
+    for g in grads[1:]:
+        oa.step([g], scale=0.5, clock=True)
+        ob.step([g], scale=0.5, clock=True)
+    assert torch.equal(a, b)
+
+
+def test_is_clock_rule():
+    from policies.outer_optimizer import is_clock_rule
+
+    assert is_clock_rule("clock") and not is_clock_rule("participation") and not is_clock_rule("none")
+    with pytest.raises(ValueError, match="unknown"):
+        is_clock_rule("Clock")
