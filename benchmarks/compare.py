@@ -364,9 +364,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--adoption", default="rebase",
                     help="outer.adoption of the decoupled runs: rebase (default, the engine's), overwrite or mix(alpha); "
                          "with K = 1 every round goes to every island, and overwrite replaces their unmerged progress")
-    ap.add_argument("--step-scale", choices=STEP_SCALES, default="participation",
-                    help="outer.step_scale of the decoupled runs (default participation; clock = also momentum decay "
-                         "per share of a full round; none = unscaled K < all rounds)")
+    ap.add_argument("--step-scale", choices=STEP_SCALES, default="clock",
+                    help="outer.step_scale of the decoupled runs (default clock; participation = the outer gradient "
+                         "scaled without the momentum clock; none = unscaled K < all rounds)")
     ap.add_argument("--max-staleness", type=int, default=None,
                     help="outer.max_staleness of the decoupled runs (default: the config's, 4)")
     ap.add_argument("--network", default=None,

@@ -120,12 +120,13 @@ class OuterSection(_Section):
     merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings) or 'mean'.")
     lr: float = Field(0.7, gt=0, description="Outer SGD learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain SGD.")
-    step_scale: Literal["participation", "clock", "none"] = Field(
-        "participation", description="Scale each round's outer gradient by its share of a full round "
-        "(distinct islands merged / live islands), so K < all rounds add up to one synchronous step per H; "
-        "'clock' also counts the round as that share of a full round in time (momentum decays by "
-        "momentum**share and the step shrinks by share), so the momentum buffer remembers the same number of "
-        "inner steps at any K; 'none' = the unscaled rule (policies.outer_optimizer.round_step_scale).")
+    step_scale: Literal["clock", "participation", "none"] = Field(
+        "clock", description="How a round with fewer than all live islands counts, by its share s = distinct "
+        "islands merged / live islands (1 when K = all): 'clock' = s of a full round in time (the outer gradient "
+        "enters momentum scaled by s, the buffer decays by momentum**s, the step is s times a full one), so K < all "
+        "rounds add up to one synchronous step per H and the momentum buffer remembers the same number of inner "
+        "steps at any K; 'participation' = the outer gradient scaled by s only (the buffer still decays once per "
+        "round); 'none' = the unscaled rule (policies.outer_optimizer.round_step_scale).")
     max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old.")
     adoption: str = Field("rebase", description="How islands adopt a new fragment: rebase (keep the progress not yet merged) | overwrite (the paper: replace it) | mix(alpha). With K < all every round goes to every island, and overwrite then discards most of each island's progress (the overwritten token fate).")
     compression: str = Field("none", description="Outer-gradient wire format: none | bf16 | int8 | int4.")

@@ -47,7 +47,7 @@ class OuterSettings:
     momentum: float = 0.9
     max_staleness: int = 4
     compression: str = "none"
-    step_scale: str = "participation"
+    step_scale: str = "clock"
     downlink: str = "none"  # wire format of published fragments (the actor shell applies it)
     downlink_delta: str | None = None  # format of later versions as differences from an island's copy, or None
     publish_to: str = "all"  # all | participants: which islands a new version goes to (the actor shell sends it)
