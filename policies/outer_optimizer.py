@@ -1,7 +1,9 @@
 """The outer step of one fragment: SGD with Nesterov momentum (DESIGN.md section 3, step 6).
 
 A thin wrapper over ``torch.optim.SGD``, as torchft's ``local_sgd.py`` does, so the Nesterov update
-is torch's own and not a rewrite. One instance per fragment owns that fragment's global parameters.
+of a full round is torch's own and not a rewrite; only a partial round under the ``clock`` step scale
+(:meth:`FragmentOuterOptimizer.step`) is computed here, on torch's momentum buffers, and a test pins
+it to torch's step at share 1. One instance per fragment owns that fragment's global parameters.
 """
 
 from __future__ import annotations

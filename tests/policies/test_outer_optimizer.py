@@ -276,6 +276,20 @@ def test_clock_rule_shares_add_up_to_full_rounds_in_momentum_memory():
     assert early_part > 1.3 * early_clock  # the per-round memory builds momentum four times sooner
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_clock_formula_at_share_one_is_torchs_step(nesterov):
+    # step() hands full rounds to torch; the formula it uses for partial ones must reduce to torch's at s = 1.
+    gen = torch.Generator().manual_seed(6)
+    p0 = torch.randn(5, generator=gen)
+    grads = [torch.randn(5, generator=gen) for _ in range(4)]
+    a, b = p0.clone(), p0.clone()
+    oa, ob = FragmentOuterOptimizer([a], nesterov=nesterov), FragmentOuterOptimizer([b], nesterov=nesterov)
+    for g in grads:
+        oa.step([g])
+        ob._clock_step([g], 1.0)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_clock_rule_buffers_survive_state_dict():
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(4, generator=gen)
