@@ -46,8 +46,7 @@ def round_step_scale(rule: str, *, participants: int, live_islands: int) -> floa
         participants: distinct islands merged in the round, ``>= 1``.
         live_islands: islands the outer optimizer counts as live, ``>= 1``.
     """
-    if rule not in STEP_SCALES:
-        raise ValueError(f"step scale {rule!r} is unknown; use one of {', '.join(STEP_SCALES)}")
+    _check_rule(rule)
     if participants < 1 or live_islands < 1:
         raise ValueError(f"participants={participants} and live_islands={live_islands} must both be >= 1")
     if rule == "none":
@@ -57,9 +56,13 @@ def round_step_scale(rule: str, *, participants: int, live_islands: int) -> floa
 
 def is_clock_rule(rule: str) -> bool:
     """Whether a round's step scale also scales its momentum decay and displacement (the ``clock`` rule)."""
+    _check_rule(rule)
+    return rule == "clock"
+
+
+def _check_rule(rule: str) -> None:
     if rule not in STEP_SCALES:
         raise ValueError(f"step scale {rule!r} is unknown; use one of {', '.join(STEP_SCALES)}")
-    return rule == "clock"
 
 
 class FragmentOuterOptimizer:
@@ -146,8 +149,7 @@ class FragmentOuterOptimizer:
                     f"outer_grad[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}; "
                     "merge the same fragment the optimizer owns"
                 )
-        group = self._sgd.param_groups[0]
-        if clock and scale != 1.0 and group["momentum"] > 0:
+        if clock and scale != 1.0 and self._sgd.param_groups[0]["momentum"] > 0:
             self._clock_step(outer_grad, scale)
             return
         try:
