@@ -134,9 +134,11 @@ def methods(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
         comp["max_staleness"] = args.max_staleness
     mine = apply_overrides({}, args.overrides)  # --set: the decoupled runs only
     if args.scenario == "heterogeneity":
-        return [("K=all", "engine", deep_merge({"mode": "decoupled", "outer": {**comp, "min_quorum": "all"}}, mine)),
-                ("K=1, no grace", "engine", deep_merge({"mode": "decoupled", "outer": {**comp, "grace_gamma": 0.0}}, mine)),
-                ("K=1 + grace", "engine", deep_merge({"mode": "decoupled", "outer": comp}, mine))]
+        dec = deep_merge({"mode": "decoupled", "outer": comp}, mine)
+        # What names a method goes in last: --set outer.grace_gamma=1 tunes K = 1 + grace, not K = 1 without it.
+        return [("K=all", "engine", deep_merge(dec, {"outer": {"min_quorum": "all"}})),
+                ("K=1, no grace", "engine", deep_merge(dec, {"outer": {"grace_gamma": 0.0}})),
+                ("K=1 + grace", "engine", dec)]
     sync = [] if args.skip_sync_baselines else [("sync-diloco", "engine", {"mode": "sync-diloco"}),
                                                 ("streaming-diloco", "engine", {"mode": "streaming-diloco"})]
     return [("decoupled", "engine", deep_merge({"mode": "decoupled", "outer": comp}, mine)),
@@ -346,7 +348,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="wan-4-regions: decoupled vs sync/streaming DiLoCo vs data parallel; heterogeneity: K=all vs K=1 vs K=1+grace")
     ap.add_argument("--repeats", type=int, default=3, help="runs of every method, interleaved; medians reported (default 3)")
     ap.add_argument("--budget", type=int, default=None, help="tokens per run (default 3,000,000; --quick 200,000)")
-    ap.add_argument("--out", type=Path, default=None, help="output directory (default runs/compare-<timestamp>)")
+    ap.add_argument("--out", type=Path, default=None, help="output directory, new or empty (default runs/compare-<timestamp>)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 200k tokens, H=10, short evals, every run capped at 45 s of wall clock (DP at 30 s), 1 repeat")
     ap.add_argument("--compression", choices=("int4", "int8", "bf16", "none"), default="int4",
@@ -399,6 +401,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         load_config(overrides=args.overrides)
     except ConfigError as err:
         ap.error(str(err))
+    if args.scenario == "heterogeneity" and any(o.split("=", 1)[0].strip() == "outer.min_quorum" for o in args.overrides):
+        ap.error("--set outer.min_quorum: the heterogeneity scenario's methods are K = all and K = 1; leave it out")
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)
     if args.network is None:
         args.network = "none" if args.scenario == "heterogeneity" else "wan-4-regions"
@@ -413,6 +417,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.run_cap_s = 45.0 if args.quick else None  # synchronous methods wait ~90 step times per round in wan-4-regions
     args.sync_every_steps = 10 if args.quick else None  # the default H=40 would give no round at all in 200k tokens
     args.out = args.out or Path(f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.out.is_dir() and any(args.out.iterdir()):  # now, not when the first run refuses its directory minutes in
+        ap.error(f"--out {args.out} is not empty; pick a new directory (each run needs a fresh run directory)")
     return args
 
 

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell, interleaved; medians reported (default 3)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for every run (repeatable)")
-    ap.add_argument("--out", type=Path, default=None, help="run directories here (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=None, help="run directories here, a new or empty directory (default: a temp dir)")
     ap.add_argument("--json", type=Path, help="write every run's loss and the summary here")
     args = ap.parse_args(argv)
 
@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--methods {args.methods!r}: choose from {', '.join(ENGINE_MODES)}, dp")
     if args.repeats < 1 or args.islands < 1 or args.budget < 1:
         ap.error("--repeats, --islands and --budget must be >= 1")
+    if args.out is not None and args.out.is_dir() and any(args.out.iterdir()):
+        ap.error(f"--out {args.out}: the directory holds earlier runs; pass an empty or new one")
     try:
         points = grid_points(parse_grid(args.grid))
         common = base_overrides(args.islands) + [f"run.token_budget={args.budget}"] + args.overrides

@@ -61,3 +61,21 @@ def test_set_reaches_the_decoupled_runs_only_and_a_bad_one_is_a_one_line_error(c
     with pytest.raises(SystemExit):
         compare.parse_args(["--set", "outer.lr=-1"])
     assert "outer.lr" in capsys.readouterr().err
+
+
+def test_set_tunes_k1_with_grace_but_cannot_change_what_names_a_heterogeneity_method(capsys):
+    het = {n: extra["outer"] for n, _, extra in
+           compare.methods(compare.parse_args(["--scenario", "heterogeneity", "--set", "outer.grace_gamma=1.0"]))}
+    assert het["K=1 + grace"]["grace_gamma"] == 1.0
+    assert het["K=1, no grace"]["grace_gamma"] == 0.0 and het["K=all"]["min_quorum"] == "all"
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--scenario", "heterogeneity", "--set", "outer.min_quorum=2"])
+    assert "outer.min_quorum" in capsys.readouterr().err
+
+
+def test_an_out_directory_holding_runs_is_refused_before_anything_starts(tmp_path, capsys):
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--out", str(tmp_path)])
+    assert str(tmp_path) in capsys.readouterr().err
+    assert compare.parse_args(["--out", str(tmp_path / "new")]).out == tmp_path / "new"

@@ -63,3 +63,13 @@ def test_the_summary_takes_medians_and_measures_each_best_against_dps_best():
 def test_without_dp_there_is_no_gap():
     s = sweep.summarise({("sync-diloco", ()): [2.0]}, ["sync-diloco"], [()])
     assert s["best"]["sync-diloco"]["gap_to_dp_best"] is None
+
+
+def test_an_out_directory_holding_runs_is_refused_before_ray_starts(tmp_path, capsys, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("the sweep started Ray before refusing --out"))
+    (tmp_path / "r1").mkdir()
+    with pytest.raises(SystemExit):
+        sweep.main(["--out", str(tmp_path)])
+    assert "--out" in capsys.readouterr().err
