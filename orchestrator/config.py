@@ -120,6 +120,11 @@ class OuterSection(_Section):
     merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings) or 'mean'.")
     lr: float = Field(0.7, gt=0, description="Outer SGD learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain SGD.")
+    partial_momentum: float | None = Field(
+        0.7, ge=0, lt=1, description="Outer momentum of rounds that merge fewer than all live islands, under "
+        "step_scale 'clock'; capped at momentum; None = momentum. Those rounds apply outer gradients measured from "
+        "versions other islands have since moved, which carries momentum of its own (asynchronous SGD behaves like "
+        "momentum SGD), so they take less explicit momentum than full rounds (README, Measured).")
     step_scale: Literal["clock", "participation", "none"] = Field(
         "clock", description="How a round with fewer than all live islands counts, by its share s = distinct "
         "islands merged / live islands (1 when K = all): 'clock' = s of a full round in time (the outer gradient "

@@ -45,6 +45,7 @@ class OuterSettings:
     merge_rule: str = "rda"
     lr: float = 0.7
     momentum: float = 0.9
+    partial_momentum: float | None = None  # momentum of the clock rule's partial rounds; None = momentum
     max_staleness: int = 4
     compression: str = "none"
     step_scale: str = "clock"
@@ -125,7 +126,8 @@ class OuterOptimizer:
         self._shapes = [[tuple(t.shape) for t in frag] for frag in self.params]
         self._embedding_mask = [[n in embedding_names for n in frag] for frag in plan.fragments]
         self._opts = [
-            FragmentOuterOptimizer(self.params[p], lr=settings.lr, momentum=settings.momentum) for p in range(P)
+            FragmentOuterOptimizer(self.params[p], lr=settings.lr, momentum=settings.momentum,
+                                   partial_momentum=settings.partial_momentum) for p in range(P)
         ]
         self.versions = [0] * P
         # Recent versions per fragment: what any accepted submission can have been measured from.

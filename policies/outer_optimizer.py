@@ -83,6 +83,12 @@ class FragmentOuterOptimizer:
         lr: outer learning rate, ``> 0``.
         momentum: ``0 <= momentum < 1``.
         nesterov: use Nesterov momentum (ignored when ``momentum == 0``).
+        partial_momentum: momentum of the clock rule's partial rounds (``step(clock=True)`` with
+            ``scale < 1``), ``0 <= partial_momentum < 1``, capped at ``momentum``; ``None`` = ``momentum``.
+            A partial round merges some islands' outer gradients measured from versions that others
+            have since moved; such stale updates carry a momentum of their own (asynchronous SGD
+            behaves like momentum SGD: Mitliagkas et al. 2016, arXiv:1605.09774), so explicit momentum
+            on top of it overshoots. Full rounds keep ``momentum``.
     """
 
     def __init__(
@@ -92,11 +98,14 @@ class FragmentOuterOptimizer:
         lr: float = 0.7,
         momentum: float = 0.9,
         nesterov: bool = True,
+        partial_momentum: float | None = None,
     ) -> None:
         if math.isnan(lr) or lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}; the outer default is 0.7")
         if math.isnan(momentum) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}; the outer default is 0.9")
+        if partial_momentum is not None and (math.isnan(partial_momentum) or not 0.0 <= partial_momentum < 1.0):
+            raise ValueError(f"partial_momentum must be in [0, 1) or None (= momentum), got {partial_momentum}")
         params = list(params)
         if not params:
             raise ValueError("FragmentOuterOptimizer got no params; pass the fragment's tensors")
@@ -110,6 +119,7 @@ class FragmentOuterOptimizer:
         self._params = params
         # torch accepts leaves with requires_grad=False; the step runs under no_grad either way.
         self._sgd = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+        self._partial_momentum = momentum if partial_momentum is None else min(partial_momentum, momentum)
 
     @property
     def params(self) -> list[Tensor]:
@@ -133,7 +143,8 @@ class FragmentOuterOptimizer:
         unit of round time, not per round. The Nesterov look-ahead stays one full round (``mu``), so
         under a steady ``g`` the parameters move as far per unit of time as with full rounds. ``s = 1``
         is exactly the plain step (torch's SGD), and with ``mu = 0`` it is ``p -= s * lr * g``, the
-        same as the default.
+        same as the default. For ``s < 1``, ``mu`` is the constructor's ``partial_momentum`` (default:
+        ``momentum``); the buffer is the one full rounds use.
         """
         if not 0.0 < scale <= 1.0:
             raise ValueError(f"scale={scale} must be in (0, 1]; pass round_step_scale(...)")
@@ -169,7 +180,8 @@ class FragmentOuterOptimizer:
         The buffers stay in torch's SGD state, so :meth:`state_dict` and later plain steps see them.
         """
         group = self._sgd.param_groups[0]
-        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        lr, nesterov = group["lr"], group["nesterov"]
+        mu = group["momentum"] if s == 1.0 else self._partial_momentum
         decay = mu**s
         gain = (1.0 - decay) / (1.0 - mu)
         with torch.no_grad():

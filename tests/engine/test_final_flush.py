@@ -15,9 +15,9 @@ from tests.engine.nano import nano_world
 INNER = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=2)
 
 
-def setup(m: int = 2):
+def setup(m: int = 2, settings: OuterSettings | None = None):
     # K = all: a round waits for both islands, so a lone submission would wait forever without the flush.
-    w = nano_world(OuterSettings(min_quorum=m, grace_gamma=math.inf, grace_cap_s=math.inf))
+    w = nano_world(settings or OuterSettings(min_quorum=m, grace_gamma=math.inf, grace_cap_s=math.inf))
     islands = []
     for i in range(m):
         spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=m, model_config=w.cfg, plan=w.plan, inner=INNER,
@@ -94,3 +94,23 @@ def test_a_lone_island_round_takes_its_share_of_a_full_step():
     gain = (1 - mu ** (1 / 3)) / (1 - mu)
     for clocked, full in zip(moved["clock"], moved["none"]):
         torch.testing.assert_close(clocked, full * (1 + mu * gain) / (3 * (1 + mu)), rtol=1e-5, atol=1e-7)
+
+
+def test_a_lone_island_round_under_the_clock_takes_the_partial_momentum():
+    """The engine builds its fragment optimizers with the settings' partial momentum (K = 1 rounds)."""
+    import torch
+
+    moved = {}
+    for partial in (None, 0.5):  # None: the full rounds' 0.9
+        outer, (a, _, _) = setup(3, OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, partial_momentum=partial))
+        before = outer.fragment(0)
+        for _ in range(4):
+            a.step()
+        (result,), refusal = outer.receive(a.next_submission(0), now=1.0)
+        assert refusal is None and result.record.step_scale == 1 / 3
+        moved[partial] = [(b - t).double() for b, t in zip(before, outer.fragment(0))]
+    # From a zero buffer a share-s round moves s lr (1 + mu gain(mu)) g, gain(mu) = (1 - mu^s) / (1 - mu).
+    factor = {mu: 1 + mu * (1 - mu ** (1 / 3)) / (1 - mu) for mu in (0.9, 0.5)}
+    assert any(m.abs().max() > 0 for m in moved[None])
+    for half, full in zip(moved[0.5], moved[None]):
+        torch.testing.assert_close(half, full * factor[0.5] / factor[0.9], rtol=1e-5, atol=1e-7)

@@ -205,16 +205,17 @@ def test_scaled_step_matches_manual_loop_on_scaled_gradients():
 # ------------------------------------------------------------------ the clock rule
 
 
-def _clock_reference(p0, grads, scales, *, lr, momentum, nesterov):
+def _clock_reference(p0, grads, scales, *, lr, momentum, nesterov, partial_momentum=None):
     """Manual float64 loop of the clock rule, written from the docstring of step(clock=True)."""
     p = [x.double().clone() for x in p0]
     buf = [torch.zeros_like(x) for x in p]
     for g, s in zip(grads, scales):
-        decay = momentum**s
+        mu = momentum if s == 1 or partial_momentum is None else partial_momentum
+        decay = mu**s
         for i, gi in enumerate(g):
             gi = gi.double()
-            buf[i] = decay * buf[i] + (1 - decay) / (1 - momentum) * gi
-            p[i] -= s * lr * ((gi + momentum * buf[i]) if nesterov else buf[i])
+            buf[i] = decay * buf[i] + (1 - decay) / (1 - mu) * gi
+            p[i] -= s * lr * ((gi + mu * buf[i]) if nesterov else buf[i])
     return p
 
 
@@ -312,3 +313,65 @@ def test_is_clock_rule():
     assert is_clock_rule("clock") and not is_clock_rule("participation") and not is_clock_rule("none")
     with pytest.raises(ValueError, match="unknown"):
         is_clock_rule("Clock")
+
+
+# ------------------------------------------------------------------ partial-round momentum
+
+
+def test_partial_momentum_hand_values():
+    # Partial mu .81 under full mu .9, s .5: decay .9, gain .1/.19; g = 1.9 -> buf 1.0, p = 1 - .5 (1.9 + .81) = -0.355
+    p = torch.tensor([1.0], dtype=torch.float32)
+    opt = FragmentOuterOptimizer([p], lr=1.0, momentum=0.9, partial_momentum=0.81)
+    opt.step([torch.tensor([1.9])], scale=0.5, clock=True)
+    assert p.item() == pytest.approx(-0.355, abs=1e-6)
+    # A full round with g = 0 uses mu .9 on the same buffer: buf .9, p = -0.355 - (0 + .9 * .9) = -1.165
+    opt.step([torch.tensor([0.0])], scale=1.0, clock=True)
+    assert p.item() == pytest.approx(-1.165, abs=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_partial_momentum_matches_manual_loop_with_mixed_shares(nesterov):
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
+    grads = [[torch.randn_like(x) for x in params] for _ in range(7)]
+    scales = [0.25, 0.5, 1.0, 0.25, 0.75, 1.0, 0.25]
+    ref = _clock_reference(params, grads, scales, lr=0.7, momentum=0.9, nesterov=nesterov, partial_momentum=0.7)
+    opt = FragmentOuterOptimizer(params, lr=0.7, momentum=0.9, nesterov=nesterov, partial_momentum=0.7)
+    for g, s in zip(grads, scales):
+        opt.step(g, scale=s, clock=True)
+    for got, want in zip(params, ref):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_momentum_leaves_full_rounds_and_the_other_rules_alone():
+    gen = torch.Generator().manual_seed(6)
+    p0 = torch.randn(6, generator=gen)
+    grads = [torch.randn(6, generator=gen) for _ in range(4)]
+    for scale, clock in ((1.0, True), (0.25, False)):  # full clock rounds; participation-scaled rounds
+        a, b = p0.clone(), p0.clone()
+        oa = FragmentOuterOptimizer([a], momentum=0.9)
+        ob = FragmentOuterOptimizer([b], momentum=0.9, partial_momentum=0.5)
+        for g in grads:
+            oa.step([g], scale=scale, clock=clock)
+            ob.step([g], scale=scale, clock=clock)
+        assert torch.equal(a, b)
+
+
+def test_partial_momentum_is_capped_at_momentum():
+    gen = torch.Generator().manual_seed(7)
+    p0 = torch.randn(6, generator=gen)
+    grads = [torch.randn(6, generator=gen) for _ in range(4)]
+    for momentum in (0.0, 0.5):  # a partial momentum above the full one never adds momentum
+        a, b = p0.clone(), p0.clone()
+        oa = FragmentOuterOptimizer([a], momentum=momentum)
+        ob = FragmentOuterOptimizer([b], momentum=momentum, partial_momentum=0.7)
+        for g in grads:
+            oa.step([g], scale=0.25, clock=True)
+            ob.step([g], scale=0.25, clock=True)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, float("nan")])
+def test_partial_momentum_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="partial_momentum"):
+        FragmentOuterOptimizer([torch.zeros(2)], partial_momentum=bad)
