@@ -45,7 +45,7 @@ class OuterSettings:
     merge_rule: str = "rda"
     lr: float = 0.7
     momentum: float = 0.9
-    partial_momentum: float | None = None  # momentum of the clock rule's partial rounds; None = momentum
+    partial_momentum: float | None = 0.7  # momentum of the clock rule's partial rounds; None = momentum
     max_staleness: int = 4
     compression: str = "none"
     step_scale: str = "clock"

@@ -88,12 +88,13 @@ def test_a_lone_island_round_takes_its_share_of_a_full_step():
     assert any(m.abs().max() > 0 for m in moved["none"])
     for small, full in zip(moved["participation"], moved["none"]):
         torch.testing.assert_close(small * 3, full, rtol=1e-5, atol=1e-7)
-    # clock: a third of a round in time. From a zero buffer the step is (1/3) lr (g + mu * gain * g) with
-    # gain = (1 - mu^(1/3)) / (1 - mu), against the unscaled lr (g + mu * g).
-    mu = outer.settings.momentum
-    gain = (1 - mu ** (1 / 3)) / (1 - mu)
+    # clock: a third of a round in time, with the partial rounds' momentum mu_p. From a zero buffer the step
+    # is (1/3) lr (g + mu_p * gain * g) with gain = (1 - mu_p^(1/3)) / (1 - mu_p), against the unscaled
+    # lr (g + mu * g).
+    mu, mu_p = outer.settings.momentum, outer.settings.partial_momentum
+    gain = (1 - mu_p ** (1 / 3)) / (1 - mu_p)
     for clocked, full in zip(moved["clock"], moved["none"]):
-        torch.testing.assert_close(clocked, full * (1 + mu * gain) / (3 * (1 + mu)), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(clocked, full * (1 + mu_p * gain) / (3 * (1 + mu)), rtol=1e-5, atol=1e-7)
 
 
 def test_a_lone_island_round_under_the_clock_takes_the_partial_momentum():
@@ -101,7 +102,7 @@ def test_a_lone_island_round_under_the_clock_takes_the_partial_momentum():
     import torch
 
     moved = {}
-    for partial in (None, 0.5):  # None: the full rounds' 0.9
+    for partial in (None, 0.5):  # None: the full rounds' 0.9 (the default is 0.7)
         outer, (a, _, _) = setup(3, OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, partial_momentum=partial))
         before = outer.fragment(0)
         for _ in range(4):
