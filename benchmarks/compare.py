@@ -30,6 +30,7 @@ budget (so every one of them reaches it); time to it is when the loss reaches it
   python benchmarks/compare.py --repeats 3 --out runs/compare # 3 repeats, DP capped at 600 s (~45 min)
   python benchmarks/compare.py --repeats 1 --dp-cap-s 3600 --skip-sync-baselines   # DP timed to the target (~60 min)
   python benchmarks/compare.py --scenario heterogeneity --repeats 3 --out runs/compare-het
+  python benchmarks/compare.py --scenario heterogeneity --skip-no-grace --set outer.partial_momentum=0.9   # an A/B
 """
 
 from __future__ import annotations
@@ -136,9 +137,8 @@ def methods(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     if args.scenario == "heterogeneity":
         dec = deep_merge({"mode": "decoupled", "outer": comp}, mine)
         # What names a method goes in last: --set outer.grace_gamma=1 tunes K = 1 + grace, not K = 1 without it.
-        return [("K=all", "engine", deep_merge(dec, {"outer": {"min_quorum": "all"}})),
-                ("K=1, no grace", "engine", deep_merge(dec, {"outer": {"grace_gamma": 0.0}})),
-                ("K=1 + grace", "engine", dec)]
+        no_grace = [] if args.skip_no_grace else [("K=1, no grace", "engine", deep_merge(dec, {"outer": {"grace_gamma": 0.0}}))]
+        return [("K=all", "engine", deep_merge(dec, {"outer": {"min_quorum": "all"}})), *no_grace, ("K=1 + grace", "engine", dec)]
     sync = [] if args.skip_sync_baselines else [("sync-diloco", "engine", {"mode": "sync-diloco"}),
                                                 ("streaming-diloco", "engine", {"mode": "streaming-diloco"})]
     return [("decoupled", "engine", deep_merge({"mode": "decoupled", "outer": comp}, mine)),
@@ -382,6 +382,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-sync-baselines", action="store_true",
                     help="wan-4-regions without sync and streaming DiLoCo (they finish below decoupled, so the target "
                          "is decoupled's either way): decoupled against data parallel only")
+    ap.add_argument("--skip-no-grace", action="store_true",
+                    help="heterogeneity without the K=1, no grace run: K=all against K=1 + grace only (for A/Bs of a "
+                         "decoupled setting with --set, a third shorter)")
     ap.add_argument("--local-step-s", type=float, default=None, help="inner-step time the network is scaled to (default: measured once)")
     ap.add_argument("--model", default="tiny", help="model preset (default tiny)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -401,6 +404,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         load_config(overrides=args.overrides)
     except ConfigError as err:
         ap.error(str(err))
+    if args.skip_no_grace and args.scenario != "heterogeneity":
+        ap.error("--skip-no-grace applies to --scenario heterogeneity only; for wan-4-regions see --skip-sync-baselines")
     if args.scenario == "heterogeneity" and any(o.split("=", 1)[0].strip() == "outer.min_quorum" for o in args.overrides):
         ap.error("--set outer.min_quorum: the heterogeneity scenario's methods are K = all and K = 1; leave it out")
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)

@@ -79,3 +79,13 @@ def test_an_out_directory_holding_runs_is_refused_before_anything_starts(tmp_pat
         compare.parse_args(["--out", str(tmp_path)])
     assert str(tmp_path) in capsys.readouterr().err
     assert compare.parse_args(["--out", str(tmp_path / "new")]).out == tmp_path / "new"
+
+
+def test_the_heterogeneity_ab_can_skip_k1_without_grace_and_wan_refuses_the_flag(capsys):
+    names = [n for n, _, _ in compare.methods(compare.parse_args(["--scenario", "heterogeneity", "--skip-no-grace"]))]
+    assert names == ["K=all", "K=1 + grace"]
+    names = [n for n, _, _ in compare.methods(compare.parse_args(["--scenario", "heterogeneity"]))]
+    assert names == ["K=all", "K=1, no grace", "K=1 + grace"]
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--skip-no-grace"])
+    assert "--skip-no-grace" in capsys.readouterr().err
