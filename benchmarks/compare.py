@@ -406,7 +406,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(str(err))
     if args.skip_no_grace and args.scenario != "heterogeneity":
         ap.error("--skip-no-grace applies to --scenario heterogeneity only; for wan-4-regions see --skip-sync-baselines")
-    if args.scenario == "heterogeneity" and any(o.split("=", 1)[0].strip() == "outer.min_quorum" for o in args.overrides):
+    if args.scenario == "heterogeneity" and "min_quorum" in apply_overrides({}, args.overrides).get("outer", {}):
         ap.error("--set outer.min_quorum: the heterogeneity scenario's methods are K = all and K = 1; leave it out")
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)
     if args.network is None:
