@@ -119,7 +119,8 @@ class FragmentOuterOptimizer:
         self._params = params
         # torch accepts leaves with requires_grad=False; the step runs under no_grad either way.
         self._sgd = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
-        self._partial_momentum = momentum if partial_momentum is None else min(partial_momentum, momentum)
+        # Kept as asked and capped at step time: load_state_dict may bring another momentum.
+        self._partial_momentum = partial_momentum
 
     @property
     def params(self) -> list[Tensor]:
@@ -181,7 +182,7 @@ class FragmentOuterOptimizer:
         """
         group = self._sgd.param_groups[0]
         lr, nesterov = group["lr"], group["nesterov"]
-        mu = group["momentum"] if s == 1.0 else self._partial_momentum
+        mu = group["momentum"] if self._partial_momentum is None else min(self._partial_momentum, group["momentum"])
         decay = mu**s
         gain = (1.0 - decay) / (1.0 - mu)
         with torch.no_grad():

@@ -358,6 +358,22 @@ def test_partial_momentum_is_capped_at_momentum():
         assert torch.equal(a, b)
 
 
+def test_partial_momentum_cap_follows_a_loaded_momentum():
+    # A state saved with momentum 0.5 loaded into an optimizer built with 0.9 (partial 0.7): the loaded
+    # hyperparameters win, so partial rounds must be capped at 0.5 like an optimizer built with 0.5.
+    gen = torch.Generator().manual_seed(11)
+    p0 = torch.randn(6, generator=gen)
+    grads = [torch.randn(6, generator=gen) for _ in range(4)]
+    a, b = p0.clone(), p0.clone()
+    oa = FragmentOuterOptimizer([a], momentum=0.5, partial_momentum=0.7)
+    ob = FragmentOuterOptimizer([b], momentum=0.9, partial_momentum=0.7)
+    ob.load_state_dict(FragmentOuterOptimizer([p0.clone()], momentum=0.5).state_dict())
+    for g in grads:
+        oa.step([g], scale=0.25, clock=True)
+        ob.step([g], scale=0.25, clock=True)
+    assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("bad", [-0.1, 1.0, float("nan")])
 def test_partial_momentum_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match="partial_momentum"):
