@@ -84,7 +84,8 @@ class FragmentOuterOptimizer:
         momentum: ``0 <= momentum < 1``.
         nesterov: use Nesterov momentum (ignored when ``momentum == 0``).
         partial_momentum: momentum of the clock rule's partial rounds (``step(clock=True)`` with
-            ``scale < 1``), ``0 <= partial_momentum < 1``, capped at ``momentum``; ``None`` = ``momentum``.
+            ``scale < 1``), ``0 <= partial_momentum < 1``, capped at the momentum in effect (after
+            :meth:`load_state_dict`, the loaded one); ``None`` = ``momentum``.
             A partial round merges some islands' outer gradients measured from versions that others
             have since moved; such stale updates carry a momentum of their own (asynchronous SGD
             behaves like momentum SGD: Mitliagkas et al. 2016, arXiv:1605.09774), so explicit momentum
