@@ -89,3 +89,16 @@ def test_the_heterogeneity_ab_can_skip_k1_without_grace_and_wan_refuses_the_flag
     with pytest.raises(SystemExit):
         compare.parse_args(["--skip-no-grace"])
     assert "--skip-no-grace" in capsys.readouterr().err
+
+
+def test_the_heterogeneity_table_gives_each_repeats_gap_beside_the_median():
+    def het(kall: float, k1: float) -> dict[str, dict]:
+        return {"K=all": run(kall, BUDGET, [(1.0, 3.0), (2.0, kall)]), "K=1 + grace": run(k1, BUDGET, [(1.0, 3.0), (2.0, k1)])}
+
+    res = compare.analyse_het([het(2.0, 2.1), het(2.0, 2.02), het(2.0, 2.06)])
+    g = res["median"]["K=1 + grace"]
+    assert g["gaps_to_kall"] == pytest.approx([0.05, 0.01, 0.03])
+    assert g["gap_to_kall"] == pytest.approx(0.03)
+    table = compare.table_het(res, [])
+    assert "| K=1 + grace | 2.0600 | +3.00% | +5.0%, +1.0%, +3.0% |" in table
+    assert "- MISS: K=1 + grace within 2% of K=all in quality: measured +3.00% vs K=all" in table
