@@ -210,6 +210,10 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
             time.sleep(compute * (stretch - 1.0))
         local_s = time.perf_counter() - s0
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # local gloo: ~free next to the emulated time below
+        if flat[numel + 1] > 0:
+            # Stop before applying this step: the parameters stay those rank 0 last evaluated when it
+            # decided to stop at the target, so the run's final evaluation is the one the rule saw.
+            break
         flat[:numel + 1] /= world
         offset = 0
         with torch.no_grad():
@@ -227,8 +231,6 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         useful_s += local_s  # the worker's own step (compute + its pool's emulated pace); waits are not useful
         done = step + 1
         train_loss = float(flat[numel])
-        if flat[numel + 1] > 0:
-            break
         if rank == 0 and time.monotonic() >= next_eval and done < steps:
             evaluate(done, t0, train_loss)
             next_eval = time.monotonic() + interval
@@ -242,7 +244,8 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     dist.all_gather_object(records, record)
     if rank != 0:
         return None
-    evaluate(done, t0, train_loss)
+    if not evals or evals[-1]["versions"] != [done]:  # a stop right after an evaluation has it already
+        evaluate(done, t0, train_loss)
     return {"world_size": world, "backend": dist.get_backend(), "steps": done, "tokens_per_step": tokens_per_step,
             "train_loss": train_loss, "wall_s": wall_s, "eval_s": eval_s, "evals": evals, "stopped_by": stopped_by,
             "workers": sorted(records, key=lambda r: r["island"])}

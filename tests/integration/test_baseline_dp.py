@@ -22,6 +22,7 @@ from orchestrator.driver import load_corpus
 from orchestrator.evaluation import Evaluator
 from orchestrator.eventlog import read_events
 from policies.network import NetworkModel, build_network
+from policies.stopping import target_reached
 
 BUDGET = 15_000
 LOCAL_STEP_S = 0.0015  # network.local_step_s: scales the EMULATED links so one all-reduce takes ~0.12 s
@@ -141,6 +142,12 @@ def test_data_parallel_stops_once_the_held_out_loss_is_at_the_target(ray_cluster
     summary = train_data_parallel(build_config(data), tmp_path / "dp-target")
     assert summary["stopped_by"] == "stop_at_eval_loss"
     assert summary["steps"] < steps_for_budget(100_000_000, workers=3, batch_size=8, seq_len=32)
+    # The run ends on the evaluation that met the rule, untrained since: no step and no evaluation after
+    # it that could land back above the target (benchmarks/compare.py times the crossing that stays).
+    losses = [e["eval_loss"] for e in summary["evals"]]
+    assert target_reached(losses, 100.0) and not target_reached(losses[:-1], 100.0)
+    assert summary["evals"][-1]["tokens_processed"] == summary["tokens_processed"]
+    assert summary["eval_loss"] == losses[-1]
     assert summary["wall_s"] < 60
     assert all(w["steps"] == summary["steps"] for w in summary["islands"]), "every worker stopped at the same step"
     assert len(set(summary["parameter_checksums"])) == 1
