@@ -102,3 +102,24 @@ def test_the_heterogeneity_table_gives_each_repeats_gap_beside_the_median():
     table = compare.table_het(res, [])
     assert "| K=1 + grace | 2.0600 | +3.00% | +5.0%, +1.0%, +3.0% |" in table
     assert "- MISS: K=1 + grace within 2% of K=all in quality: measured +3.00% vs K=all" in table
+
+
+def test_heterogeneity_gap_at_equal_tokens_merged_uses_evaluations_before_the_final_flush():
+    def evals(points: list[tuple[float, float]]) -> list[dict]:
+        return [{"wall_s": float(i), "tokens_merged": t, "tokens_processed": t, "eval_loss": loss}
+                for i, (t, loss) in enumerate(points)]
+
+    assert compare.loss_at_merged(evals([(0, 3.0), (600, 2.5), (800, 2.1)]), 700) == pytest.approx(2.3)
+    assert compare.loss_at_merged(evals([(0, 3.0), (600, 2.5)]), 700) is None  # never merged that many
+    # K = all lags: at 700 merged it reads 2.4, K = 1 + grace 2.448 (+2%); both end at 2.0 after the flush.
+    kall = dict(run(2.0, BUDGET, [(1.0, 3.0), (2.0, 2.0)]), evals=evals([(0, 3.0), (600, 2.6), (800, 2.2), (1000, 2.0)]))
+    k1 = dict(run(2.0, BUDGET, [(1.0, 3.0), (2.0, 2.0)]), evals=evals([(0, 3.0), (650, 2.5), (750, 2.396), (1000, 2.0)]))
+    res = compare.analyse_het([{"K=all": kall, "K=1 + grace": k1}], budget=BUDGET)
+    assert res["merged_checkpoint_tokens"] == pytest.approx(700)
+    assert res["median"]["K=1 + grace"]["gap_to_kall_at_merged"] == pytest.approx(2.448 / 2.4 - 1)
+    assert res["median"]["K=1 + grace"]["gap_to_kall"] == pytest.approx(0.0)
+    # The point after the flush is never used: a run whose last evaluation before it merged less gets n/a.
+    short = dict(run(2.0, BUDGET, [(1.0, 3.0), (2.0, 2.0)]), evals=evals([(0, 3.0), (600, 2.6), (1000, 2.0)]))
+    res = compare.analyse_het([{"K=all": kall, "K=1 + grace": short}], budget=BUDGET)
+    assert res["median"]["K=1 + grace"]["gap_to_kall_at_merged"] is None
+    assert "| n/a |" in compare.table_het(res, [])
