@@ -145,8 +145,8 @@ class FragmentOuterOptimizer:
         unit of round time, not per round. The Nesterov look-ahead stays one full round (``mu``), so
         under a steady ``g`` the parameters move as far per unit of time as with full rounds. ``s = 1``
         is exactly the plain step (torch's SGD), and with ``mu = 0`` it is ``p -= s * lr * g``, the
-        same as the default. For ``s < 1``, ``mu`` is the constructor's ``partial_momentum`` (default:
-        ``momentum``); the buffer is the one full rounds use.
+        same as the default. For ``s < 1``, ``mu`` is the constructor's ``partial_momentum`` capped at the
+        momentum in effect (default: that momentum); the buffer is the one full rounds use.
         """
         if not 0.0 < scale <= 1.0:
             raise ValueError(f"scale={scale} must be in (0, 1]; pass round_step_scale(...)")
