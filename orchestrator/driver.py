@@ -89,7 +89,7 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
         min_quorum=cfg.min_quorum_count(), grace_gamma=o.grace_gamma, grace_cap_s=o.grace_cap_s,
         tau_steps=o.effective_tau_steps(), weighting=o.weighting, staleness_discount=o.staleness_discount,
         merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum, partial_momentum=o.partial_momentum, max_staleness=o.max_staleness,
-        compression=o.compression, step_scale=o.step_scale, downlink=o.downlink, downlink_delta=o.downlink_delta, block_size=o.compression_block_size,
+        compression=o.compression, step_scale=o.step_scale, rda_across_rounds=o.rda_across_rounds, downlink=o.downlink, downlink_delta=o.downlink_delta, block_size=o.compression_block_size,
         publish_to=o.publish_to,
     )
 

@@ -21,7 +21,7 @@ import torch
 from islands.messages import Submission, SubmissionKey
 from policies.compression import Compressed, decompress
 from policies.fragments import FragmentPlan
-from policies.merge import join_segments, merge_fragment
+from policies.merge import RdaAcrossRounds, join_segments, merge_fragment
 from policies.outer_optimizer import FragmentOuterOptimizer, is_clock_rule, round_step_scale
 from policies.quorum import MovingAverage, decide_round, grace_window_s
 from policies.staleness import VersionRing, check_staleness
@@ -49,6 +49,7 @@ class OuterSettings:
     max_staleness: int = 4
     compression: str = "none"
     step_scale: str = "clock"
+    rda_across_rounds: bool = False  # lengthen partial rounds' outer gradients as RDA would over a full round
     downlink: str = "none"  # wire format of published fragments (the actor shell applies it)
     downlink_delta: str | None = None  # format of later versions as differences from an island's copy, or None
     publish_to: str = "all"  # all | participants: which islands a new version goes to (the actor shell sends it)
@@ -75,6 +76,7 @@ class RoundRecord:
     merge_s: float  # decompress + merge + outer step
     reason: str
     step_scale: float = 1.0  # the factor on the merged outer gradient (policies.outer_optimizer.round_step_scale)
+    rda_factor: float = 1.0  # RdaAcrossRounds' lengthening of the outer gradient, size-weighted mean over tensors
     wall_time: float = field(default_factory=time.time)
 
 
@@ -129,6 +131,10 @@ class OuterOptimizer:
             FragmentOuterOptimizer(self.params[p], lr=settings.lr, momentum=settings.momentum,
                                    partial_momentum=settings.partial_momentum) for p in range(P)
         ]
+        # Per fragment: RDA's norm rule across partial rounds (policies.merge.RdaAcrossRounds), if enabled.
+        tracked = [[settings.merge_rule == "rda" and not emb for emb in mask] for mask in self._embedding_mask]
+        self._rda_windows = [RdaAcrossRounds(len(tracked[p]), tracked[p]) if settings.rda_across_rounds else None
+                             for p in range(P)]
         self.versions = [0] * P
         # Recent versions per fragment: what any accepted submission can have been measured from.
         self._rings: list[VersionRing] = [VersionRing(settings.max_staleness + 1) for _ in range(P)]
@@ -321,12 +327,18 @@ class OuterOptimizer:
         for g, members in enumerate(groups):
             for i in members:
                 weights[i] = group_weights[g] * (subs[i].tokens / tokens[g] if tokens[g] else 1.0 / len(members))
-        scale = 1.0
+        scale, rda_factor = 1.0, 1.0
         if final:
             self._opts[p].average_step(outer_grad)
         else:
             scale = round_step_scale(self.settings.step_scale, participants=len({s.island for s in subs}),
                                      live_islands=self._live_islands())
+            window = self._rda_windows[p]
+            if window is not None:
+                factors = window.update(outer_grad, scale)
+                outer_grad = [g.mul_(f) if f != 1.0 else g for g, f in zip(outer_grad, factors)]
+                sizes = [g.numel() for g in outer_grad]
+                rda_factor = sum(f * n for f, n in zip(factors, sizes)) / max(1, sum(sizes))
             self._opts[p].step(outer_grad, scale=scale, clock=is_clock_rule(self.settings.step_scale))
         self.versions[p] += 1
         version = self.versions[p]
@@ -338,7 +350,7 @@ class OuterOptimizer:
             staleness=staleness, tokens=sum(s.tokens for s in subs), inner_steps=sum(s.inner_steps for s in subs),
             bytes=sum(s.nbytes for s in subs),
             quorum_s=(self._quorum_at[p] or now) - self._round_open[p], grace_s=self._grace[p],
-            wait_s=now - self._round_open[p], merge_s=merge_s, reason=reason, step_scale=scale,
+            wait_s=now - self._round_open[p], merge_s=merge_s, reason=reason, step_scale=scale, rda_factor=rda_factor,
         )
         self.tokens_merged[p] += record.tokens
         self.useful_s += sum(s.compute_s for s in subs) / self.plan.num_fragments
@@ -397,6 +409,11 @@ class OuterOptimizer:
                 buf = state.get(i, {}).get("momentum_buffer")
                 if buf is not None:
                     tensors[f"momentum/{name}"] = buf.clone()
+            window = self._rda_windows[p].state_dict() if self._rda_windows[p] is not None else None
+            if window is not None:
+                for name, v in zip(names, window["sums"]):
+                    if v is not None:
+                        tensors[f"rda_window/{name}"] = v
         meta = {
             "versions": list(self.versions), "tokens_merged": list(self.tokens_merged),
             "tokens_refused": list(self.tokens_refused), "bytes_received": self.bytes_received,
@@ -404,6 +421,7 @@ class OuterOptimizer:
             "received": [[i, inc, toks] for (i, inc), toks in self._received_without_pending().items()],
             "useful_s": self.useful_s, "resume_cursor": {str(k): v for k, v in self.resume_cursor.items()},
             "rounds": len(self.rounds), "fragments": [list(f) for f in self.plan.fragments],
+            "rda_window_norms": [None if w is None else w.state_dict()["norms"] for w in self._rda_windows],
         }
         return tensors, meta
 
@@ -426,6 +444,10 @@ class OuterOptimizer:
             sgd["sgd"]["state"] = {i: {"momentum_buffer": tensors[f"momentum/{n}"].clone()}
                                    for i, n in enumerate(names) if f"momentum/{n}" in tensors}
             self._opts[p].load_state_dict(sgd)
+            norms = (meta.get("rda_window_norms") or [None] * len(self.plan.fragments))[p]
+            if self._rda_windows[p] is not None and norms is not None:  # else the window starts empty
+                self._rda_windows[p].load_state_dict(
+                    {"norms": norms, "sums": [tensors.get(f"rda_window/{n}") for n in names]})
             self._rings[p] = VersionRing(self.settings.max_staleness + 1)
             self._rings[p].push(meta["versions"][p], [t.clone() for t in self.params[p]])
             self._pending[p] = []

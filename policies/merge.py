@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["MERGE_RULES", "rda_merge", "mean_merge", "merge_fragment", "join_segments"]
+__all__ = ["MERGE_RULES", "RdaAcrossRounds", "rda_merge", "mean_merge", "merge_fragment", "join_segments"]
 
 MERGE_RULES = ("rda", "mean")
 
@@ -165,3 +166,90 @@ def join_segments(
         joined.append([torch.stack([submissions[m][t].to(torch.float32) for m in members]).sum(0)
                        for t in range(len(first))])
     return groups, joined
+
+
+class RdaAcrossRounds:
+    """Radial-directional averaging across the recent rounds of one fragment, for rounds of share ``s < 1``.
+
+    RDA keeps a full round's step at the islands' mean delta norm; a plain mean would shrink it by
+    the islands' misalignment. A round that merges one island of M has nothing to average: under a
+    scaled step rule (``clock``, ``participation``) it moves ``s = 1/M`` of a full step, and the rounds
+    that make up one full round's worth add up like a plain *mean* of the islands' deltas, the
+    shrinkage RDA exists to undo (measured in the heterogeneity scenario: the islands' outer gradients
+    make K = all's RDA lengthen its steps 1.2-1.35x, while the same length ratio over a window of
+    K = 1 rounds is 1.2-1.6x and nothing applied it). This tracker applies RDA's norm rule across
+    rounds: per tensor it keeps decayed sums over the fragment's rounds
+
+    - ``N = a * N + s * ||g||`` (radial: the rounds' share-weighted norms),
+    - ``V = a * V + s * g`` (directional: their share-weighted sum),
+
+    with ``a = exp(-DECAY * s)`` per round, a window of about one full round of clock time, and
+    returns the factor ``clamp(N / ||V||, 1, 1 / sqrt(s))`` by which the round's merged outer
+    gradient is lengthened. The decay is chosen so that a stream of rounds of share ``s`` with
+    mutually orthogonal gradients of equal norm gives about ``1 / sqrt(s)``, what RDA gives ``1 / s``
+    orthogonal deltas in one round, and aligned gradients give 1. The cap ``1 / sqrt(s)`` is that
+    orthogonal limit, so a full round (``s = 1``) always gets 1: K = all is unchanged.
+
+    Args:
+        num_tensors: tensors of the fragment.
+        tracked: ``tracked[t]`` is True where the round's merge rule is RDA (not embeddings, not the
+            ``mean`` rule); other tensors always get factor 1.
+    """
+
+    DECAY = 2.0  # per full round of clock time: exp(-2 * 0.25) = 0.61 per quarter round, see above
+
+    def __init__(self, num_tensors: int, tracked: Sequence[bool]) -> None:
+        if len(tracked) != num_tensors:
+            raise ValueError(f"tracked has {len(tracked)} entries for {num_tensors} tensors; give one per tensor")
+        self._tracked = [bool(x) for x in tracked]
+        self._norms = [0.0] * num_tensors
+        self._sums: list[Tensor | None] = [None] * num_tensors  # allocated at the first partial round
+
+    @property
+    def active(self) -> bool:
+        """Whether a partial round has been seen (before it, every factor is 1 and nothing is held)."""
+        return any(v is not None for v in self._sums)
+
+    def update(self, outer_grad: Sequence[Tensor], share: float) -> list[float]:
+        """Fold one round's merged outer gradient (before any factor) in; return one factor per tensor.
+
+        Full rounds (``share == 1``) before the first partial round are not tracked (K = all holds no
+        extra copy of the fragment); after it they decay and join the window like any round.
+        """
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share={share} must be in (0, 1]; pass the round's step scale")
+        if len(outer_grad) != len(self._tracked):
+            raise ValueError(f"outer_grad has {len(outer_grad)} tensors but the tracker has {len(self._tracked)}")
+        for t, (g, v) in enumerate(zip(outer_grad, self._sums)):  # all checked before any is folded in
+            if v is not None and v.shape != g.shape:
+                raise ValueError(f"outer_grad[{t}] has shape {tuple(g.shape)} but the tracker holds "
+                                 f"{tuple(v.shape)}; one tracker per fragment")
+        factors = [1.0] * len(outer_grad)
+        if share >= 1.0 and not self.active:
+            return factors
+        decay = math.exp(-self.DECAY * share)
+        cap = 1.0 / math.sqrt(share)
+        for t, g in enumerate(outer_grad):
+            if not self._tracked[t]:
+                continue
+            g32 = g.detach().to(torch.float32)
+            if self._sums[t] is None:
+                self._sums[t] = torch.zeros_like(g32)
+            self._norms[t] = decay * self._norms[t] + share * float(torch.linalg.vector_norm(g32))
+            v = self._sums[t].mul_(decay).add_(g32, alpha=share)
+            v_norm = float(torch.linalg.vector_norm(v))
+            if v_norm > 0.0:
+                factors[t] = min(cap, max(1.0, self._norms[t] / v_norm))
+        return factors
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"norms": [float], "sums": [Tensor | None]}``, copies."""
+        return {"norms": list(self._norms), "sums": [None if v is None else v.clone() for v in self._sums]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        norms, sums = list(state["norms"]), list(state["sums"])
+        if len(norms) != len(self._tracked) or len(sums) != len(self._tracked):
+            raise ValueError(f"state holds {len(norms)} norms and {len(sums)} sums for {len(self._tracked)} tensors")
+        self._norms = [float(x) for x in norms]
+        self._sums = [None if v is None else v.detach().to(torch.float32).clone() for v in sums]
