@@ -133,11 +133,12 @@ class OuterSection(_Section):
         "steps at any K; 'participation' = the outer gradient scaled by s only (the buffer still decays once per "
         "round); 'none' = the unscaled rule (policies.outer_optimizer.round_step_scale).")
     rda_across_rounds: bool = Field(
-        False, description="Apply RDA's norm rule across a fragment's recent rounds: a round that merges fewer than "
+        True, description="Apply RDA's norm rule across a fragment's recent rounds: a round that merges fewer than "
         "all live islands (share s < 1 under step_scale 'clock' or 'participation') has its merged outer gradient "
         "lengthened, per tensor RDA merges, by the ratio of the recent rounds' mean norm to the norm of their sum, "
         "capped at 1/sqrt(s), as RDA lengthens a full round's mean of misaligned island deltas. Full rounds are "
-        "unchanged. Holds one float32 copy of the model on the outer optimizer (policies.merge.RdaAcrossRounds).")
+        "unchanged, and so is everything under step_scale 'none' or merge_rule 'mean'. Holds one float32 copy of the "
+        "model on the outer optimizer once a partial round happens (policies.merge.RdaAcrossRounds; README, Measured).")
     max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old.")
     adoption: str = Field("rebase", description="How islands adopt a new fragment: rebase (keep the progress not yet merged) | overwrite (the paper: replace it) | mix(alpha). With K < all every round goes to every island, and overwrite then discards most of each island's progress (the overwritten token fate).")
     compression: str = Field("none", description="Outer-gradient wire format: none | bf16 | int8 | int4.")

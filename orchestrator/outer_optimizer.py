@@ -49,7 +49,7 @@ class OuterSettings:
     max_staleness: int = 4
     compression: str = "none"
     step_scale: str = "clock"
-    rda_across_rounds: bool = False  # lengthen partial rounds' outer gradients as RDA would over a full round
+    rda_across_rounds: bool = True  # lengthen partial rounds' outer gradients as RDA would over a full round
     downlink: str = "none"  # wire format of published fragments (the actor shell applies it)
     downlink_delta: str | None = None  # format of later versions as differences from an island's copy, or None
     publish_to: str = "all"  # all | participants: which islands a new version goes to (the actor shell sends it)

@@ -79,7 +79,7 @@ def test_full_rounds_and_embeddings_are_untouched():
         assert closed and closed[0].record.rda_factor == 1.0
     assert all(torch.equal(a, b) for a, b in zip(outer.params[1], plain.params[1]))
     assert not outer._rda_windows[1].active  # K = all holds no window
-    emb_outer, emb_plain = make_outer(rda_across_rounds=True), make_outer()
+    emb_outer, emb_plain = make_outer(rda_across_rounds=True), make_outer(rda_across_rounds=False)
     for k in range(3):
         assert submit(emb_outer, k, k, fragment=0).record.rda_factor == 1.0
         submit(emb_plain, k, k, fragment=0)
