@@ -505,9 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     het = args.scenario == "heterogeneity"
     res = analyse_het(runs, args.budget) if het else analyse_wan(runs, args.dp_cap_s, args.budget)
     first = runs[0]
+    rda = build_config(deep_merge(base, methods(args)[0][2])).outer.rda_across_rounds  # --set may turn it off
     notes = sorted({s["network"] for s in first.values()} | {s["emulation"] for s in first.values() if s.get("emulation")})
     notes += [f"{args.repeats} repeat(s), medians; token budget {args.budget:,} per run; model {args.model}; "
-              f"decoupled outer gradients {args.compression}, downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, adoption {args.adoption}, step scale {args.step_scale}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}{'; decoupled overrides ' + ' '.join(args.overrides) if args.overrides else ''}; started {args.started} UTC."]
+              f"decoupled outer gradients {args.compression}, downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, adoption {args.adoption}, step scale {args.step_scale}, RDA across rounds {'on' if rda else 'off'}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}{'; decoupled overrides ' + ' '.join(args.overrides) if args.overrides else ''}; started {args.started} UTC."]
     table = table_het(res, notes) if het else table_wan(res, notes)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
