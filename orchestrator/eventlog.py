@@ -71,4 +71,7 @@ def read_events(run_dir: str | Path, kind: str) -> pa.Table:
     files = sorted(d.glob("part-*.parquet")) if d.is_dir() else []
     if not files:
         return pa.table({})
-    return ds.dataset([str(f) for f in files], format="parquet").to_table()
+    # Parts written by an older version of the code (a resumed run) may lack newer columns: the union
+    # schema keeps every column, null where a part has none, instead of the first part's schema dropping it.
+    schema = pa.unify_schemas([pq.read_schema(f) for f in files])
+    return ds.dataset([str(f) for f in files], schema=schema, format="parquet").to_table()

@@ -402,6 +402,7 @@ class OuterOptimizer:
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors, JSON metadata) for a checkpoint: parameters, outer momentum, versions, ledger, cursors."""
         tensors: dict[str, torch.Tensor] = {}
+        windows = [None if w is None else w.state_dict() for w in self._rda_windows]
         for p, (names, frag) in enumerate(zip(self.plan.fragments, self.params)):
             state = self._opts[p].state_dict()["sgd"]["state"]
             for i, (name, t) in enumerate(zip(names, frag)):
@@ -409,9 +410,8 @@ class OuterOptimizer:
                 buf = state.get(i, {}).get("momentum_buffer")
                 if buf is not None:
                     tensors[f"momentum/{name}"] = buf.clone()
-            window = self._rda_windows[p].state_dict() if self._rda_windows[p] is not None else None
-            if window is not None:
-                for name, v in zip(names, window["sums"]):
+            if windows[p] is not None:
+                for name, v in zip(names, windows[p]["sums"]):
                     if v is not None:
                         tensors[f"rda_window/{name}"] = v
         meta = {
@@ -421,7 +421,7 @@ class OuterOptimizer:
             "received": [[i, inc, toks] for (i, inc), toks in self._received_without_pending().items()],
             "useful_s": self.useful_s, "resume_cursor": {str(k): v for k, v in self.resume_cursor.items()},
             "rounds": len(self.rounds), "fragments": [list(f) for f in self.plan.fragments],
-            "rda_window_norms": [None if w is None else w.state_dict()["norms"] for w in self._rda_windows],
+            "rda_window_norms": [None if w is None else w["norms"] for w in windows],
         }
         return tensors, meta
 

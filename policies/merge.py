@@ -4,6 +4,7 @@ Radial-directional averaging (RDA) averages the norms and the unit directions se
 near-orthogonal island updates keep their typical size instead of shrinking like ``1/sqrt(M)``
 under a plain mean. Embedding tensors use the plain weighted mean, as the design specifies
 (DESIGN.md section 3, outer step 5); the plain mean for every tensor is the other policy.
+:class:`RdaAcrossRounds` carries RDA's norm rule across the rounds that merge fewer than every island.
 """
 
 from __future__ import annotations
