@@ -10,6 +10,7 @@ import torch
 from islands.messages import Submission
 from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
 from policies.compression import compress
+from policies.fragments import plan_fragments
 from policies.merge import RdaAcrossRounds
 from policies.outer_optimizer import FragmentOuterOptimizer
 
@@ -19,7 +20,6 @@ SHAPES = {"emb.weight": (8, 4), "w": (4, 4), "b": (4,)}
 def make_outer(**kw) -> OuterOptimizer:
     torch.manual_seed(0)
     init = {n: torch.randn(s) for n, s in SHAPES.items()}
-    from policies.fragments import plan_fragments
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
     settings = OuterSettings(**{"min_quorum": 1, "grace_gamma": 0.0, "max_staleness": 4, **kw})
     outer = OuterOptimizer(init, plan, settings=settings, embedding_names={"emb.weight"})
