@@ -17,15 +17,17 @@ from policies.fragments import plan_fragments
 SHAPES = {"emb.weight": (8, 4), "w": (4, 4), "b": (4,)}
 
 
-def make_outer(**kw) -> OuterOptimizer:
+def make_outer(islands: int = 2, **kw) -> OuterOptimizer:
+    """An outer optimizer over SHAPES in two fragments, K = 1 without grace, islands 0..islands-1 registered;
+    `kw` overrides OuterSettings."""
     torch.manual_seed(0)
     init = {n: torch.randn(s) for n, s in SHAPES.items()}
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
     settings = OuterSettings(**{"min_quorum": 1, "grace_gamma": 0.0, "max_staleness": 1, **kw})
     outer = OuterOptimizer(init, plan, settings=settings,
                            embedding_names={"emb.weight"})
-    outer.register(0, 1)
-    outer.register(1, 1)
+    for island in range(islands):
+        outer.register(island, 1)
     return outer
 
 

@@ -8,24 +8,16 @@ import math
 import torch
 
 from islands.messages import Submission
-from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.outer_optimizer import OuterOptimizer
 from policies.compression import compress
-from policies.fragments import plan_fragments
 from policies.merge import RdaAcrossRounds
 from policies.outer_optimizer import FragmentOuterOptimizer
-
-SHAPES = {"emb.weight": (8, 4), "w": (4, 4), "b": (4,)}
+from tests.engine.test_outer_refusals import make_outer as _refusals_outer
 
 
 def make_outer(**kw) -> OuterOptimizer:
-    torch.manual_seed(0)
-    init = {n: torch.randn(s) for n, s in SHAPES.items()}
-    plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
-    settings = OuterSettings(**{"min_quorum": 1, "grace_gamma": 0.0, "max_staleness": 4, **kw})
-    outer = OuterOptimizer(init, plan, settings=settings, embedding_names={"emb.weight"})
-    for island in range(4):
-        outer.register(island, 1)
-    return outer
+    """The refusal tests' outer optimizer (SHAPES: fragments ('emb.weight',) and ('w', 'b')), four islands."""
+    return _refusals_outer(islands=4, **{"max_staleness": 4, **kw})
 
 
 def deltas(k: int) -> list[torch.Tensor]:
