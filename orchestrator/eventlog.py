@@ -4,7 +4,7 @@ Layout: `RUN_DIR/events/<kind>/part-00000.parquet`, ... with kind in `rounds`, `
 `islands` (final status of every incarnation), `timeline` (island state transitions), `faults`
 (injected faults), `detections` (each failure the health monitor acted on, with its reason) and
 `salvages` (a dead incarnation's progress handed from its keeper to the outer optimizer). Part files (not one file rewritten) so a crash loses at most the last unflushed batch, and
-`read_events` reads a whole kind back as one Arrow table with pyarrow.dataset.
+`read_events` reads a whole kind back as one Arrow table.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 KINDS = ("rounds", "refusals", "evals", "islands", "timeline", "faults", "detections", "salvages")
@@ -71,7 +70,6 @@ def read_events(run_dir: str | Path, kind: str) -> pa.Table:
     files = sorted(d.glob("part-*.parquet")) if d.is_dir() else []
     if not files:
         return pa.table({})
-    # Parts written by an older version of the code (a resumed run) may lack newer columns: the union
-    # schema keeps every column, null where a part has none, instead of the first part's schema dropping it.
-    schema = pa.unify_schemas([pq.read_schema(f) for f in files])
-    return ds.dataset([str(f) for f in files], schema=schema, format="parquet").to_table()
+    # Parts written by an older version of the code (a resumed run) may lack newer columns: concatenating
+    # with promotion keeps every column, null where a part has none (each file is read once).
+    return pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
