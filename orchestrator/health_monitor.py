@@ -29,13 +29,14 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.placement_group import get_placement_group
+from ray.util.placement_group import get_placement_group, placement_group_table
 
 from islands.spec import IslandSpec
 from orchestrator.config import PoolConfig
 from orchestrator.placement import create_island_group, island_scheduling, release_group
 from orchestrator.runtime import DATA_PLANE_RUNTIME_ENV
 from policies.health import assess_island
+from policies.keeper_placement import keeper_selectors
 from policies.restart import RestartBudget
 
 log = logging.getLogger(__name__)
@@ -166,11 +167,10 @@ class HealthMonitor:
                 slot.failures += 1
                 self._mark(slot, "dead")
                 log.warning("island %d incarnation %d found dead after a monitor restart", slot.island, slot.incarnation)
-        for pool in self.keeper_names:
-            self._ensure_keeper(pool)  # before the islands: they look their keeper up by name
         starts = [self._start(slot) for slot in self.slots.values() if slot.island not in adopted]
-        if starts:
-            await asyncio.gather(*starts)
+        # Keepers start once their islands are placed, so that they can be placed away from them; islands
+        # look their keeper up by name at each snapshot and skip snapshots until it exists.
+        await asyncio.gather(*starts, self._start_keepers())
         for pool in self.pools:
             self._refill(pool)
 
@@ -221,17 +221,56 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------ progress keepers (salvage)
 
+    KEEPER_WAIT_S = 10.0  # how long a keeper waits for its pool's islands to be placed before it is placed anyway
+
+    async def _start_keepers(self) -> None:
+        """Start each pool's keeper as soon as every island slot of the pool holds a placement group (or after
+        KEEPER_WAIT_S, when some still wait for capacity: islands that train without a keeper lose salvage)."""
+        waiting = set(self.keeper_names)
+        for pool in sorted(waiting):  # a restarted monitor takes its predecessor's keepers as they are
+            namespace, name = self.keeper_names[pool]
+            try:
+                self.keepers[pool] = ray.get_actor(name, namespace=namespace)
+                waiting.discard(pool)
+            except ValueError:
+                pass
+        deadline = time.monotonic() + min(self.KEEPER_WAIT_S, self.placement_timeout_s)
+        while waiting:
+            for pool in sorted(waiting):
+                placed = all(s.island in self.groups for s in self.slots.values() if s.pool == pool)
+                if placed or time.monotonic() > deadline or self._stopping:
+                    self._ensure_keeper(pool)
+                    waiting.discard(pool)
+            if waiting:
+                await asyncio.sleep(0.05)
+
+    def _island_nodes(self, pool_name: str) -> set[str]:
+        """The nodes that hold a bundle of one of the pool's islands or warm spares now."""
+        groups = [g for i, g in self.groups.items() if self.slots[i].pool == pool_name]
+        groups += [g for _, _, g in self.spares.get(pool_name, [])]
+        nodes: set[str] = set()
+        for group in groups:
+            try:
+                nodes.update(n for n in (placement_group_table(group).get("bundles_to_node_id") or {}).values() if n)
+            except Exception as err:  # noqa: BLE001 - a removed group hosts nothing
+                log.debug("placement group table: %s", err)
+        return nodes
+
     def _ensure_keeper(self, pool_name: str) -> Any:
         """The pool's keeper: the live one of that name (a restarted monitor finds its predecessor's) or a new one.
 
-        Placed by the pool's labels when it has any, so snapshots stay inside the pool; pools pinned only by
-        custom resources get an unpinned keeper (a sliver of a pool resource would cost an island slot)."""
+        A new one goes inside its pool, to a node hosting none of the pool's islands when there is one
+        (policies/keeper_placement.py). It takes no CPU: a sliver of a pool resource would cost an island slot."""
         pool = self.pools[pool_name]
         namespace, name = self.keeper_names[pool_name]
+        nodes = {} if pool.labels else {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+        selectors = keeper_selectors(pool.labels, pool.resources, nodes, self._island_nodes(pool_name))
         self.keepers[pool_name] = self.keeper_cls.options(
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
-            **({"label_selector": dict(pool.labels)} if pool.labels else {}),
+            label_selector=selectors[0],
+            **({"fallback_strategy": [{"label_selector": s} for s in selectors[1:]]} if len(selectors) > 1 else {}),
         ).remote(pool_name)
+        log.info("pool %s: keeper %s placed by %s", pool_name, name, selectors)
         return self.keepers[pool_name]
 
     async def _salvage(self, slot: SlotState, incarnation: int, kind: str) -> None:

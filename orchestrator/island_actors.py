@@ -47,7 +47,8 @@ class _Shelver:
     """Hands an island's progress snapshots to its pool's keeper (orchestrator/keeper.py), fire and forget.
 
     The keeper is looked up by name on first use and again after a call to it failed, so a keeper the
-    health monitor replaced is found. While the previous snapshot is still on its way the next one is
+    health monitor replaced is found; until one exists (it starts once its pool's islands are placed,
+    policies/keeper_placement.py) snapshots are skipped. While the previous snapshot is still on its way the next one is
     skipped (a slow keeper never builds a backlog); calls from one caller run in order.
     """
 
@@ -70,7 +71,10 @@ class _Shelver:
             except Exception:  # noqa: BLE001 - the keeper died: look it up again below
                 self._handle = None
         if self._handle is None:
-            self._handle = ray.get_actor(self.name, namespace=self.namespace)  # raises if there is none now
+            try:
+                self._handle = ray.get_actor(self.name, namespace=self.namespace)
+            except ValueError:  # no keeper of that name (yet): skip this snapshot, look again at the next
+                return False
         self._last = self._handle.keep.remote(self.island, self.incarnation, step, blob)
         return True
 

@@ -1,7 +1,8 @@
 """ProgressKeeper: holds each island's latest progress snapshot outside the island's failure domain.
 
 One keeper per pool, named `<run_id>-keeper-<pool>`, detached and placed in its pool (the snapshots
-travel inside the pool, never over the WAN; only a salvage goes on to the outer optimizer). It holds
+travel inside the pool, never over the WAN; only a salvage goes on to the outer optimizer), on a node
+without the pool's islands when there is one (policies/keeper_placement.py). It holds
 opaque bytes, so its process never imports torch; the health monitor passes a `take` ref on to the
 outer optimizer without fetching it. What is salvageable is decided there (policies/salvage.py).
 

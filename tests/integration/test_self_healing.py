@@ -187,3 +187,32 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
     # Hung: no progress for max(floor 3 s, 10 step times); seen within that plus a few health ticks.
     latency = detected[3]["detected_at"] - detected[3]["fault_at"]
     assert 3.0 <= latency <= 30.0, latency
+
+
+def test_a_keeper_is_placed_in_its_pool_away_from_its_islands(ray_cluster, tmp_path):
+    """Pool a has two nodes and one island: its keeper takes the other node, so losing either node
+    leaves the island or its snapshot. Pool b has one node: its keeper shares it (the fallback)."""
+    _, nodes = ray_cluster
+    cfg = config(tmp_path)
+    cfg["pools"] = [
+        {"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "emulated_slowdown": 3.0},
+        {"name": "b", "islands": 1, "labels": {"pool": "b"}, "cpus_per_island": 0.5, "emulated_slowdown": 3.0},
+    ]
+    run = Run(build_config(cfg), tmp_path / "run")
+    th, out = start(run)
+    try:
+        wait_for("the run to start", lambda: run.monitor is not None and run.snapshot["slots"])
+        monitor = lambda: actor(f"monitor-{run.run_id}")  # noqa: E731
+        node = lambda handle: ray.get(handle.__ray_call__.remote(  # noqa: E731
+            lambda _: ray.get_runtime_context().get_node_id()), timeout=20)
+        # Both islands shelve into their keeper: the late-started keeper was found by name.
+        wait_for("both keepers to hold a snapshot",
+                 lambda: all(ray.get(actor(f"{run.run_id}-keeper-{p}").held.remote(), timeout=10) for p in "ab"))
+        slots = ray.get(monitor().snapshot.remote(), timeout=10)["slots"]
+        island_a, island_b = slots[0]["node"], slots[1]["node"]
+        pool_a = {nodes["a1"].node_id, nodes["a2"].node_id}
+        assert island_a in pool_a and island_b == nodes["b1"].node_id
+        assert node(actor(f"{run.run_id}-keeper-a")) == (pool_a - {island_a}).pop(), "pool a's keeper is not on its island's node"
+        assert node(actor(f"{run.run_id}-keeper-b")) == nodes["b1"].node_id, "pool b's keeper stays in its pool"
+    finally:
+        finish(run, th, out)

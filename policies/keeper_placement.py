@@ -1,0 +1,65 @@
+"""Where a pool's progress keeper goes: inside its pool, on a node that hosts none of its islands.
+
+A keeper (orchestrator/keeper.py) holds the islands' unsubmitted progress so that a dead island's work
+is merged instead of lost (policies/salvage.py). On a node that also hosts one of those islands, losing
+that node loses the island and its snapshot together, which is exactly the failure salvage is for. So
+the keeper is steered, in order of preference:
+
+1. to a node of its pool that hosts none of the pool's islands (nor its warm spares);
+2. to any node of its pool (the pool has no island-free node: salvage then covers every failure but
+   that of the keeper's own node);
+3. for a pool pinned only by custom resources or not pinned at all, to any node (the pool's nodes are
+   all gone; the keeper still runs, as before this rule).
+
+Snapshots stay inside the pool (they are a model's size every few steps and must not cross the WAN),
+so a node outside the pool is only the last resort for pools that have no labels to keep it in.
+
+Ray expresses the preferences as label selectors: the first is the actor's `label_selector`, the rest
+its `fallback_strategy`, tried in order (shared/notes/ray-2.60.md). A pool with labels is matched by its
+own selector plus `ray.io/node-id: !in(...)`, so its label syntax (`in(...)`, `!v`) is never re-implemented
+here; a pool pinned by custom resources is matched by listing its nodes, found from their resources.
+The choice is made when the keeper starts (with the islands placed so far); an island that is restarted
+later onto the keeper's node is not moved away from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+__all__ = ["NODE_ID_LABEL", "keeper_selectors", "pool_nodes"]
+
+NODE_ID_LABEL = "ray.io/node-id"  # set by Ray on every node
+
+
+def pool_nodes(resources: Mapping[str, float], nodes: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """The alive nodes (id -> total resources) that have every custom resource a pool's bundles ask for, sorted."""
+    return sorted(n for n, have in nodes.items() if all(have.get(k, 0.0) >= v for k, v in resources.items()))
+
+
+def _node_in(ids: Iterable[str], negate: bool = False) -> str:
+    return f"{'!' if negate else ''}in({','.join(sorted(ids))})"
+
+
+def keeper_selectors(labels: Mapping[str, str], resources: Mapping[str, float],
+                     nodes: Mapping[str, Mapping[str, float]], island_nodes: Iterable[str]) -> list[dict[str, str]]:
+    """Label selectors for a pool's keeper, most preferred first (at least one; never an unsatisfiable last one
+    for a pool that has labels, whose keeper must stay in the pool).
+
+    `labels`, `resources`: the pool's (PoolConfig). `nodes`: the cluster's alive nodes, id -> total resources
+    (only read for a pool without labels). `island_nodes`: the nodes hosting the pool's islands and spares now.
+    """
+    avoid = set(island_nodes)
+    if labels:
+        base = dict(labels)
+        if NODE_ID_LABEL in base or not avoid:  # the pool names its nodes itself, or there is nothing to avoid
+            return [base]
+        return [{**base, NODE_ID_LABEL: _node_in(avoid, negate=True)}, base]
+    members = pool_nodes(resources, nodes)
+    preferred = [n for n in members if n not in avoid]
+    out: list[dict[str, str]] = []
+    if preferred:
+        out.append({NODE_ID_LABEL: _node_in(preferred)})
+    if members and len(preferred) < len(members):
+        out.append({NODE_ID_LABEL: _node_in(members)})
+    out.append({})  # anywhere: the pool has no labels to keep it in, and a keeper that runs beats none
+    return out

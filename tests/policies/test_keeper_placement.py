@@ -1,0 +1,49 @@
+"""Where a pool's progress keeper goes (policies/keeper_placement.py), without Ray."""
+
+from __future__ import annotations
+
+from policies.keeper_placement import NODE_ID_LABEL, keeper_selectors, pool_nodes
+
+NODES = {  # node id -> total resources, as ray.nodes() reports them
+    "n1": {"CPU": 8.0, "pool_a": 1000.0},
+    "n2": {"CPU": 8.0, "pool_a": 1000.0},
+    "n3": {"CPU": 8.0, "pool_b": 1000.0},
+    "n4": {"CPU": 8.0, "pool_a": 0.5},  # too little of the pool's resource for one bundle
+}
+
+
+def test_a_labelled_pool_prefers_its_nodes_without_islands_then_any_of_its_nodes():
+    got = keeper_selectors({"pool": "a"}, {}, NODES, island_nodes={"n2", "n1"})
+    assert got == [{"pool": "a", NODE_ID_LABEL: "!in(n1,n2)"}, {"pool": "a"}]
+
+
+def test_a_labelled_pool_keeps_its_label_syntax_and_ignores_the_node_list():
+    got = keeper_selectors({"pool": "in(a,b)", "region": "!eu"}, {}, {}, island_nodes={"x"})
+    assert got == [{"pool": "in(a,b)", "region": "!eu", NODE_ID_LABEL: "!in(x)"}, {"pool": "in(a,b)", "region": "!eu"}]
+
+
+def test_a_labelled_pool_with_nothing_to_avoid_or_naming_its_nodes_gets_its_own_labels():
+    assert keeper_selectors({"pool": "a"}, {}, NODES, island_nodes=set()) == [{"pool": "a"}]
+    pinned = {"pool": "a", NODE_ID_LABEL: "in(n1)"}
+    assert keeper_selectors(pinned, {}, NODES, island_nodes={"n1"}) == [pinned]
+
+
+def test_a_resource_pool_lists_its_nodes_without_islands_then_all_its_nodes_then_anywhere():
+    assert pool_nodes({"pool_a": 1.0}, NODES) == ["n1", "n2"]
+    got = keeper_selectors({}, {"pool_a": 1.0}, NODES, island_nodes={"n1", "n3"})
+    assert got == [{NODE_ID_LABEL: "in(n2)"}, {NODE_ID_LABEL: "in(n1,n2)"}, {}]
+
+
+def test_a_resource_pool_whose_every_node_hosts_islands_falls_back_to_them():
+    got = keeper_selectors({}, {"pool_b": 1.0}, NODES, island_nodes={"n3"})
+    assert got == [{NODE_ID_LABEL: "in(n3)"}, {}]
+
+
+def test_a_resource_pool_with_no_node_left_goes_anywhere():
+    assert keeper_selectors({}, {"pool_c": 1.0}, NODES, island_nodes=set()) == [{}]
+
+
+def test_an_unpinned_pool_avoids_the_islands_nodes_among_all_nodes():
+    got = keeper_selectors({}, {}, NODES, island_nodes={"n1", "n2", "n3"})
+    assert got == [{NODE_ID_LABEL: "in(n4)"}, {NODE_ID_LABEL: "in(n1,n2,n3,n4)"}, {}]
+    assert keeper_selectors({}, {}, {"n1": {}}, island_nodes={"n1"}) == [{NODE_ID_LABEL: "in(n1)"}, {}]
