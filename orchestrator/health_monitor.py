@@ -93,6 +93,8 @@ class HealthMonitor:
                              "orchestrator.actors.ProgressKeeperActor (or set health.salvage_every_steps=0)")
         self.keeper_cls = keeper_cls
         self.keepers: dict[str, Any] = {}  # pool -> keeper handle
+        self.keeper_restarts: dict[str, int] = {}  # pool -> keepers replaced after they died
+        self._keepers_checked_at = 0.0
         self.salvages: list[dict] = []  # one per salvage attempt: island, incarnation, tokens, skipped
         self.followers: dict[int, list[Any]] = {}  # island -> handles of ranks 1..W-1
         self.specs = {s.island: s for s in specs}
@@ -244,6 +246,34 @@ class HealthMonitor:
             if waiting:
                 await asyncio.sleep(0.05)
 
+    KEEPER_CHECK_S = 1.0  # how often keepers are pinged: a dead one is replaced before an island needs it
+
+    async def _check_keepers(self) -> None:
+        """Replace every keeper that died (its node failed, or it was killed). Its snapshots are lost, but the
+        islands' next ones go to the new keeper, so the next island failure is salvaged again; without this a
+        keeper would only be replaced when a salvage found it gone, losing that island's progress."""
+        pinged = dict(self.keepers)
+
+        async def alive(handle: Any) -> bool:
+            try:
+                await asyncio.wait_for(handle.ping.remote(), timeout=self.call_timeout_s)
+            except RayActorError:
+                return False
+            except Exception:  # noqa: BLE001 - busy or slow is not dead; the next check asks again
+                pass
+            return True
+
+        for (pool, handle), ok in zip(pinged.items(), await asyncio.gather(*map(alive, pinged.values()))):
+            if not ok:
+                self._replace_keeper(pool, handle, "it died; the snapshots it held are lost")
+
+    def _replace_keeper(self, pool: str, dead: Any, why: str) -> None:
+        if self._stopping or self.keepers.get(pool) is not dead:
+            return  # stopping, or already replaced (a salvage and a check can find the same death)
+        self.keeper_restarts[pool] = self.keeper_restarts.get(pool, 0) + 1
+        log.warning("pool %s: starting a new progress keeper: %s", pool, why)
+        self._ensure_keeper(pool)  # a dead keeper's name is free again
+
     def _island_nodes(self, pool_name: str) -> set[str]:
         """The nodes that hold a bundle of one of the pool's islands or warm spares now."""
         groups = [g for i, g in self.groups.items() if self.slots[i].pool == pool_name]
@@ -292,9 +322,8 @@ class HealthMonitor:
                         str(err).strip().splitlines()[-1][:200])
             return
         if got.get("keeper_error"):
-            log.warning("island %d incarnation %d: no salvage, its pool's keeper is gone (%s); starting a new one",
-                        slot.island, incarnation, got["keeper_error"])
-            self._ensure_keeper(slot.pool)  # a dead keeper's name is free again
+            self._replace_keeper(slot.pool, keeper, f"island {slot.island} incarnation {incarnation} found it gone, "
+                                            f"so its progress was not salvaged ({got['keeper_error']})")
         self.salvages.append({"island": slot.island, "incarnation": incarnation, **got})
         if got.get("tokens"):
             log.info("island %d incarnation %d: salvaged %s tokens from step %s (skipped: %s)", slot.island,
@@ -545,6 +574,9 @@ class HealthMonitor:
             try:
                 await self._check_outer()
                 await asyncio.gather(*(self._check(slot) for slot in self.slots.values()))
+                if time.monotonic() - self._keepers_checked_at >= self.KEEPER_CHECK_S:
+                    self._keepers_checked_at = time.monotonic()
+                    await self._check_keepers()
                 if time.monotonic() - last_saved >= 1.0:
                     await self._park_state()
                     last_saved = time.monotonic()
@@ -558,6 +590,7 @@ class HealthMonitor:
     def _state(self) -> dict:
         return {"timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),
                 "detections": list(self.detections), "salvages": list(self.salvages),
+                "keeper_restarts": dict(self.keeper_restarts),
                 "slots": {i: {"failures": s.failures, "restarts": s.restarts, "finals": list(s.finals),
                               "incarnation": s.incarnation, "state": s.state} for i, s in self.slots.items()},
                 "faults": dict(self.faults)}
@@ -567,6 +600,7 @@ class HealthMonitor:
         self.detect_s, self.rejoin_s = list(saved["detect_s"]), list(saved["rejoin_s"])
         self.detections = list(saved["detections"])
         self.salvages = list(saved.get("salvages", []))
+        self.keeper_restarts = dict(saved.get("keeper_restarts", {}))
         self.faults = dict(saved["faults"])
         for i, st in saved["slots"].items():
             slot = self.slots[int(i)]
@@ -661,7 +695,7 @@ class HealthMonitor:
             "slots": {i: dataclasses.asdict(s) | {"status": s.status, "finals": list(s.finals)} for i, s in self.slots.items()},
             "timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),
             "spares": {pool: len(sp) for pool, sp in self.spares.items()}, "detections": list(self.detections),
-            "salvages": list(self.salvages),
+            "salvages": list(self.salvages), "keeper_restarts": dict(self.keeper_restarts),
         }
 
     async def stop(self, flush: bool = False) -> dict:

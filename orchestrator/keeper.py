@@ -7,7 +7,7 @@ opaque bytes, so its process never imports torch; the health monitor passes a `t
 outer optimizer without fetching it. What is salvageable is decided there (policies/salvage.py).
 
 A keeper that dies (its node failed) loses its snapshots: the islands' unsubmitted progress is then
-lost as it would be without salvage, and the monitor starts a new keeper. `ray.remote` is applied in
+lost as it would be without salvage, and the monitor (which pings keepers every second) starts a new one. `ray.remote` is applied in
 orchestrator/actors.py.
 """
 

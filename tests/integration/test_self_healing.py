@@ -191,7 +191,8 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
 
 def test_a_keeper_is_placed_in_its_pool_away_from_its_islands(ray_cluster, tmp_path):
     """Pool a has two nodes and one island: its keeper takes the other node, so losing either node
-    leaves the island or its snapshot. Pool b has one node: its keeper shares it (the fallback)."""
+    leaves the island or its snapshot. Pool b has one node: its keeper shares it (the fallback). A
+    keeper that dies is replaced at once."""
     _, nodes = ray_cluster
     cfg = config(tmp_path)
     cfg["pools"] = [
@@ -214,5 +215,17 @@ def test_a_keeper_is_placed_in_its_pool_away_from_its_islands(ray_cluster, tmp_p
         assert island_a in pool_a and island_b == nodes["b1"].node_id
         assert node(actor(f"{run.run_id}-keeper-a")) == (pool_a - {island_a}).pop(), "pool a's keeper is not on its island's node"
         assert node(actor(f"{run.run_id}-keeper-b")) == nodes["b1"].node_id, "pool b's keeper stays in its pool"
+
+        # A keeper that dies (killed here, as with its node) is replaced before any island needs it; the
+        # islands shelve into the new one, which is placed by the same rule.
+        old = actor(f"{run.run_id}-keeper-a")
+        ray.kill(old, no_restart=True)
+        keepers_a = lambda: [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)  # noqa: E731
+                             if a["name"] == f"{run.run_id}-keeper-a"]
+        replaced = lambda: keepers_a() and actor(f"{run.run_id}-keeper-a")._actor_id != old._actor_id  # noqa: E731
+        wait_for("a new keeper of pool a", replaced, timeout_s=60)
+        wait_for("island 0 to shelve into it", lambda: ray.get(actor(f"{run.run_id}-keeper-a").held.remote(), timeout=10))
+        assert node(actor(f"{run.run_id}-keeper-a")) == (pool_a - {island_a}).pop()
+        assert ray.get(monitor().snapshot.remote(), timeout=10)["keeper_restarts"] == {"a": 1}
     finally:
         finish(run, th, out)
