@@ -95,6 +95,7 @@ class HealthMonitor:
         self.keepers: dict[str, Any] = {}  # pool -> keeper handle
         self.keeper_restarts: dict[str, int] = {}  # pool -> keepers replaced after they died
         self._keepers_checked_at = 0.0
+        self._keeper_check: asyncio.Task | None = None
         self.salvages: list[dict] = []  # one per salvage attempt: island, incarnation, tokens, skipped
         self.followers: dict[int, list[Any]] = {}  # island -> handles of ranks 1..W-1
         self.specs = {s.island: s for s in specs}
@@ -263,9 +264,12 @@ class HealthMonitor:
                 pass
             return True
 
-        for (pool, handle), ok in zip(pinged.items(), await asyncio.gather(*map(alive, pinged.values()))):
-            if not ok:
-                self._replace_keeper(pool, handle, "it died; the snapshots it held are lost")
+        try:
+            for (pool, handle), ok in zip(pinged.items(), await asyncio.gather(*map(alive, pinged.values()))):
+                if not ok:
+                    self._replace_keeper(pool, handle, "it died; the snapshots it held are lost")
+        except Exception as err:  # noqa: BLE001 - the next check tries again
+            log.warning("keeper check failed: %s", err)
 
     def _replace_keeper(self, pool: str, dead: Any, why: str) -> None:
         if self._stopping or self.keepers.get(pool) is not dead:
@@ -574,9 +578,12 @@ class HealthMonitor:
             try:
                 await self._check_outer()
                 await asyncio.gather(*(self._check(slot) for slot in self.slots.values()))
-                if time.monotonic() - self._keepers_checked_at >= self.KEEPER_CHECK_S:
-                    self._keepers_checked_at = time.monotonic()
-                    await self._check_keepers()
+                if self._keeper_check is None or self._keeper_check.done():
+                    if time.monotonic() - self._keepers_checked_at >= self.KEEPER_CHECK_S:
+                        # Its own task: a keeper on a node not yet known dead may not answer for a while,
+                        # and that must not hold up the islands' checks.
+                        self._keepers_checked_at = time.monotonic()
+                        self._keeper_check = asyncio.get_running_loop().create_task(self._check_keepers())
                 if time.monotonic() - last_saved >= 1.0:
                     await self._park_state()
                     last_saved = time.monotonic()

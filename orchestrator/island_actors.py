@@ -48,8 +48,9 @@ class _Shelver:
 
     The keeper is looked up by name on first use and again after a call to it failed, so a keeper the
     health monitor replaced is found; until one exists (it starts once its pool's islands are placed,
-    policies/keeper_placement.py) snapshots are skipped. While the previous snapshot is still on its way the next one is
-    skipped (a slow keeper never builds a backlog); calls from one caller run in order.
+    policies/keeper_placement.py) snapshots are skipped. While the previous snapshot is still on its
+    way the next one is skipped (a slow keeper never builds a backlog); calls from one caller run in
+    order.
     """
 
     def __init__(self, spec: IslandSpec) -> None:
