@@ -558,6 +558,7 @@ class Run:
             "salvages": sum(1 for s in salvages if any(s.get("tokens") or [])),
             "salvage_snapshot_s": sum(st.shelve_s for st in live + dead),
             "salvage_snapshot_bytes": sum(st.shelved_bytes for st in live + dead),
+            "keeper_restarts": sum(self.snapshot.get("keeper_restarts", {}).values()),  # keepers that died, replaced
             "rounds": status["rounds"],
             "refusals": status["refusals"],
             "versions": status["versions"],

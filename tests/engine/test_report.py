@@ -39,6 +39,7 @@ def summary() -> dict:
         "time_by_state_s": {"training": 32.0, "blocked": 0.0, "dead": 1.0, "restarting": 2.0, "reintegrating": 5.0},
         "failures": 1, "restarts": 1, "faults_injected": 1, "mean_time_to_detect_s": 0.05, "mean_time_to_rejoin_s": 4.0,
         "salvaged_tokens": 8_192.0, "salvages": 1, "salvage_snapshot_s": 0.2, "salvage_snapshot_bytes": 3_000_000,
+        "keeper_restarts": 2,
         "rounds": 6, "refusals": 0, "versions": [5, 5], "bytes_up": 2_000_000, "bytes_down": 6_000_000,
         "bytes_sent": 8_000_000, "wall_s": 20.5, "resumed": False, "corpus": "synthetic", "islands": islands,
         "evals": evals,
@@ -94,7 +95,7 @@ def test_report_md_carries_emulation_goodput_islands_and_faults(report):
     md = report[1]["report"].read_text()
     assert EMULATION in md.splitlines()
     assert "| goodput | 0.625 (62.5%) |" in md
-    assert "| tokens salvaged from dead islands (salvages) | 8,192 (1) |" in md
+    assert "| tokens salvaged from dead islands (salvages; progress keepers replaced) | 8,192 (1; 2) |" in md
     island_rows = [line for line in md.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
     assert island_rows == ["| 0 | fast | 2 | 1 | 1 | 40 | 81,920 |", "| 1 | slow | 1 | 0 | 0 | 25 | 51,200 |"]
     assert "- 9.5 s: kill_island on island 0 (incarnation 1): fired" in md

@@ -228,4 +228,5 @@ def test_a_keeper_is_placed_in_its_pool_away_from_its_islands(ray_cluster, tmp_p
         assert node(actor(f"{run.run_id}-keeper-a")) == (pool_a - {island_a}).pop()
         assert ray.get(monitor().snapshot.remote(), timeout=10)["keeper_restarts"] == {"a": 1}
     finally:
-        finish(run, th, out)
+        summary = finish(run, th, out)
+    assert summary["keeper_restarts"] == 1
