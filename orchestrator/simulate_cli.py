@@ -77,6 +77,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         ("reconfig-s", "elastic-dp / decoupled learner: pause to drop or re-add a slice"),
         ("checkpoint-interval-s", "dp / elastic-dp: stepping seconds between durable checkpoints"),
         ("sync-period-s", "decoupled: stepping seconds between a learner's submissions"),
+        ("salvage-period-s", "decoupled: stepping seconds between a learner's progress snapshots held outside it; "
+                             "a learner that loses every slice keeps the work up to its last one (0 = off)"),
         ("grace-gamma", "decoupled: fraction of slack a round's grace window may spend"),
         ("grace-cap-s", "decoupled: upper bound of the grace window"),
         ("step-jitter-sigma", "stragglers: lognormal sigma of per-step, per-slice time (0 = off)"),
@@ -109,6 +111,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(f"method {result.method}: {result.chips} chips in {result.slices} slices of {result.slice_chips}, "
           f"{result.learners} learner(s), {result.failures} slice failures over {result.horizon_s / 86400:g} days")
     print(f"goodput {result.goodput:.4f}  uptime {result.uptime:.4f}")
+    d = result.details
+    if result.method == "decoupled" and d.get("wipes"):
+        salvage = (f"; {d['salvages']} salvaged ({d['salvaged_chip_s'] / result.allocated_chip_s:.2%} of the chip-time)"
+                   if args.salvage_period_s > 0 else "; salvage off (--salvage-period-s)")
+        print(f"learners lost their state {d['wipes']} times{salvage}")
     return 0
 
 

@@ -51,6 +51,7 @@ METHODS = ("dp", "elastic-dp", "decoupled")
 RECOVERY_MEAN_S = 14.5  # a failed slice's capacity is back: hot spare swapped in, or fault cleared
 RECONFIG_S = 15.0  # rebuild the job's mesh on a new set of slices: elastic drop / re-add of a slice
 RESTART_S = RECONFIG_S  # dp's restart onto a spare is the same rebuild, plus the rollback below
+SALVAGED = -1  # the learner id run_rounds gets for a salvaged submission
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,10 @@ class SimConfig:
     reconfig_s: float = RECONFIG_S
     checkpoint_interval_s: float = 10.0
     sync_period_s: float = 100.0
+    # decoupled: stepping seconds between a learner's progress snapshots (health.salvage_every_steps in the
+    # engine), held outside the learner; a learner that loses every slice then loses only the work since its
+    # last snapshot, and the rest is merged at the loss. 0 = off: the paper's model and the calibration.
+    salvage_period_s: float = 0.0
     min_quorum: int = 1
     grace_gamma: float = 0.5
     grace_cap_s: float = 30.0
@@ -100,6 +105,12 @@ class SimConfig:
             value = getattr(self, name)
             if math.isnan(value) or value < 0 or (math.isinf(value) and name != "grace_cap_s"):
                 raise ConfigError(name, value, "must be a finite number >= 0", "pass e.g. 0 or a positive value")
+        if math.isnan(self.salvage_period_s) or not 0 <= self.salvage_period_s < math.inf:
+            raise ConfigError("salvage_period_s", self.salvage_period_s, "must be a finite number >= 0",
+                              "pass 0 (off) or the stepping seconds between a learner's snapshots")
+        if self.salvage_period_s > 0 and self.method != "decoupled":
+            raise ConfigError("salvage_period_s", self.salvage_period_s, f"salvage applies to decoupled learners, "
+                              f"not {self.method}", "pass 0 or use --method decoupled")
         n_slices = math.ceil(self.chips / self.slice_chips)
         if self.method == "decoupled" and self.learners > n_slices:
             raise ConfigError("learners", self.learners, f"more learners than the {n_slices} slices of "
@@ -173,8 +184,10 @@ def _count_over_time(groups_edges, groups_state, horizon_s):
 def run_rounds(sub_t, sub_learner, sub_chip_s, *, live_at, min_quorum, grace_s, horizon_s):
     """Outer optimizer rounds over submissions sorted by time, closed by ``decide_round``.
 
-    A round merges every pending submission; pending counts distinct learners. ``live_at(t)`` gives
-    the live learners. At the horizon the last round closes without grace if it has quorum.
+    A round merges every pending submission; pending counts distinct learners (a learner id of
+    ``SALVAGED`` marks a salvaged submission: merged with the round, counted toward no quorum).
+    ``live_at(t)`` gives the live learners. At the horizon the last round closes without grace if it
+    has quorum.
     Returns ``(merged_chip_s, merge_times)``.
     """
     merged, merge_times = 0.0, []
@@ -193,15 +206,16 @@ def run_rounds(sub_t, sub_learner, sub_chip_s, *, live_at, min_quorum, grace_s, 
         if deadline <= t:
             close(deadline)
         pending[m] = pending.get(m, 0.0) + c
-        if reached is None and len(pending) >= min_quorum:
+        voters = len(pending) - (SALVAGED in pending)
+        if reached is None and voters >= min_quorum:
             reached = t
-        d = decide_round(now=t, pending=len(pending), min_quorum=min_quorum, live_islands=live,
+        d = decide_round(now=t, pending=voters, min_quorum=min_quorum, live_islands=live,
                          quorum_reached_at=reached, grace_s=grace_s)
         if d.close:
             close(t)
         elif reached is not None:
             deadline = t + d.wait_s
-    if len(pending) >= min_quorum:  # the run's final round: close now, or at a grace deadline before T
+    if len(pending) - (SALVAGED in pending) >= min_quorum:  # the final round: now, or at a grace deadline before T
         close(min(deadline, horizon_s))
     return merged, np.asarray(merge_times)
 
@@ -251,15 +265,21 @@ def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
     ev_learner = learner_of_slice[s]
     order = np.argsort(ev_learner, kind="stable")  # stays time-sorted within each learner
     bounds = np.searchsorted(ev_learner[order], np.arange(M + 1))
-    timelines, subs = [], []
+    timelines, subs, salvaged = [], [], []
     for m, g in enumerate(groups):
         idx = order[bounds[m]:bounds[m + 1]]
         tl = interruptions.elastic_timeline(t[idx], r[idx], sizes[s[idx]], chips=int(sizes[g].sum()),
                               reconfig_s=cfg.reconfig_s, horizon_s=T)
         sub_t, chip_s = interruptions.durable_points(tl, cfg.sync_period_s)
+        who = np.full(len(sub_t), m)
+        if cfg.salvage_period_s > 0:
+            # Merged when the learner is lost; like the engine's, they do not count toward a round's quorum.
+            salv_t, salv_c = interruptions.salvage_points(tl, cfg.sync_period_s, cfg.salvage_period_s)
+            salvaged.append(salv_c)
+            sub_t, chip_s, who = np.r_[sub_t, salv_t], np.r_[chip_s, salv_c], np.r_[who, np.full(len(salv_t), SALVAGED)]
         chip_s = chip_s * straggler_efficiency(len(g), cfg.step_jitter_sigma)
         timelines.append(tl)
-        subs.append((sub_t, np.full(len(sub_t), m), chip_s))
+        subs.append((sub_t, who, chip_s))
     sub_t, sub_m, sub_c = (np.concatenate(a) for a in zip(*subs))
     order = np.argsort(sub_t, kind="stable")
 
@@ -285,6 +305,8 @@ def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
         "max_merge_gap_s": float(gaps.max()),
         "unmerged_chip_s": max(float(sub_c.sum() - merged), 0.0),  # clip summation round-off
         "wipes": int(sum(len(tl.wipes) for tl in timelines)),
+        "salvages": int(sum(len(c) for c in salvaged)),
+        "salvaged_chip_s": float(sum(c.sum() for c in salvaged)) * straggler_efficiency(len(groups[0]), cfg.step_jitter_sigma),
         "straggler_efficiency": straggler_efficiency(len(groups[0]), cfg.step_jitter_sigma),
         "per_learner_goodput_before_merge": per_learner,
     }

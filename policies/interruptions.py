@@ -189,6 +189,26 @@ def durable_points(tl: Timeline, period_s: float) -> tuple[np.ndarray, np.ndarra
     return t, q - prev
 
 
+def salvage_points(tl: Timeline, period_s: float, snapshot_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """What salvage saves at each wipe: ``(times, chip_s)``, one entry per wipe that has something to save.
+
+    A group with durable points every ``period_s`` of stepping (as in :func:`durable_points`) also leaves
+    a snapshot of its progress every ``snapshot_s`` of stepping, counted from the same epoch start, with
+    a holder outside its failure domain (policies/salvage.py). At a wipe, the work between the epoch's
+    last durable point and its last snapshot is merged at the wipe's time instead of lost; only the work
+    after the last snapshot is lost. ``snapshot_s >= period_s`` saves nothing.
+    """
+    if len(tl.wipes) == 0:
+        return np.zeros(0), np.zeros(0)
+    s0, s1 = tl.S[np.r_[0, tl.wipes[:-1]]], tl.S[tl.wipes]
+    u = s1 - s0
+    durable = s0 + np.floor(u / period_s) * period_s
+    snap = s0 + np.floor(u / snapshot_s) * snapshot_s
+    saved = _at_progress(tl.S, tl.Q, snap) - _at_progress(tl.S, tl.Q, durable)
+    keep = (snap > durable) & (saved > 0)
+    return tl.edges[tl.wipes][keep], saved[keep]
+
+
 def kept_stepping_s(tl: Timeline, period_s: float) -> float:
     """Stepping seconds that survive rollbacks: ``floor(U / period) * period`` per wiped epoch."""
     bounds = np.r_[0, tl.wipes, len(tl.edges) - 1]

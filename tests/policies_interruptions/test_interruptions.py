@@ -84,3 +84,20 @@ def test_elastic_group_that_loses_every_slice_rolls_back():
     t, chip_s = intr.durable_points(tl, 4.0)
     assert chip_s.sum() == pytest.approx(4 * (8 + 84))
     assert t[:2].tolist() == pytest.approx([4.0, 8.0]) and t[-1] == 100.0
+
+
+def test_salvage_keeps_the_work_up_to_the_last_snapshot_before_a_wipe():
+    # As above: 10 s of stepping before the wipe at 10, durable points at 4 and 8. Snapshots every 3 s
+    # (3, 6, 9): the one at 9 saves 1 s x 4 chips past the point at 8, merged at the wipe; 1 s is lost.
+    tl = intr.elastic_timeline(np.array([10.0]), np.array([5.0]), np.array([4]), chips=4,
+                               reconfig_s=1.0, horizon_s=100.0)
+    t, chip_s = intr.salvage_points(tl, 4.0, 3.0)
+    assert t.tolist() == [10.0] and chip_s.tolist() == pytest.approx([4.0])
+    _, durable = intr.durable_points(tl, 4.0)
+    assert tl.Q[-1] - durable.sum() - chip_s.sum() == pytest.approx(4 * 1.0), "only the last second is lost"
+    # Snapshots no more often than the durable points save nothing; neither does a group never wiped.
+    assert intr.salvage_points(tl, 4.0, 4.0)[1].size == 0
+    assert intr.salvage_points(tl, 4.0, 8.0)[1].size == 0
+    whole = intr.elastic_timeline(np.array([10.0]), np.array([20.0]), np.array([2]), chips=5,
+                                  reconfig_s=1.0, horizon_s=100.0)
+    assert intr.salvage_points(whole, 7.0, 1.0)[1].size == 0
