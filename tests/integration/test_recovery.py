@@ -17,7 +17,7 @@ from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import apply_overrides, build_config
 from orchestrator.driver import Run, resume_config, train
 from tests.conftest import POOL_NODES
-from tests.integration.test_self_healing import finish, start, wait_for
+from tests.integration.test_self_healing import actor, finish, start, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +52,9 @@ def test_losing_a_node_rebuilds_the_island_on_its_pool_never_another(ray_cluster
         wait_for("island 0 to train", lambda: run.snapshot["slots"][0]["state"] == "training")
         first = run.snapshot["slots"][0]["node"]
         assert labels_of(first)["pool"] == "a"
+        # Its pool's keeper holds its progress on the pool's other node (policies/keeper_placement.py).
+        keeper = lambda: actor(f"{run.run_id}-keeper-a")  # noqa: E731
+        wait_for("island 0's progress to be with its keeper", lambda: 0 in ray.get(keeper().held.remote(), timeout=10))
         name = next(n for n, node in nodes.items() if node.node_id == first)
         cluster.remove_node(nodes.pop(name), allow_graceful=False)
         wait_for("island 0 to come back as incarnation 2",
@@ -59,13 +62,17 @@ def test_losing_a_node_rebuilds_the_island_on_its_pool_never_another(ray_cluster
         second = run.snapshot["slots"][0]["node"]
         assert second != first and labels_of(second)["pool"] == "a", "rebuilt in the same pool"
         assert run.snapshot["slots"][1]["incarnation"] == 1, "the other pool's island was not touched"
+        # The node took the island, not its snapshot: what it had not submitted was salvaged.
+        salvage = next(s for s in run.snapshot["salvages"] if (s["island"], s["incarnation"]) == (0, 1))
+        assert sum(salvage.get("tokens") or []) > 0, salvage
     finally:
         summary = finish(run, th, out)
         # Give the session's cluster its node back for the tests that follow.
         _, pool, region = next(p for p in POOL_NODES if p[0] == name)
         nodes[name] = cluster.add_node(num_cpus=1, object_store_memory=150 << 20, labels={"pool": pool, "region": region})
         cluster.wait_for_nodes()
-    assert summary["failures"] == 1 and summary["restarts"] == 1
+    assert summary["failures"] == 1 and summary["restarts"] == 1 and summary["salvages"] == 1
+    assert summary["keeper_restarts"] == 0, "the keeper was not on the lost node"
 
 
 def test_resume_after_the_driver_dies_skipping_a_corrupt_checkpoint(ray_cluster, tmp_path):
