@@ -37,6 +37,7 @@ sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (orchestrator/__init__.py)
 import ray  # noqa: E402
 
 from orchestrator.actors import WORKER_ENV  # noqa: E402

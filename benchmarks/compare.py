@@ -54,6 +54,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # a loaded 2-core box starts workers slowly
 
+import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (orchestrator/__init__.py)
 import ray  # noqa: E402
 
 from islands.model import model_config  # noqa: E402

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -151,3 +154,16 @@ def test_data_parallel_stops_once_the_held_out_loss_is_at_the_target(ray_cluster
     assert summary["wall_s"] < 60
     assert all(w["steps"] == summary["steps"] for w in summary["islands"]), "every worker stopped at the same step"
     assert len(set(summary["parameter_checksums"])) == 1
+
+
+def test_importing_the_package_first_makes_ray_drop_the_cleaners_per_second_warning():
+    # A fresh interpreter, as `diloco baseline-dp` starts: the driver prints worker logs through Ray's
+    # deduplicator, which must drop Ray Train's per-second state-API warning (orchestrator/__init__.py)
+    # and nothing else.
+    code = ("import orchestrator, ray\n"
+            "from ray._private.ray_logging import stderr_deduplicator as d\n"
+            "line = '(PlacementGroupCleaner pid=1) Failed to query Ray Train Controller actor state. Continuing.'\n"
+            "print(bool(d.skip_re and d.skip_re.search(line)), bool(d.skip_re and d.skip_re.search('island 0 up')))")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_DEDUP_LOGS_SKIP_REGEX"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"], out
