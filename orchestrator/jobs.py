@@ -284,7 +284,8 @@ def format_view(view: dict) -> str:
         f"in flight {mean(fates['in_flight']):,.0f}, lost {mean(fates['lost']):,.0f}, overwritten "
         f"{mean(fates.get('overwritten', [0])):,.0f}; per fragment, mean)",
         f"salvaged            {sum(mean(s.get('tokens') or [0]) for s in snap.get('salvages', [])):,.0f} tokens of dead "
-        f"islands' unsubmitted progress ({sum(1 for s in snap.get('salvages', []) if any(s.get('tokens') or [])):d} salvages)",
+        f"islands' unsubmitted progress ({sum(1 for s in snap.get('salvages', []) if any(s.get('tokens') or [])):d} salvages; "
+        f"progress keepers replaced {sum(snap.get('keeper_restarts', {}).values()):d} times)",
         f"bytes up / down     {st['bytes_up'] / 1e6:,.2f} MB / {st['bytes_down'] / 1e6:,.2f} MB",
         f"goodput so far      {good}",
         "islands:",
