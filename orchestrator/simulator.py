@@ -270,14 +270,15 @@ def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
         idx = order[bounds[m]:bounds[m + 1]]
         tl = interruptions.elastic_timeline(t[idx], r[idx], sizes[s[idx]], chips=int(sizes[g].sum()),
                               reconfig_s=cfg.reconfig_s, horizon_s=T)
+        eff = straggler_efficiency(len(g), cfg.step_jitter_sigma)
         sub_t, chip_s = interruptions.durable_points(tl, cfg.sync_period_s)
         who = np.full(len(sub_t), m)
         if cfg.salvage_period_s > 0:
             # Merged when the learner is lost; like the engine's, they do not count toward a round's quorum.
             salv_t, salv_c = interruptions.salvage_points(tl, cfg.sync_period_s, cfg.salvage_period_s)
-            salvaged.append(salv_c)
+            salvaged.append(salv_c * eff)
             sub_t, chip_s, who = np.r_[sub_t, salv_t], np.r_[chip_s, salv_c], np.r_[who, np.full(len(salv_t), SALVAGED)]
-        chip_s = chip_s * straggler_efficiency(len(g), cfg.step_jitter_sigma)
+        chip_s = chip_s * eff
         timelines.append(tl)
         subs.append((sub_t, who, chip_s))
     sub_t, sub_m, sub_c = (np.concatenate(a) for a in zip(*subs))
@@ -306,7 +307,7 @@ def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
         "unmerged_chip_s": max(float(sub_c.sum() - merged), 0.0),  # clip summation round-off
         "wipes": int(sum(len(tl.wipes) for tl in timelines)),
         "salvages": int(sum(len(c) for c in salvaged)),
-        "salvaged_chip_s": float(sum(c.sum() for c in salvaged)) * straggler_efficiency(len(groups[0]), cfg.step_jitter_sigma),
+        "salvaged_chip_s": float(sum(c.sum() for c in salvaged)),
         "straggler_efficiency": straggler_efficiency(len(groups[0]), cfg.step_jitter_sigma),
         "per_learner_goodput_before_merge": per_learner,
     }

@@ -196,7 +196,8 @@ def salvage_points(tl: Timeline, period_s: float, snapshot_s: float) -> tuple[np
     a snapshot of its progress every ``snapshot_s`` of stepping, counted from the same epoch start, with
     a holder outside its failure domain (policies/salvage.py). At a wipe, the work between the epoch's
     last durable point and its last snapshot is merged at the wipe's time instead of lost; only the work
-    after the last snapshot is lost. ``snapshot_s >= period_s`` saves nothing.
+    after the last snapshot is lost. A wipe saves nothing when no snapshot fell after its epoch's last
+    durable point (always so for ``snapshot_s == period_s``).
     """
     if len(tl.wipes) == 0:
         return np.zeros(0), np.zeros(0)
