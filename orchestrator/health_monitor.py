@@ -238,10 +238,10 @@ class HealthMonitor:
             except ValueError:
                 pass
         deadline = time.monotonic() + min(self.KEEPER_WAIT_S, self.placement_timeout_s)
-        while waiting:
+        while waiting and not self._stopping:  # stopping: a keeper started now would outlive stop()
             for pool in sorted(waiting):
                 placed = all(s.island in self.groups for s in self.slots.values() if s.pool == pool)
-                if placed or time.monotonic() > deadline or self._stopping:
+                if placed or time.monotonic() > deadline:
                     self._ensure_keeper(pool)
                     waiting.discard(pool)
             if waiting:
