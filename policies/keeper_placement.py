@@ -6,13 +6,15 @@ that node loses the island and its snapshot together, which is exactly the failu
 the keeper is steered, in order of preference:
 
 1. to a node of its pool that hosts none of the pool's islands (nor its warm spares);
-2. to any node of its pool (the pool has no island-free node: salvage then covers every failure but
-   that of the keeper's own node);
-3. for a pool pinned only by custom resources or not pinned at all, to any node (the pool's nodes are
+2. when the pool selects its nodes by a `region` label, to another node of that region that hosts none
+   of them (another pool's node: a pool that is one node per region, as in configs/multi-region.yaml,
+   has no island-free node of its own);
+3. to any node of its pool (salvage then covers every failure but that of the keeper's own node);
+4. for a pool pinned only by custom resources or not pinned at all, to any node (the pool's nodes are
    all gone; the keeper still runs, as before this rule).
 
-Snapshots stay inside the pool (they are a model's size every few steps and must not cross the WAN),
-so a node outside the pool is only the last resort for pools that have no labels to keep it in.
+Snapshots stay inside the pool or its region (they are a model's size every few steps and must not
+cross the WAN), so a node elsewhere is only the last resort for pools that have no labels to keep it in.
 
 Ray expresses the preferences as label selectors: the first is the actor's `label_selector`, the rest
 its `fallback_strategy`, tried in order (shared/notes/ray-2.60.md). A pool with labels is matched by its
@@ -26,9 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = ["NODE_ID_LABEL", "keeper_selectors", "pool_nodes"]
+__all__ = ["NODE_ID_LABEL", "REGION_LABEL", "keeper_selectors", "pool_nodes"]
 
 NODE_ID_LABEL = "ray.io/node-id"  # set by Ray on every node
+REGION_LABEL = "region"  # the node label pools name their region by (shared/notes/ray-2.60.md, cluster.yaml)
 
 
 def pool_nodes(resources: Mapping[str, float], nodes: Mapping[str, Mapping[str, float]]) -> list[str]:
@@ -40,6 +43,14 @@ def _node_in(ids: Iterable[str], negate: bool = False) -> str:
     return f"{'!' if negate else ''}in({','.join(sorted(ids))})"
 
 
+def _unique(selectors: list[dict[str, str]]) -> list[dict[str, str]]:
+    out: list[dict[str, str]] = []
+    for sel in selectors:
+        if sel not in out:
+            out.append(sel)
+    return out
+
+
 def keeper_selectors(labels: Mapping[str, str], resources: Mapping[str, float],
                      nodes: Mapping[str, Mapping[str, float]], island_nodes: Iterable[str]) -> list[dict[str, str]]:
     """Label selectors for a pool's keeper, most preferred first (at least one; never an unsatisfiable last one
@@ -49,11 +60,15 @@ def keeper_selectors(labels: Mapping[str, str], resources: Mapping[str, float],
     (only read for a pool without labels). `island_nodes`: the nodes hosting the pool's islands and spares now.
     """
     avoid = set(island_nodes)
+    away = {NODE_ID_LABEL: _node_in(avoid, negate=True)} if avoid else {}
+    region = dict(labels).get(REGION_LABEL, "")
+    plain = region and not region.startswith(("!", "in(")) and "(" not in region  # one region, not a selector
+    in_region = [{REGION_LABEL: region, **away}] if away and plain else []
     if labels:
         base = dict(labels)
         if NODE_ID_LABEL in base or not avoid:  # the pool names its nodes itself, or there is nothing to avoid
-            return [base]
-        return [{**base, NODE_ID_LABEL: _node_in(avoid, negate=True)}, base]
+            return in_region + [base] if NODE_ID_LABEL in base else [base]
+        return _unique([{**base, **away}] + in_region + [base])
     members = pool_nodes(resources, nodes)
     preferred = [n for n in members if n not in avoid]
     out: list[dict[str, str]] = []

@@ -191,13 +191,18 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
 
 def test_a_keeper_is_placed_in_its_pool_away_from_its_islands(ray_cluster, tmp_path):
     """Pool a has two nodes and one island: its keeper takes the other node, so losing either node
-    leaves the island or its snapshot. Pool b has one node: its keeper shares it (the fallback). A
+    leaves the island or its snapshot. Pool b has one node, alone in its region: its keeper shares it
+    (the fallback). Pool solo has one node in a region with another: its keeper takes that one. A
     keeper that dies is replaced at once."""
     _, nodes = ray_cluster
     cfg = config(tmp_path)
+    # Pool "solo" is one node (a1, named by its id) in region us-east, like a pool of configs/multi-region.yaml:
+    # its keeper goes to the region's other node (a2), not onto its island's.
     cfg["pools"] = [
         {"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "emulated_slowdown": 3.0},
         {"name": "b", "islands": 1, "labels": {"pool": "b"}, "cpus_per_island": 0.5, "emulated_slowdown": 3.0},
+        {"name": "solo", "islands": 1, "labels": {"ray.io/node-id": nodes["a1"].node_id, "region": "us-east"},
+         "cpus_per_island": 0.5, "emulated_slowdown": 3.0},
     ]
     run = Run(build_config(cfg), tmp_path / "run")
     th, out = start(run)
@@ -207,14 +212,16 @@ def test_a_keeper_is_placed_in_its_pool_away_from_its_islands(ray_cluster, tmp_p
         node = lambda handle: ray.get(handle.__ray_call__.remote(  # noqa: E731
             lambda _: ray.get_runtime_context().get_node_id()), timeout=20)
         # Both islands shelve into their keeper: the late-started keeper was found by name.
-        wait_for("both keepers to hold a snapshot",
-                 lambda: all(ray.get(actor(f"{run.run_id}-keeper-{p}").held.remote(), timeout=10) for p in "ab"))
+        wait_for("every keeper to hold a snapshot", lambda: all(
+            ray.get(actor(f"{run.run_id}-keeper-{p}").held.remote(), timeout=10) for p in ("a", "b", "solo")))
         slots = ray.get(monitor().snapshot.remote(), timeout=10)["slots"]
         island_a, island_b = slots[0]["node"], slots[1]["node"]
         pool_a = {nodes["a1"].node_id, nodes["a2"].node_id}
         assert island_a in pool_a and island_b == nodes["b1"].node_id
         assert node(actor(f"{run.run_id}-keeper-a")) == (pool_a - {island_a}).pop(), "pool a's keeper is not on its island's node"
         assert node(actor(f"{run.run_id}-keeper-b")) == nodes["b1"].node_id, "pool b's keeper stays in its pool"
+        assert slots[2]["node"] == nodes["a1"].node_id
+        assert node(actor(f"{run.run_id}-keeper-solo")) == nodes["a2"].node_id, "in its region, off its island's node"
 
         # A keeper that dies (killed here, as with its node) is replaced before any island needs it; the
         # islands shelve into the new one, which is placed by the same rule.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.keeper_placement import NODE_ID_LABEL, keeper_selectors, pool_nodes
+from policies.keeper_placement import NODE_ID_LABEL, REGION_LABEL, keeper_selectors, pool_nodes
 
 NODES = {  # node id -> total resources, as ray.nodes() reports them
     "n1": {"CPU": 8.0, "pool_a": 1000.0},
@@ -17,9 +17,27 @@ def test_a_labelled_pool_prefers_its_nodes_without_islands_then_any_of_its_nodes
     assert got == [{"pool": "a", NODE_ID_LABEL: "!in(n1,n2)"}, {"pool": "a"}]
 
 
+def test_a_pool_labelled_by_region_tries_its_regions_other_nodes_before_sharing_one_with_its_islands():
+    # One node per pool and region (configs/multi-region.yaml): no island-free node of its own, but the
+    # region's other pools' nodes keep the snapshots off the island's node and off the WAN.
+    pool = {"pool": "h100", REGION_LABEL: "us-east"}
+    got = keeper_selectors(pool, {}, NODES, island_nodes={"n1"})
+    assert got == [{**pool, NODE_ID_LABEL: "!in(n1)"}, {REGION_LABEL: "us-east", NODE_ID_LABEL: "!in(n1)"}, pool]
+    # A pool selected by its region alone: its own step already is the region's.
+    assert keeper_selectors({REGION_LABEL: "eu"}, {}, NODES, island_nodes={"n1"}) == [
+        {REGION_LABEL: "eu", NODE_ID_LABEL: "!in(n1)"}, {REGION_LABEL: "eu"}]
+    # A pool that names its node itself still gets the region's other nodes first.
+    pinned = {NODE_ID_LABEL: "n1", REGION_LABEL: "us-east"}
+    assert keeper_selectors(pinned, {}, NODES, island_nodes={"n1"}) == [
+        {REGION_LABEL: "us-east", NODE_ID_LABEL: "!in(n1)"}, pinned]
+
+
 def test_a_labelled_pool_keeps_its_label_syntax_and_ignores_the_node_list():
+    # A region given as a selector (not one region) adds no region step.
     got = keeper_selectors({"pool": "in(a,b)", "region": "!eu"}, {}, {}, island_nodes={"x"})
     assert got == [{"pool": "in(a,b)", "region": "!eu", NODE_ID_LABEL: "!in(x)"}, {"pool": "in(a,b)", "region": "!eu"}]
+    got = keeper_selectors({"region": "in(eu,us)"}, {}, {}, island_nodes={"x"})
+    assert got == [{"region": "in(eu,us)", NODE_ID_LABEL: "!in(x)"}, {"region": "in(eu,us)"}]
 
 
 def test_a_labelled_pool_with_nothing_to_avoid_or_naming_its_nodes_gets_its_own_labels():
