@@ -36,7 +36,7 @@ from orchestrator.config import PoolConfig
 from orchestrator.placement import create_island_group, island_scheduling, release_group
 from orchestrator.runtime import DATA_PLANE_RUNTIME_ENV
 from policies.health import assess_island
-from policies.keeper_placement import keeper_selectors
+from policies.keeper_placement import NODE_ID_LABEL, keeper_selectors, should_move
 from policies.restart import RestartBudget
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ class HealthMonitor:
         self.keepers: dict[str, Any] = {}  # pool -> keeper handle
         self.keeper_restarts: dict[str, int] = {}  # pool -> keepers replaced after they died
         self._keepers_checked_at = 0.0
+        self._keepers_placed_at = time.monotonic()  # the first placement check waits a period: keepers just started
+        self.keeper_moves: dict[str, int] = {}  # pool -> keepers moved to a better node, snapshots included
         self._keeper_check: asyncio.Task | None = None
         self.salvages: list[dict] = []  # one per salvage attempt: island, incarnation, tokens, skipped
         self.followers: dict[int, list[Any]] = {}  # island -> handles of ranks 1..W-1
@@ -265,11 +267,66 @@ class HealthMonitor:
             return True
 
         try:
+            live = {}
             for (pool, handle), ok in zip(pinged.items(), await asyncio.gather(*map(alive, pinged.values()))):
                 if not ok:
                     self._replace_keeper(pool, handle, "it died; the snapshots it held are lost")
+                else:
+                    live[pool] = handle
+            if live and time.monotonic() - self._keepers_placed_at >= self.KEEPER_PLACE_CHECK_S:
+                self._keepers_placed_at = time.monotonic()
+                await self._place_keepers_better(live)
         except Exception as err:  # noqa: BLE001 - the next check tries again
             log.warning("keeper check failed: %s", err)
+
+    KEEPER_PLACE_CHECK_S = 5.0  # how often a live keeper's node is checked against where it would go now
+
+    async def _place_keepers_better(self, live: dict[str, Any]) -> None:
+        """Move every keeper for which a better node exists now (an island was restarted onto its node and
+        an island-free one is there, or such a node joined): policies.keeper_placement.should_move."""
+        nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+        labels = {i: {**(n.get("Labels") or {}), NODE_ID_LABEL: i} for i, n in nodes.items()}
+        for pool_name, handle in live.items():
+            try:
+                where = await asyncio.wait_for(handle.node.remote(), timeout=self.call_timeout_s)
+            except Exception:  # noqa: BLE001 - dead or busy: the liveness check deals with it
+                continue
+            pool = self.pools[pool_name]
+            selectors = keeper_selectors(pool.labels, pool.resources, {i: n["Resources"] for i, n in nodes.items()},
+                                         self._island_nodes(pool_name))
+            if where in labels and should_move(selectors, labels[where], [v for i, v in labels.items() if i != where]):
+                await self._move_keeper(pool_name, handle, where)
+
+    async def _move_keeper(self, pool: str, old: Any, where: str) -> None:
+        """Replace a live keeper by one placed by today's rule, handing its snapshots over: the old one dumps
+        them (the ref stays in the object store after it dies), is killed to free its name, and the new one
+        loads them as its first call. Islands shelving meanwhile find the new one at their next snapshot."""
+        if self._stopping or self.keepers.get(pool) is not old:
+            return
+        namespace, name = self.keeper_names[pool]
+        held = old.dump.remote()
+        # Wait for the dump without fetching it here (the monitor never holds snapshots); a kill is not queued
+        # behind calls, so it must come after.
+        ready, _ = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: ray.wait([held], timeout=self.call_timeout_s, fetch_local=False))
+        if not ready:
+            log.warning("pool %s: its keeper did not hand over its snapshots in %.0f s; not moved", pool, self.call_timeout_s)
+            return
+        ray.kill(old, no_restart=True)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:  # the name is free once the old keeper is known dead
+            try:
+                ray.get_actor(name, namespace=namespace)
+            except ValueError:
+                break
+            await asyncio.sleep(0.05)
+        if self._stopping or self.keepers.get(pool) is not old:
+            return  # a salvage that found it gone already replaced it
+        new = self._ensure_keeper(pool)
+        new.load.remote(held)  # its first call: before any salvage asks it
+        self.keeper_moves[pool] = self.keeper_moves.get(pool, 0) + 1
+        log.warning("pool %s: moved its progress keeper, with its snapshots, off node %s: a better node for it is up "
+                    "(policies/keeper_placement.py)", pool, where[:12])
 
     def _replace_keeper(self, pool: str, dead: Any, why: str) -> None:
         if self._stopping or self.keepers.get(pool) is not dead:
@@ -703,6 +760,7 @@ class HealthMonitor:
             "timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),
             "spares": {pool: len(sp) for pool, sp in self.spares.items()}, "detections": list(self.detections),
             "salvages": list(self.salvages), "keeper_restarts": dict(self.keeper_restarts),
+            "keeper_moves": dict(self.keeper_moves),
         }
 
     async def stop(self, flush: bool = False) -> dict:

@@ -20,15 +20,17 @@ Ray expresses the preferences as label selectors: the first is the actor's `labe
 its `fallback_strategy`, tried in order (shared/notes/ray-2.60.md). A pool with labels is matched by its
 own selector plus `ray.io/node-id: !in(...)`, so its label syntax (`in(...)`, `!v`) is never re-implemented
 here; a pool pinned by custom resources is matched by listing its nodes, found from their resources.
-The choice is made when the keeper starts (with the islands placed so far); an island that is restarted
-later onto the keeper's node is not moved away from it.
+The choice is made when the keeper starts, with the islands placed so far. Islands restart and nodes
+come and go afterwards, so the health monitor also checks now and then whether a node of a more
+preferred kind than the keeper's own exists (`should_move`) and, if so, moves the keeper there with
+its snapshots (orchestrator/health_monitor.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = ["NODE_ID_LABEL", "REGION_LABEL", "keeper_selectors", "pool_nodes"]
+__all__ = ["NODE_ID_LABEL", "REGION_LABEL", "keeper_selectors", "matches", "pool_nodes", "should_move"]
 
 NODE_ID_LABEL = "ray.io/node-id"  # set by Ray on every node
 REGION_LABEL = "region"  # the node label pools name their region by (shared/notes/ray-2.60.md, cluster.yaml)
@@ -78,3 +80,30 @@ def keeper_selectors(labels: Mapping[str, str], resources: Mapping[str, float],
         out.append({NODE_ID_LABEL: _node_in(members)})
     out.append({})  # anywhere: the pool has no labels to keep it in, and a keeper that runs beats none
     return out
+
+
+def _value_matches(have: str | None, want: str) -> bool:
+    """One label against one selector value, in the four forms Ray accepts: v, !v, in(a,b), !in(a,b)."""
+    negate = want.startswith("!")
+    body = want[1:] if negate else want
+    if body.startswith("in(") and body.endswith(")"):
+        hit = have is not None and have in [v.strip() for v in body[3:-1].split(",")]
+    else:
+        hit = have == body
+    return hit != negate
+
+
+def matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
+    """Whether a node with `labels` (its `ray.io/node-id` included) satisfies a label selector."""
+    return all(_value_matches(labels.get(key), want) for key, want in selector.items())
+
+
+def should_move(selectors: list[dict[str, str]], current: Mapping[str, str],
+                candidates: Iterable[Mapping[str, str]]) -> bool:
+    """Whether some alive node (`candidates`, each a node's labels with its node id) satisfies an earlier
+    selector than the first one the keeper's current node satisfies: a better place exists."""
+    def rank(labels: Mapping[str, str]) -> int:
+        return next((i for i, sel in enumerate(selectors) if matches(labels, sel)), len(selectors))
+
+    here = rank(current)
+    return any(rank(node) < here for node in candidates)

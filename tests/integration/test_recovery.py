@@ -65,14 +65,28 @@ def test_losing_a_node_rebuilds_the_island_on_its_pool_never_another(ray_cluster
         # The node took the island, not its snapshot: what it had not submitted was salvaged.
         salvage = next(s for s in run.snapshot["salvages"] if (s["island"], s["incarnation"]) == (0, 1))
         assert sum(salvage.get("tokens") or []) > 0, salvage
+        # The island now shares the pool's last node with the keeper. A node joining the pool is a better
+        # place: the keeper moves there, and the island's snapshots go on being held.
+        keeper_node = lambda: ray.get(keeper().node.remote(), timeout=10)  # noqa: E731
+        assert keeper_node() == second
+        joined = add_back(cluster, nodes, name)
+        wait_for("the keeper to move to the joined node", lambda: keeper_node() == joined, timeout_s=60)
+        wait_for("island 0 to shelve with it", lambda: ray.get(keeper().held.remote(), timeout=10).get(0, {}).get("incarnation") == 2)
+        assert ray.get(actor(f"monitor-{run.run_id}").snapshot.remote(), timeout=10)["keeper_moves"] == {"a": 1}
     finally:
         summary = finish(run, th, out)
-        # Give the session's cluster its node back for the tests that follow.
-        _, pool, region = next(p for p in POOL_NODES if p[0] == name)
-        nodes[name] = cluster.add_node(num_cpus=1, object_store_memory=150 << 20, labels={"pool": pool, "region": region})
-        cluster.wait_for_nodes()
+        if name not in nodes:  # give the session's cluster its node back for the tests that follow
+            add_back(cluster, nodes, name)
     assert summary["failures"] == 1 and summary["restarts"] == 1 and summary["salvages"] == 1
-    assert summary["keeper_restarts"] == 0, "the keeper was not on the lost node"
+    assert summary["keeper_restarts"] == 0, "the keeper was neither on the lost node nor lost when it moved"
+
+
+def add_back(cluster, nodes: dict, name: str) -> str:
+    """Re-add a removed node of the session's cluster with its labels; returns its node id."""
+    _, pool, region = next(p for p in POOL_NODES if p[0] == name)
+    nodes[name] = cluster.add_node(num_cpus=1, object_store_memory=150 << 20, labels={"pool": pool, "region": region})
+    cluster.wait_for_nodes()
+    return nodes[name].node_id
 
 
 def test_resume_after_the_driver_dies_skipping_a_corrupt_checkpoint(ray_cluster, tmp_path):

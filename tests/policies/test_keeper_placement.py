@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.keeper_placement import NODE_ID_LABEL, REGION_LABEL, keeper_selectors, pool_nodes
+from policies.keeper_placement import NODE_ID_LABEL, REGION_LABEL, keeper_selectors, matches, pool_nodes, should_move
 
 NODES = {  # node id -> total resources, as ray.nodes() reports them
     "n1": {"CPU": 8.0, "pool_a": 1000.0},
@@ -65,3 +65,29 @@ def test_an_unpinned_pool_avoids_the_islands_nodes_among_all_nodes():
     got = keeper_selectors({}, {}, NODES, island_nodes={"n1", "n2", "n3"})
     assert got == [{NODE_ID_LABEL: "in(n4)"}, {NODE_ID_LABEL: "in(n1,n2,n3,n4)"}, {}]
     assert keeper_selectors({}, {}, {"n1": {}}, island_nodes={"n1"}) == [{NODE_ID_LABEL: "in(n1)"}, {}]
+
+
+def test_selectors_match_node_labels_in_rays_four_forms():
+    node = {"pool": "a", "region": "us-east", NODE_ID_LABEL: "n1"}
+    assert matches(node, {}) and matches(node, {"pool": "a"}) and not matches(node, {"pool": "b"})
+    assert matches(node, {"pool": "!b"}) and not matches(node, {"pool": "!a"})
+    assert matches(node, {"pool": "in(b, a)"}) and not matches(node, {"pool": "in(b,c)"})
+    assert matches(node, {NODE_ID_LABEL: "!in(n2,n3)"}) and not matches(node, {NODE_ID_LABEL: "!in(n1,n2)"})
+    assert not matches(node, {"zone": "z1"}) and matches(node, {"zone": "!z1"}), "a missing label is not any value"
+
+
+def test_a_keeper_moves_only_when_a_node_better_than_its_own_is_alive():
+    a1, a2 = {"pool": "a", NODE_ID_LABEL: "a1"}, {"pool": "a", NODE_ID_LABEL: "a2"}
+    other_pool = {"pool": "b", "region": "us-east", NODE_ID_LABEL: "b1"}
+    # An island was restarted onto the keeper's node a1: a2 is free of islands, so move; alone, stay.
+    sel = keeper_selectors({"pool": "a"}, {}, {}, island_nodes={"a1"})
+    assert should_move(sel, a1, [a2]) and not should_move(sel, a1, [])
+    assert not should_move(sel, a2, [a1]), "already on the best kind of node"
+    # Both pool nodes host islands: nothing better than where it is.
+    sel = keeper_selectors({"pool": "a"}, {}, {}, island_nodes={"a1", "a2"})
+    assert not should_move(sel, a1, [a2])
+    # A pool labelled by region, sharing its island's node: the region's other node is better.
+    a1r = {**a1, "region": "us-east"}
+    sel = keeper_selectors({"pool": "a", "region": "us-east"}, {}, {}, island_nodes={"a1"})
+    assert should_move(sel, a1r, [other_pool]) and not should_move(sel, other_pool, [a1r])
+

@@ -67,3 +67,17 @@ def test_keeper_holds_the_newest_snapshot_per_island_and_hands_it_over_once():
     assert k.take(1, 2) is None, "handed over once"
     assert k.keep(1, 3, 5, b"new incarnation") and k.take(1, 3) == b"new incarnation"
     assert keeper_name("run7", "a") == "run7-keeper-a"
+
+
+def test_a_moved_keeper_adopts_its_predecessors_snapshots_but_never_over_newer_ones():
+    old, new = ProgressKeeper("a"), ProgressKeeper("a")
+    old.keep(0, 1, 10, b"zero@10")
+    old.keep(1, 2, 20, b"one@20")
+    old.keep(2, 1, 30, b"two@30")
+    new.keep(1, 2, 25, b"one@25")  # island 1 shelved into the new keeper before the hand-over arrived
+    new.keep(2, 1, 5, b"two@5")  # an out-of-order older one: the predecessor's newer one wins
+    assert new.load(old.dump()) == 2
+    assert {i: (h["incarnation"], h["step"]) for i, h in new.held().items()} == {0: (1, 10), 1: (2, 25), 2: (1, 30)}
+    assert new.take(0, 1) == b"zero@10" and new.take(1, 2) == b"one@25" and new.take(2, 1) == b"two@30"
+    assert old.dump() is not old._held, "a dump is a copy"
+
