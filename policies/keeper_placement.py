@@ -18,8 +18,9 @@ cross the WAN), so a node elsewhere is only the last resort for pools that have 
 
 Ray expresses the preferences as label selectors: the first is the actor's `label_selector`, the rest
 its `fallback_strategy`, tried in order (shared/notes/ray-2.60.md). A pool with labels is matched by its
-own selector plus `ray.io/node-id: !in(...)`, so its label syntax (`in(...)`, `!v`) is never re-implemented
-here; a pool pinned by custom resources is matched by listing its nodes, found from their resources.
+own selector plus `ray.io/node-id: !in(...)`, so Ray alone interprets its label syntax when placing; a
+pool pinned by custom resources is matched by listing its nodes, found from their resources. `matches`
+re-implements Ray's four selector forms only to compare nodes when deciding whether to move a keeper.
 The choice is made when the keeper starts, with the islands placed so far. Islands restart and nodes
 come and go afterwards, so the health monitor also checks now and then whether a node of a more
 preferred kind than the keeper's own exists (`should_move`) and, if so, moves the keeper there with
@@ -64,12 +65,12 @@ def keeper_selectors(labels: Mapping[str, str], resources: Mapping[str, float],
     avoid = set(island_nodes)
     away = {NODE_ID_LABEL: _node_in(avoid, negate=True)} if avoid else {}
     region = dict(labels).get(REGION_LABEL, "")
-    plain = region and not region.startswith(("!", "in(")) and "(" not in region  # one region, not a selector
+    plain = bool(region) and not region.startswith("!") and "(" not in region  # one region, not a selector
     in_region = [{REGION_LABEL: region, **away}] if away and plain else []
     if labels:
         base = dict(labels)
         if NODE_ID_LABEL in base or not avoid:  # the pool names its nodes itself, or there is nothing to avoid
-            return in_region + [base] if NODE_ID_LABEL in base else [base]
+            return (in_region + [base]) if NODE_ID_LABEL in base else [base]
         return _unique([{**base, **away}] + in_region + [base])
     members = pool_nodes(resources, nodes)
     preferred = [n for n in members if n not in avoid]
