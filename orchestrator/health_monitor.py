@@ -654,7 +654,7 @@ class HealthMonitor:
     def _state(self) -> dict:
         return {"timeline": list(self.timeline), "detect_s": list(self.detect_s), "rejoin_s": list(self.rejoin_s),
                 "detections": list(self.detections), "salvages": list(self.salvages),
-                "keeper_restarts": dict(self.keeper_restarts),
+                "keeper_restarts": dict(self.keeper_restarts), "keeper_moves": dict(self.keeper_moves),
                 "slots": {i: {"failures": s.failures, "restarts": s.restarts, "finals": list(s.finals),
                               "incarnation": s.incarnation, "state": s.state} for i, s in self.slots.items()},
                 "faults": dict(self.faults)}
@@ -665,6 +665,7 @@ class HealthMonitor:
         self.detections = list(saved["detections"])
         self.salvages = list(saved.get("salvages", []))
         self.keeper_restarts = dict(saved.get("keeper_restarts", {}))
+        self.keeper_moves = dict(saved.get("keeper_moves", {}))
         self.faults = dict(saved["faults"])
         for i, st in saved["slots"].items():
             slot = self.slots[int(i)]
