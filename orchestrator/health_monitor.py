@@ -320,8 +320,11 @@ class HealthMonitor:
             except ValueError:
                 break
             await asyncio.sleep(0.05)
-        if self._stopping or self.keepers.get(pool) is not old:
-            return  # a salvage that found it gone already replaced it
+        if self._stopping:
+            return
+        if self.keepers.get(pool) is not old:  # a salvage found it gone meanwhile and replaced it: hand over to that one
+            self.keepers[pool].load.remote(held)
+            return
         new = self._ensure_keeper(pool)
         new.load.remote(held)  # its first call: before any salvage asks it
         self.keeper_moves[pool] = self.keeper_moves.get(pool, 0) + 1
