@@ -100,8 +100,13 @@ def test_sync_diloco_rounds_take_every_island(ray_cluster, tmp_path):
     summary = train(build_config(cfg), tmp_path / "sync")
     rounds = read_events(tmp_path / "sync", "rounds").to_pylist()
     assert len(rounds) >= 2, "synchronous rounds happened"
-    for r in rounds:
-        assert sorted(r["participants"]) == [0, 1]
-        assert r["weights"] == pytest.approx([0.5, 0.5])
-        assert r["fragment"] == 0
+    seen = [(x["participants"], x["reason"]) for x in rounds]
+    # Every round the quorum closed took both islands. The run's final flush merges whatever progress is
+    # left, whatever the quorum says (docs: "final flush"): if the stop came just after a round, one island
+    # may have nothing left to add, so that last round alone may have one participant.
+    *synced, last = rounds
+    assert synced and all(sorted(r["participants"]) == [0, 1] for r in synced), seen
+    assert all(r["weights"] == pytest.approx([0.5, 0.5]) for r in synced), seen
+    assert sorted(last["participants"]) == [0, 1] or last["reason"] == "final flush", seen
+    assert all(r["fragment"] == 0 for r in rounds)
     assert summary["versions"] == [len(rounds)]
