@@ -13,6 +13,7 @@ import pytest
 import ray
 import yaml
 
+from orchestrator.actors import NAMESPACE
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import apply_overrides, build_config
 from orchestrator.driver import Run, resume_config, train
@@ -67,11 +68,13 @@ def test_losing_a_node_rebuilds_the_island_on_its_pool_never_another(ray_cluster
         assert sum(salvage.get("tokens") or []) > 0, salvage
         # The island now shares the pool's last node with the keeper. A node joining the pool is a better
         # place: the keeper moves there, and the island's snapshots go on being held.
-        keeper_node = lambda: ray.get(keeper().node.remote(), timeout=10)  # noqa: E731
+        # While it moves, no actor has its name for a moment: get_actor raises ValueError and wait_for looks again.
+        named = lambda: ray.get_actor(f"{run.run_id}-keeper-a", namespace=NAMESPACE)  # noqa: E731
+        keeper_node = lambda: ray.get(named().node.remote(), timeout=10)  # noqa: E731
         assert keeper_node() == second
         joined = add_back(cluster, nodes, name)
         wait_for("the keeper to move to the joined node", lambda: keeper_node() == joined, timeout_s=60)
-        wait_for("island 0 to shelve with it", lambda: ray.get(keeper().held.remote(), timeout=10).get(0, {}).get("incarnation") == 2)
+        wait_for("island 0 to shelve with it", lambda: ray.get(named().held.remote(), timeout=10).get(0, {}).get("incarnation") == 2)
         assert ray.get(actor(f"monitor-{run.run_id}").snapshot.remote(), timeout=10)["keeper_moves"] == {"a": 1}
     finally:
         summary = finish(run, th, out)
