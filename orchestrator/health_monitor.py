@@ -291,9 +291,7 @@ class HealthMonitor:
                 where = await asyncio.wait_for(handle.node.remote(), timeout=self.call_timeout_s)
             except Exception:  # noqa: BLE001 - dead or busy: the liveness check deals with it
                 continue
-            pool = self.pools[pool_name]
-            selectors = keeper_selectors(pool.labels, pool.resources, {i: n["Resources"] for i, n in nodes.items()},
-                                         self._island_nodes(pool_name))
+            selectors = self._keeper_selectors(pool_name, nodes)
             if where in labels and should_move(selectors, labels[where], [v for i, v in labels.items() if i != where]):
                 await self._move_keeper(pool_name, handle, where)
 
@@ -350,15 +348,22 @@ class HealthMonitor:
                 log.debug("placement group table: %s", err)
         return nodes
 
+    def _keeper_selectors(self, pool_name: str, nodes: dict[str, dict] | None = None) -> list[dict[str, str]]:
+        """Where the pool's keeper should go now, most preferred first (policies.keeper_placement). `nodes`: the
+        alive nodes as ray.nodes() gives them, by id, when the caller has them; asked for only when needed."""
+        pool = self.pools[pool_name]
+        if nodes is None and not pool.labels:
+            nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+        resources = {i: n["Resources"] for i, n in (nodes or {}).items()}
+        return keeper_selectors(pool.labels, pool.resources, resources, self._island_nodes(pool_name))
+
     def _ensure_keeper(self, pool_name: str) -> Any:
         """The pool's keeper: the live one of that name (a restarted monitor finds its predecessor's) or a new one.
 
         A new one goes inside its pool, to a node hosting none of the pool's islands when there is one
         (policies/keeper_placement.py). It takes no CPU: a sliver of a pool resource would cost an island slot."""
-        pool = self.pools[pool_name]
         namespace, name = self.keeper_names[pool_name]
-        nodes = {} if pool.labels else {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-        selectors = keeper_selectors(pool.labels, pool.resources, nodes, self._island_nodes(pool_name))
+        selectors = self._keeper_selectors(pool_name)
         self.keepers[pool_name] = self.keeper_cls.options(
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
             label_selector=selectors[0],
