@@ -69,9 +69,9 @@ def keeper_selectors(labels: Mapping[str, str], resources: Mapping[str, float],
     in_region = [{REGION_LABEL: region, **away}] if away and plain else []
     if labels:
         base = dict(labels)
-        if NODE_ID_LABEL in base or not avoid:  # the pool names its nodes itself, or there is nothing to avoid
-            return (in_region + [base]) if NODE_ID_LABEL in base else [base]
-        return _unique([{**base, **away}] + in_region + [base])
+        # A pool that names its nodes itself keeps that pin: no step of its own away from its islands.
+        own = [] if NODE_ID_LABEL in base else [{**base, **away}]
+        return _unique(own + in_region + [base])
     members = pool_nodes(resources, nodes)
     preferred = [n for n in members if n not in avoid]
     out: list[dict[str, str]] = []
