@@ -201,21 +201,23 @@ def run_rounds(sub_t, sub_learner, sub_chip_s, *, live_at, min_quorum, grace_s, 
         pending.clear()
         reached, deadline = None, math.inf
 
+    def voters() -> int:  # distinct learners pending; salvaged submissions vote in no quorum
+        return len(pending) - (SALVAGED in pending)
+
     lives = live_at(sub_t)
     for t, m, c, live in zip(sub_t.tolist(), sub_learner.tolist(), sub_chip_s.tolist(), lives.tolist()):
         if deadline <= t:
             close(deadline)
         pending[m] = pending.get(m, 0.0) + c
-        voters = len(pending) - (SALVAGED in pending)
-        if reached is None and voters >= min_quorum:
+        if reached is None and voters() >= min_quorum:
             reached = t
-        d = decide_round(now=t, pending=voters, min_quorum=min_quorum, live_islands=live,
+        d = decide_round(now=t, pending=voters(), min_quorum=min_quorum, live_islands=live,
                          quorum_reached_at=reached, grace_s=grace_s)
         if d.close:
             close(t)
         elif reached is not None:
             deadline = t + d.wait_s
-    if len(pending) - (SALVAGED in pending) >= min_quorum:  # the final round: now, or at a grace deadline before T
+    if voters() >= min_quorum:  # the run's final round: close now, or at a grace deadline before T
         close(min(deadline, horizon_s))
     return merged, np.asarray(merge_times)
 
