@@ -27,6 +27,12 @@ FAST_NODE_DEATH = {
 POOL_NODES = [("a1", "a", "us-east"), ("a2", "a", "us-east"), ("b1", "b", "eu-west")]
 
 
+def add_pool_node(cluster, name: str):
+    """Add node `name` of POOL_NODES to `cluster`: 1 CPU, labelled with its pool and region."""
+    _, pool, region = next(p for p in POOL_NODES if p[0] == name)
+    return cluster.add_node(num_cpus=1, object_store_memory=150 << 20, labels={"pool": pool, "region": region})
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real local Ray cluster: a head with no CPUs and three 1-CPU worker nodes labelled by pool."""
@@ -42,9 +48,7 @@ def ray_cluster():
         head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 200 << 20,
                         "_system_config": FAST_NODE_DEATH},
     )
-    nodes = {}
-    for name, pool, region in POOL_NODES:
-        nodes[name] = cluster.add_node(num_cpus=1, object_store_memory=150 << 20, labels={"pool": pool, "region": region})
+    nodes = {name: add_pool_node(cluster, name) for name, _, _ in POOL_NODES}
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, runtime_env={"env_vars": WORKER_ENV}, logging_level="WARNING")
     yield cluster, nodes

@@ -17,7 +17,7 @@ from orchestrator.actors import NAMESPACE
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import apply_overrides, build_config
 from orchestrator.driver import Run, resume_config, train
-from tests.conftest import POOL_NODES
+from tests.conftest import add_pool_node
 from tests.integration.test_self_healing import actor, finish, start, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -86,8 +86,7 @@ def test_losing_a_node_rebuilds_the_island_on_its_pool_never_another(ray_cluster
 
 def add_back(cluster, nodes: dict, name: str) -> str:
     """Re-add a removed node of the session's cluster with its labels; returns its node id."""
-    _, pool, region = next(p for p in POOL_NODES if p[0] == name)
-    nodes[name] = cluster.add_node(num_cpus=1, object_store_memory=150 << 20, labels={"pool": pool, "region": region})
+    nodes[name] = add_pool_node(cluster, name)
     cluster.wait_for_nodes()
     return nodes[name].node_id
 
