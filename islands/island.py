@@ -38,8 +38,9 @@ from islands.messages import FragmentUpdate, Submission, SubmissionKey
 from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: plain values live in islands.spec
 from islands.trainer import InnerTrainer
 from policies.adoption import adopt_fragment, parse_adoption
-from policies.compression import compress
+from policies.compression import compress, decompress
 from policies.downlink import apply_delta, decode_fragment
+from policies.error_feedback import ErrorFeedback
 from policies.quorum import MovingAverage
 from policies.salvage import ProgressSnapshot, salvage_due
 
@@ -119,6 +120,8 @@ class LearnerIsland:
         self._submitted = [0] * P
         self._discarded = [0] * P
         self._overwritten = [0] * P  # per fragment: progress an overwrite adoption replaced (never merged)
+        # Top-k sends a few percent of each outer gradient: the rest is owed to the fragment's next cut.
+        self._feedback = ErrorFeedback(P, spec.feedback_decay) if spec.compression == "topk" else None
         self._blocked_s = 0.0
         # Injected faults (chaos): a hang stops the inner loop while the control interface still answers.
         self._hang_until = 0.0
@@ -200,15 +203,16 @@ class LearnerIsland:
     def _inflight_or_outbox(self) -> bool:
         return bool(self._inflight) or bool(self._outbox)
 
-    def _progress(self, p: int, seq: int, *, encode: bool = True) -> Submission:
+    def _progress(self, p: int, seq: int) -> Submission:
         """Fragment p's progress since its last cut as a submission numbered `seq` (no counter changes).
 
-        `encode=False` leaves the payload as raw float32 differences for the caller to encode later
-        (`_encode`), off the inner loop: a progress snapshot covers every fragment, and quantizing it on
-        the loop thread took about 1% of a run's step time at the default salvage interval."""
+        The payload is raw float32 differences (plus what error feedback still owes, under top-k) for the
+        caller to encode (`_encode`); a progress snapshot encodes on its sender thread, off the inner loop:
+        it covers every fragment, and quantizing it on the loop thread took about 1% of a run's step time at
+        the default salvage interval."""
         with torch.no_grad():
             deltas = [(a - t.detach()).cpu() for a, t in zip(self._anchor(p), self._theta[p])]  # .cpu(): no-op on CPU
-        payload = self._encode(deltas) if encode else deltas
+            payload = deltas if self._feedback is None else self._feedback.owed(p, deltas)
         return Submission(
             island=self.spec.island, incarnation=self.spec.incarnation, seq=seq, fragment=p,
             base_version=self._version[p], tokens=self._tokens[p], inner_steps=self._steps[p],
@@ -218,7 +222,8 @@ class LearnerIsland:
 
     def _encode(self, deltas: list[torch.Tensor]) -> list:
         """The wire form of a fragment's differences (the run's outer-gradient compression)."""
-        return [compress(d, self.spec.compression, block_size=self.spec.compression_block_size) for d in deltas]
+        return [compress(d, self.spec.compression, block_size=self.spec.compression_block_size, density=self.spec.topk_density)
+                for d in deltas]
 
     def _anchor(self, p: int) -> list[torch.Tensor]:
         """What fragment p's unsubmitted progress is measured from (caller holds self._cv).
@@ -243,7 +248,7 @@ class LearnerIsland:
             subs: list[Submission] = []
             for p in range(self.spec.plan.num_fragments):
                 if self._steps[p] > 0 and self._base[p]:
-                    subs.append(self._progress(p, self._k + len(subs), encode=False))  # encoded by the sender
+                    subs.append(self._progress(p, self._k + len(subs)))  # encoded by the sender
             snapshot = ProgressSnapshot(island=self.spec.island, incarnation=self.spec.incarnation, next_seq=self._k,
                                         epochs=list(self._epoch), step=self.total_steps, submissions=subs)
         if subs:
@@ -276,6 +281,10 @@ class LearnerIsland:
         seq = self._k
         self._k += 1
         sub = self._progress(p, seq)
+        owed = sub.payload
+        sub.payload = self._encode(owed)
+        if self._feedback is not None:  # what this cut does not carry is owed to the next one
+            self._feedback.settle(p, owed, [decompress(c) for c in sub.payload])
         self._submitted[p] += sub.tokens
         self._steps[p] = 0
         self._tokens[p] = 0

@@ -90,7 +90,7 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
         tau_steps=o.effective_tau_steps(), weighting=o.weighting, staleness_discount=o.staleness_discount,
         merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum, partial_momentum=o.partial_momentum, max_staleness=o.max_staleness,
         compression=o.compression, step_scale=o.step_scale, rda_across_rounds=o.rda_across_rounds, downlink=o.downlink, downlink_delta=o.downlink_delta, block_size=o.compression_block_size,
-        publish_to=o.publish_to,
+        topk_density=o.topk_density, publish_to=o.publish_to,
     )
 
 
@@ -115,6 +115,7 @@ def island_specs(cfg: RunConfig, model_cfg, plan, run_id: str | None = None) -> 
                 island=island, incarnation=1, pool=pool.name, num_islands=total, model_config=model_cfg, plan=plan,
                 inner=inner, sync_every_steps=cfg.outer.sync_every_steps, adoption=cfg.outer.adoption,
                 compression=cfg.outer.compression, compression_block_size=cfg.outer.compression_block_size,
+                topk_density=cfg.outer.topk_density, feedback_decay=cfg.outer.feedback_decay,
                 wait_for_round=cfg.outer.wait_for_round, seed=cfg.run.seed,
                 workers=pool.workers_per_island, accelerator=pool.accelerator,
                 salvage_every_steps=cfg.health.salvage_every_steps,

@@ -29,7 +29,7 @@ from policies.weighting import merge_weights
 
 log = logging.getLogger(__name__)
 
-_WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
+_WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "topk": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class OuterSettings:
     downlink_delta: str | None = None  # format of later versions as differences from an island's copy, or None
     publish_to: str = "all"  # all | participants: which islands a new version goes to (the actor shell sends it)
     block_size: int = 256  # elements per quantization scale block, both directions
+    topk_density: float = 1 / 64  # fraction of each chunk a topk difference keeps (downlink_delta topk)
 
 
 @dataclass

@@ -1,9 +1,19 @@
-"""Outer gradients on the wire: lossless, bfloat16, or blockwise int8/int4 quantization.
+"""Outer gradients on the wire: lossless, bfloat16, blockwise int8/int4 quantization, or top-k.
 
 Int schemes quantize each block of ``block_size`` consecutive elements of the flattened tensor
 with its own float32 scale ``absmax / qmax`` (``qmax`` 127 for int8, 7 for int4), so one outlier
 only costs precision in its own block. The payload carries exactly the quantized values (no
 padding): ``numel`` int8 values, or ``ceil(numel / 2)`` bytes holding two 4-bit values each.
+
+``topk`` keeps, in every chunk of ``TOPK_CHUNK`` consecutive elements (or the whole tensor when it is
+smaller), the ``keep`` largest magnitudes, ``keep = ceil(density * chunk)``, quantized to int4 against
+the chunk's float32 scale ``absmax(kept) / 7``. Each kept entry is two bytes: its 12-bit index in the
+chunk and its 4-bit value (the chunk size is 4096 so that an index fits 12 bits). Everything else
+decodes to zero, so top-k is only usable with error feedback: the sender keeps what it did not send
+and adds it to its next message (``policies/error_feedback.py`` for outer gradients; the downlink's
+differences from each island's copy have it built in). Sparse aggregation with error feedback in
+DiLoCo-style training: Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo" (2025,
+arXiv:2508.15706), which reports 1-3% densities at no loss in quality on their models.
 """
 
 from __future__ import annotations
@@ -14,9 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SCHEMES", "Compressed", "compress", "decompress", "error_bound"]
+__all__ = ["SCHEMES", "DENSE_SCHEMES", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed", "compress", "decompress",
+           "error_bound", "topk_keep"]
 
-SCHEMES = ("none", "bf16", "int8", "int4")
+SCHEMES = ("none", "bf16", "int8", "int4", "topk")
+# Formats that carry every element: the only ones that can carry whole weights (the downlink's full format).
+DENSE_SCHEMES = ("none", "bf16", "int8", "int4")
+# Elements per top-k chunk: an index within it fits the 12 bits next to a 4-bit value in two bytes.
+TOPK_CHUNK = 4096
+DEFAULT_DENSITY = 1 / 64
 
 _QMAX = {"int8": 127, "int4": 7}
 # int4 values q in [-7, 7] are stored as q + 8 in one nibble.
@@ -33,7 +49,8 @@ class Compressed:
         payload: float32 (none), bfloat16 (bf16), int8 with ``numel`` values (int8) or uint8
             with ``ceil(numel / 2)`` packed bytes, low nibble first (int4).
         scales: float32 per-block scales, ``ceil(numel / block_size)`` of them, or ``None``.
-        block_size: elements per quantization block.
+        block_size: elements per quantization block (topk: per chunk).
+        keep: topk only: entries kept per chunk (0 for the other schemes).
     """
 
     scheme: str
@@ -41,6 +58,7 @@ class Compressed:
     payload: Tensor
     scales: Tensor | None
     block_size: int
+    keep: int = 0
 
     @property
     def numel(self) -> int:
@@ -63,6 +81,19 @@ def _check(scheme: str, block_size: int) -> None:
         raise ValueError(f"block_size must be > 0, got {block_size}; use e.g. 256")
 
 
+def _check_density(density: float) -> None:
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"top-k density must be in (0, 1], got {density}; use e.g. {DEFAULT_DENSITY:.4f} (1/64)")
+
+
+def topk_keep(numel: int, density: float) -> tuple[int, int]:
+    """(chunk, keep) of a ``numel``-element tensor under ``topk``: chunks of ``TOPK_CHUNK`` elements (the
+    whole tensor when smaller), ``keep = ceil(density * chunk)`` entries of each (at least one)."""
+    _check_density(density)
+    chunk = max(1, min(TOPK_CHUNK, numel))
+    return chunk, max(1, min(chunk, math.ceil(density * chunk - 1e-9)))
+
+
 def _blocks(t: Tensor, block_size: int) -> Tensor:
     """Flattened float32 ``t`` zero-padded to whole blocks: shape (num_blocks, block_size)."""
     flat = t.detach().reshape(-1).to(torch.float32)
@@ -80,20 +111,24 @@ def _absmax_scales(blocks: Tensor, qmax: int) -> Tensor:
     return blocks.abs().amax(dim=1) / qmax
 
 
-def compress(t: Tensor, scheme: str, *, block_size: int = 256) -> Compressed:
+def compress(t: Tensor, scheme: str, *, block_size: int = 256, density: float = DEFAULT_DENSITY) -> Compressed:
     """Compress ``t`` with ``scheme``.
 
     - none: float32 contiguous copy.
     - bf16: ``t.to(bfloat16)``.
     - int8 / int4: per block ``b``, ``scale_b = absmax_b / qmax`` (1 for an all-zero block, so
       its values quantize to exact zeros) and ``q = clamp(round(x / scale_b), -qmax, qmax)``.
+    - topk: per chunk (``topk_keep``; ``block_size`` is not used), the ``keep`` largest magnitudes,
+      int4-quantized against ``absmax(kept) / 7``; the rest is dropped (see the module docstring).
 
     Raises:
-        ValueError: on an unknown scheme, ``block_size <= 0``, or a non-finite value under an
-            int scheme (its block scale would be meaningless).
+        ValueError: on an unknown scheme, ``block_size <= 0``, a density outside (0, 1], or a
+            non-finite value under an int or topk scheme (its scale would be meaningless).
     """
     _check(scheme, block_size)
     shape = tuple(t.shape)
+    if scheme == "topk":
+        return _compress_topk(t, density)
     if scheme == "none":
         payload = t.detach().to(torch.float32).contiguous().clone()
         return Compressed(scheme, shape, payload, None, block_size)
@@ -106,10 +141,7 @@ def compress(t: Tensor, scheme: str, *, block_size: int = 256) -> Compressed:
     blocks = _blocks(t, block_size)  # (num_blocks, block_size)
     scales = _absmax_scales(blocks, qmax)  # (num_blocks,)
     if not bool(torch.isfinite(scales).all()):
-        raise ValueError(
-            f"cannot {scheme}-quantize a tensor with inf or NaN values (shape {shape}); "
-            "fix the outer gradient upstream or use scheme='none'"
-        )
+        raise _non_finite(scheme, shape)
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
     q = torch.round(blocks / scales[:, None]).clamp_(-qmax, qmax).reshape(-1)[:n]
     if scheme == "int8":
@@ -123,9 +155,55 @@ def compress(t: Tensor, scheme: str, *, block_size: int = 256) -> Compressed:
     return Compressed(scheme, shape, payload, scales.contiguous(), block_size)
 
 
+def _non_finite(scheme: str, shape: tuple[int, ...]) -> ValueError:
+    return ValueError(f"cannot {scheme}-quantize a tensor with inf or NaN values (shape {shape}); "
+                      "fix the outer gradient upstream or use scheme='none'")
+
+
+def _compress_topk(t: Tensor, density: float) -> Compressed:
+    shape = tuple(t.shape)
+    chunk, keep = topk_keep(t.numel(), density)
+    chunks = _blocks(t, chunk)  # (num_chunks, chunk), zero-padded: a padded zero kept is decoded and cut off
+    idx = chunks.abs().topk(keep, dim=1, sorted=False).indices  # (num_chunks, keep)
+    kept = chunks.gather(1, idx)
+    scales = _absmax_scales(kept, 7)
+    if not bool(torch.isfinite(scales).all()):
+        raise _non_finite("topk", shape)
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    nib = torch.round(kept / scales[:, None]).clamp_(-7, 7).to(torch.int32) + _INT4_OFFSET
+    idx = idx.to(torch.int32)
+    # Two bytes per entry: the index's low 8 bits, then its high 4 bits under the value's nibble.
+    packed = torch.stack([idx & 0xFF, (idx >> 8) | (nib << 4)], dim=-1).to(torch.uint8).reshape(-1)
+    return Compressed("topk", shape, packed.contiguous(), scales.contiguous(), chunk, keep)
+
+
+def _decompress_topk(c: Compressed) -> Tensor:
+    assert c.scales is not None, "topk always carries scales"
+    n, chunk, keep = c.numel, c.block_size, c.keep
+    num_chunks = math.ceil(n / chunk) if n else 0
+    if not 1 <= keep <= chunk or chunk > TOPK_CHUNK or c.scales.numel() != num_chunks or c.payload.numel() != 2 * num_chunks * keep:
+        raise ValueError(f"malformed topk payload: {c.payload.numel()} bytes and {c.scales.numel()} scales for "
+                         f"{n} elements in chunks of {chunk} keeping {keep}")
+    pairs = c.payload.view(num_chunks, keep, 2).to(torch.int64)
+    idx = pairs[..., 0] | ((pairs[..., 1] & 0x0F) << 8)
+    if num_chunks and int(idx.max()) >= chunk:
+        raise ValueError(f"malformed topk payload: an index {int(idx.max())} outside its chunk of {chunk}")
+    q = (pairs[..., 1] >> 4).to(torch.float32) - _INT4_OFFSET
+    out = torch.zeros(num_chunks, chunk, dtype=torch.float32)
+    out.scatter_(1, idx, q * c.scales[:, None].to(torch.float32))
+    return out.reshape(-1)[:n].reshape(c.shape).contiguous()
+
+
 def decompress(c: Compressed) -> Tensor:
-    """The float32 tensor of shape ``c.shape`` that ``c`` encodes (``q * scale_b`` for int schemes)."""
+    """The float32 tensor of shape ``c.shape`` that ``c`` encodes (``q * scale_b`` for int schemes; zeros
+    but at the kept entries for topk).
+
+    Raises:
+        ValueError: on a topk payload whose sizes or indices do not fit its shape (malformed).
+    """
     _check(c.scheme, c.block_size)
+    if c.scheme == "topk":
+        return _decompress_topk(c)
     if c.scheme in ("none", "bf16"):
         return c.payload.to(torch.float32).reshape(c.shape)
     assert c.scales is not None, "int schemes always carry scales"
@@ -144,7 +222,7 @@ def decompress(c: Compressed) -> Tensor:
     return out.reshape(-1)[:n].reshape(c.shape).contiguous()
 
 
-def error_bound(t: Tensor, scheme: str, *, block_size: int = 256) -> Tensor:
+def error_bound(t: Tensor, scheme: str, *, block_size: int = 256, density: float = DEFAULT_DENSITY) -> Tensor:
     """Per-element bound on ``|decompress(compress(t)) - t|``, float32, shape of ``t``.
 
     - none: 0.
@@ -152,9 +230,19 @@ def error_bound(t: Tensor, scheme: str, *, block_size: int = 256) -> Tensor:
     - int8 / int4: ``scale_b / 2 + (|x| + scale_b) * 2**-21`` with ``scale_b = absmax_b / qmax``;
       the second term covers float32 rounding of ``x / scale`` and ``q * scale`` (and 0 for
       all-zero blocks, which are exact).
+    - topk: per chunk, the larger of int4's bound for a kept entry (``scale_c = absmax_c / 7``: the
+      kept entries include the chunk's absmax) and the ``keep``-th largest magnitude of the chunk,
+      which no dropped entry exceeds.
     """
     _check(scheme, block_size)
     x = t.detach().to(torch.float32)
+    if scheme == "topk":
+        chunk, keep = topk_keep(t.numel(), density)
+        mags = _blocks(t, chunk).abs()
+        scale = mags.amax(dim=1) / 7
+        kth = mags.topk(keep, dim=1).values[:, -1]
+        per_chunk = torch.maximum(scale / 2 + (mags.amax(dim=1) + scale) * 2.0**-21, kth)
+        return per_chunk.repeat_interleave(chunk)[: t.numel()].reshape(x.shape)
     if scheme == "none":
         return torch.zeros_like(x)
     if scheme == "bf16":

@@ -31,12 +31,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from policies.compression import SCHEMES, Compressed, compress, decompress
+from policies.compression import DEFAULT_DENSITY, DENSE_SCHEMES, Compressed, compress, decompress
 
 __all__ = ["DELTA_SCHEMES", "Encoded", "DownlinkCopies", "decode_fragment", "apply_delta"]
 
 # A float32 difference would cost as much as the whole fragment: no reason to send one.
-DELTA_SCHEMES = ("bf16", "int8", "int4")
+# topk: the largest few percent of each chunk of the difference; the rest stays in the next one's (error feedback).
+DELTA_SCHEMES = ("bf16", "int8", "int4", "topk")
 
 
 @dataclass(frozen=True)
@@ -70,22 +71,26 @@ class DownlinkCopies:
     """What every island holds of every fragment, so that each send can be a difference.
 
     Args:
-        full: format of a whole fragment (``outer.downlink``): one of ``policies.compression.SCHEMES``.
+        full: format of a whole fragment (``outer.downlink``): one of ``policies.compression.DENSE_SCHEMES``.
         delta: format of a difference (``outer.downlink_delta``): one of ``DELTA_SCHEMES``, or None
             to send every version whole (then nothing is kept).
         block_size: elements per quantization block, both formats.
+        density: fraction of each chunk a ``topk`` difference keeps.
 
     Memory: one float32 copy of the model per island while ``delta`` is set.
     """
 
-    def __init__(self, full: str = "none", delta: str | None = None, *, block_size: int = 256) -> None:
-        if full not in SCHEMES:
-            raise ValueError(f"unknown downlink format {full!r}; use one of {SCHEMES}")
+    def __init__(self, full: str = "none", delta: str | None = None, *, block_size: int = 256,
+                 density: float = DEFAULT_DENSITY) -> None:
+        if full not in DENSE_SCHEMES:
+            raise ValueError(f"unknown downlink format {full!r} for whole fragments; use one of {DENSE_SCHEMES}")
         if delta is not None and delta not in DELTA_SCHEMES:
             raise ValueError(f"unknown downlink_delta format {delta!r}; use one of {DELTA_SCHEMES} or null (send whole fragments)")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}; use e.g. 256")
-        self.full, self.delta, self.block_size = full, delta, block_size
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"top-k density must be in (0, 1], got {density}; use e.g. {DEFAULT_DENSITY:.4f} (1/64)")
+        self.full, self.delta, self.block_size, self.density = full, delta, block_size, density
         # island -> (incarnation, {fragment: (version, copy tensors)})
         self._copies: dict[int, tuple[int, dict[int, tuple[int, list[Tensor]]]]] = {}
 
@@ -121,7 +126,7 @@ class DownlinkCopies:
         if version <= have:
             return Encoded([], have, 0)
         diff = [t.detach().to(torch.float32) - c for t, c in zip(tensors, current)]
-        payload = [compress(d, self.delta, block_size=self.block_size) for d in diff]
+        payload = [compress(d, self.delta, block_size=self.block_size, density=self.density) for d in diff]
         held[1][fragment] = (version, apply_delta(current, decode_fragment(payload)))
         return Encoded(payload, have, sum(t.nbytes for t in payload))
 

@@ -1,5 +1,6 @@
 """Compression: round trips within the documented bound, exact wire sizes, and pickling."""
 
+import dataclasses
 import math
 import pickle
 
@@ -136,3 +137,68 @@ def test_errors():
         compress(torch.tensor([1.0, float("nan")]), "int8")
     with pytest.raises(ValueError, match="inf or NaN"):
         compress(torch.tensor([float("inf")]), "int4")
+
+
+# ---------------------------------------------------------------- topk
+
+
+def _reference_topk(x, density, chunk=4096):
+    """Independent numpy top-k per chunk (float64): the kept positions and their int4 round trip."""
+    flat = np.asarray(x, dtype=np.float64).reshape(-1)
+    size = max(1, min(chunk, flat.size))
+    keep = max(1, min(size, math.ceil(density * size - 1e-9)))
+    out = np.zeros_like(flat)
+    for start in range(0, flat.size, size):
+        block = flat[start : start + size]
+        pos = np.argsort(-np.abs(block), kind="stable")[:keep]
+        scale = np.abs(block[pos]).max() / 7
+        out[start + pos] = 0.0 if scale == 0 else np.clip(np.round(block[pos] / scale), -7, 7) * scale
+    return out.reshape(np.shape(x))
+
+
+@pytest.mark.parametrize("shape, density", [((10000,), 1 / 64), ((3, 5000), 0.03), ((100,), 1 / 64), ((7, 7), 0.5), ((4096,), 1.0)])
+def test_topk_keeps_the_largest_magnitudes_of_each_chunk(shape, density):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(11))  # no ties: the kept set is unique
+    y = decompress(compress(x, "topk", density=density))
+    np.testing.assert_allclose(y.numpy(), _reference_topk(x.numpy(), density), rtol=1e-6, atol=1e-7)
+
+
+def test_topk_hand_example():
+    # One chunk of 4 keeping 2: -7 and 2.6 survive; scale 7/7 = 1, so 2.6 rounds to 3.
+    c = compress(torch.tensor([0.1, -7.0, 2.6, 0.5]), "topk", density=0.5)
+    assert (c.block_size, c.keep) == (4, 2) and c.payload.dtype == torch.uint8
+    assert c.nbytes == 2 * 2 + 4  # two bytes an entry, one float32 scale
+    assert decompress(c).tolist() == [0.0, -7.0, 3.0, 0.0]
+
+
+@pytest.mark.parametrize("numel, density, expected", [
+    (10000, 1 / 64, 2 * 3 * 64 + 3 * 4),  # chunks of 4096 (the last padded), 64 kept of each
+    (4096, 1 / 64, 2 * 64 + 4),
+    (100, 1 / 64, 2 * 2 + 4),  # a small tensor is one chunk: ceil(100 / 64) = 2 kept
+    (1, 0.01, 2 + 4),
+])
+def test_topk_nbytes_exact(numel, density, expected):
+    assert compress(torch.randn(numel), "topk", density=density).nbytes == expected
+
+
+def test_topk_costs_about_two_bytes_per_kept_entry():
+    x = torch.randn(64 * 4096)
+    per_param = compress(x, "topk", density=1 / 64).nbytes / x.numel()
+    assert per_param == pytest.approx(2 / 64 + 4 / 4096)
+    assert per_param < compress(x, "int4").nbytes / x.numel() / 15  # int4: 0.516 bytes per parameter
+
+
+def test_topk_rejects_bad_density_and_malformed_payloads():
+    x = torch.randn(300)
+    for density in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"top-k density must be in \(0, 1\]"):
+            compress(x, "topk", density=density)
+    with pytest.raises(ValueError, match="inf or NaN"):
+        compress(torch.tensor([1.0, float("inf")]), "topk")
+    c = compress(x, "topk", density=0.1)
+    with pytest.raises(ValueError, match="malformed topk payload: 58 bytes"):
+        decompress(dataclasses.replace(c, payload=c.payload[:-2]))
+    bad = c.payload.clone()
+    bad[1] = 0x0F  # high index bits of the first entry: index >= 3840, outside the chunk of 300
+    with pytest.raises(ValueError, match="outside its chunk of 300"):
+        decompress(dataclasses.replace(c, payload=bad))
