@@ -402,7 +402,7 @@ class LearnerIsland:
                 versions=list(self._version), unsubmitted_tokens=list(self._tokens), outbox_tokens=outbox,
                 inflight=taken, cursor=self.trainer.sampler.cursor, submitted_tokens=list(self._submitted),
                 discarded_tokens=list(self._discarded), overwritten_tokens=list(self._overwritten), blocked_s=self._blocked_s, faults=self._faults,
-                error=self._error, shelve_s=self._shelve_s, shelved_bytes=self._shelved_bytes,
+                error=self._error, shelve_s=self._shelve_s, shelved_bytes=self._shelved_bytes, epochs=list(self._epoch),
             )
 
     def watch(self, timeout_s: float = 5.0) -> str:

@@ -142,5 +142,6 @@ class IslandStatus:
     faults: int = 0  # faults injected into this incarnation
     shelve_s: float = 0.0  # inner-loop time spent taking progress snapshots (pickling and sending run beside it)
     shelved_bytes: int = 0  # bytes of those snapshots (in-pool traffic, not over the WAN)
+    epochs: list[int] = field(default_factory=list)  # per fragment: outer-optimizer epoch that sent the version held
     error: str | None = None
     at: float = field(default_factory=time.time)

@@ -8,6 +8,7 @@ actor, and the health monitor, which holds one, runs without torch.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from policies.fragments import FragmentPlan
 
 log = logging.getLogger(__name__)
+# Published versions per fragment kept decoded for registering islands (differences down only): a restarted
+# island registers a second or two after it fetched latest(), while K = 1 rounds go on.
+_REMEMBERED_VERSIONS = 4
 
 # How long a downlink sender waits for an island to confirm a difference before the next goes whole.
 _ADOPT_ACK_S = 30.0
@@ -50,7 +54,7 @@ class _OuterShell:
         quiet_worker()
         from orchestrator.checkpoint import CheckpointStore
         from orchestrator.outer_optimizer import OuterOptimizer
-        from policies.downlink import DownlinkCopies
+        from policies.downlink import DownlinkCopies, decode_fragment
 
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-core")
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-ckpt")
@@ -84,6 +88,13 @@ class _OuterShell:
         self._refs = [ray.put(w) for w in wire]
         # Bytes of one published fragment on the wire: fixed for the run (shapes and format do not change).
         self._fragment_nbytes = [sum(t.nbytes for t in w) for w in wire]  # torch tensors and Compressed alike
+        # With differences down: the last few published versions as islands decode them, per fragment, so that an
+        # island registering with one of them gets differences from it at once, not the whole fragment again.
+        self._decoded: list[collections.OrderedDict[int, list]] = [collections.OrderedDict() for _ in wire]
+        if self._copies.delta is not None:
+            for p, w in enumerate(wire):
+                self._decoded[p][self.core.versions[p]] = decode_fragment(w)
+        self._decode = decode_fragment
         self._islands: dict[int, tuple[int, Any]] = {}
         self._pollers: dict[int, asyncio.Task] = {}
         self._ticker: asyncio.Task | None = None
@@ -124,14 +135,31 @@ class _OuterShell:
         if self._wake is None:
             self._wake = asyncio.Event()
             self._ticker = asyncio.create_task(self._tick())
+        # Asked before it is admitted, while nothing is sent to it, so the answer cannot change until it is.
+        held = await self._held(handle) if self._islands.get(island, (None,))[0] != incarnation else None
         await self._core(self.core.register, island, incarnation)
         self._islands[island] = (incarnation, handle)
-        self._copies.forget(island)  # it starts from latest() (or kept what it had): send whole fragments first
+        self._copies.forget(island)  # it starts from latest() (or kept what it had): whole fragments first...
+        for p, (version, epoch) in enumerate(held or []):  # ...unless it holds a version we published and remember
+            if epoch == self.epoch and version in self._decoded[p]:
+                self._copies.seed(island, incarnation, p, version, self._decoded[p][version])
         old = self._pollers.pop(island, None)
         if old is not None:
             old.cancel()
         self._pollers[island] = asyncio.create_task(self._poll(island, incarnation, handle))
         log.info("registered island %d incarnation %d", island, incarnation)
+
+    async def _held(self, handle: Any) -> list[tuple[int, int]] | None:
+        """(version, epoch) of every fragment an island holds, when differences go down (None: not asked, or no
+        answer within 10 s; it then gets whole fragments first)."""
+        if self._copies.delta is None:
+            return None
+        try:
+            st = await asyncio.wait_for(handle.status.remote(), timeout=10.0)  # an ObjectRef is awaitable
+        except Exception as err:  # noqa: BLE001 - an island that cannot answer gets whole fragments, as before
+            log.info("island status for downlink copies unavailable (%s): whole fragments first", err)
+            return None
+        return list(zip(st.versions, st.epochs)) if len(st.epochs) == len(st.versions) else None
 
     async def unregister(self, island: int) -> None:
         """Stop taking submissions from an island slot (it died or was stopped)."""
@@ -315,7 +343,13 @@ class _OuterShell:
     async def _publish(self, results: list[RoundResult]) -> None:
         for result in results:
             t0 = time.perf_counter()
-            ref = ray.put(await self._core(self._copies.whole, result.tensors))
+            whole = await self._core(self._copies.whole, result.tensors)
+            ref = ray.put(whole)
+            if self._copies.delta is not None:
+                recent = self._decoded[result.fragment]
+                recent[result.version] = await self._core(self._decode, whole)
+                while len(recent) > _REMEMBERED_VERSIONS:
+                    recent.popitem(last=False)
             self._refs[result.fragment] = ref  # dropping the old ref lets the store free it
             update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged, epoch=self.epoch)
             if not self._finishing:  # after the final flush nobody trains on it any more

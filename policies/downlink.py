@@ -130,6 +130,22 @@ class DownlinkCopies:
         held[1][fragment] = (version, apply_delta(current, decode_fragment(payload)))
         return Encoded(payload, have, sum(t.nbytes for t in payload))
 
+    def seed(self, island: int, incarnation: int, fragment: int, version: int, tensors: Sequence[Tensor]) -> bool:
+        """Record that ``island``'s ``incarnation`` holds ``version`` of ``fragment`` as exactly ``tensors`` (what it
+        decoded from a whole fragment it started from), so that the next send can be a difference. Does nothing and
+        returns False without a delta format or when a copy of the fragment is already recorded for that incarnation.
+        The caller must know the island holds exactly these tensors: a difference applied to anything else is wrong."""
+        if self.delta is None:
+            return False
+        held = self._copies.get(island)
+        if held is None or held[0] != incarnation:
+            held = (incarnation, {})
+            self._copies[island] = held
+        if fragment in held[1]:
+            return False
+        held[1][fragment] = (version, [t.detach().to(torch.float32).clone() for t in tensors])
+        return True
+
     def forget(self, island: int) -> None:
         """Drop an island's copies: its next send of every fragment goes whole (it died, rejoined,
         or a send to it may not have arrived)."""

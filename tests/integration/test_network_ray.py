@@ -50,12 +50,14 @@ class _Method:
 class LocalIsland:
     """Stand-in for an IslandActor handle: records what it hands out and when updates arrive."""
 
-    def __init__(self, island: LearnerIsland) -> None:
+    def __init__(self, island: LearnerIsland, answers_status: bool = True) -> None:
         self.island = island
         self.taken: list = []  # submissions in the order the outer optimizer took them
         self.adopted: list[tuple[float, object]] = []  # (arrival wall time, FragmentUpdate)
         self.next_submission = _Method(self._next)
         self.adopt = self  # handle.adopt.remote(update) -> self.remote(update)
+        if answers_status:  # what the shell asks at registration (which versions the island holds)
+            self.status = _Method(island.status)
 
     def _next(self, timeout_s: float):
         sub = self.island.next_submission(timeout_s)
@@ -96,7 +98,7 @@ def make_shell(tmp_path, settings: OuterSettings, network: NetworkModel):
 
 
 async def run_shell(tmp_path, train_s: float, downlink: str = "none", publish_to: str = "all",
-                    downlink_delta: str | None = None, network: NetworkModel = NETWORK,
+                    downlink_delta: str | None = None, network: NetworkModel = NETWORK, answers_status: bool = True,
                     ) -> tuple[dict, list, list[LocalIsland], list[int], list]:
     # K = 1 and no grace: a round closes the moment its submission reaches the core.
     settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000,
@@ -108,7 +110,7 @@ async def run_shell(tmp_path, train_s: float, downlink: str = "none", publish_to
         spec = IslandSpec(island=i, incarnation=1, pool=REGIONS[i], num_islands=2, model_config=cfg, plan=plan,
                           inner=inner, sync_every_steps=40, seed=3)
         island = LearnerIsland(spec, data, await shell.latest(), resolve=ray.get)
-        handles.append(LocalIsland(island))
+        handles.append(LocalIsland(island, answers_status))
         await shell.register(i, 1, handles[-1])
     for h in handles:
         h.island.start()
@@ -226,11 +228,12 @@ def test_publishing_to_participants_sends_each_island_only_its_own_rounds(ray_cl
             assert h.island._version[p] == (max(theirs) if theirs else 0)
 
 
-@pytest.mark.parametrize("emulated", [True, False], ids=["emulated-wan", "no-network"])
-def test_differences_go_down_in_order_and_islands_hold_what_the_sender_tracks(ray_cluster, tmp_path, emulated):
+@pytest.mark.parametrize("emulated, seeded", [(True, True), (False, True), (True, False)],
+                         ids=["emulated-wan", "no-network", "emulated-wan-unseeded"])
+def test_differences_go_down_in_order_and_islands_hold_what_the_sender_tracks(ray_cluster, tmp_path, emulated, seeded):
     network = NETWORK if emulated else NetworkModel("none", "local", {}, emulated=False)
     status, rounds, handles, fragment_bytes, final = asyncio.run(
-        run_shell(tmp_path, train_s=2.0, downlink_delta="int4", network=network))
+        run_shell(tmp_path, train_s=2.0, downlink_delta="int4", network=network, answers_status=seeded))
     assert status["in_transit"] == 0 and rounds
     n = [sum(t.numel() for t in frag) for frag in final]
     n_tensors = [len(frag) for frag in final]
@@ -240,9 +243,10 @@ def test_differences_go_down_in_order_and_islands_hold_what_the_sender_tracks(ra
         assert got, "each island should have received versions"
         for p in range(len(final)):
             mine = [u for u in got if u.fragment == p]
-            # The first send of each fragment is whole (this island started from latest(), and the
-            # sender cannot know what it kept); every later one is a difference from the one before.
-            assert mine[0].delta_from is None
+            # Every island registered holding version 0 from latest(). Asked at registration, it says so,
+            # and the sender, remembering version 0 as islands decode it, sends differences from the start;
+            # an island that cannot answer gets the whole fragment first. Later: each from the one before.
+            assert mine[0].delta_from == (0 if seeded else None)
             for prev, u in zip(mine, mine[1:]):
                 assert u.delta_from == prev.version < u.version
         # Bytes as sent: whole float32 first sends, then int4 payload plus one float32 scale per block

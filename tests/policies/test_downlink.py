@@ -109,6 +109,32 @@ def test_a_new_incarnation_or_forget_starts_whole_again():
     assert copies.encode(1, 2, 0, 3, v[3]).delta_from is None
 
 
+def test_a_seeded_copy_makes_the_first_send_a_difference_from_what_the_island_holds():
+    # An island that started from version 2 (decoded from an int8 whole, as latest() hands it out) and says so
+    # at registration: the sender seeds its copy with that decoded whole, and version 3 goes as a difference.
+    copies = DownlinkCopies("int8", "int4", block_size=64)
+    v = _versions(5, SHAPES)
+    held = decode_fragment(copies.whole(v[2]))
+    assert copies.seed(island=0, incarnation=1, fragment=0, version=2, tensors=held)
+    enc = copies.encode(0, 1, 0, 3, v[3])
+    assert enc.delta_from == 2
+    receiver = apply_delta([t.to(torch.float64) for t in held], [d.to(torch.float64) for d in decode_fragment(enc.payload)])
+    for r, target, before in zip(receiver, v[3], held):
+        bound = error_bound(target - before, "int4", block_size=64).to(torch.float64) + 1e-6
+        assert bool(((r - target.to(torch.float64)).abs() <= bound).all())
+    assert enc.nbytes < copies.encode(1, 1, 0, 3, v[3]).nbytes / 1.8  # island 1 (not seeded) gets the int8 whole
+
+
+def test_seed_never_replaces_a_copy_and_needs_a_delta_format():
+    copies = DownlinkCopies("none", "int8")
+    v = _versions(3, [(10,)])
+    copies.encode(0, 1, 0, 0, v[0])
+    assert not copies.seed(0, 1, 0, 1, v[1])  # the sender already tracks what it sent
+    assert copies.copy_of(0, 0)[0] == 0
+    assert copies.seed(0, 2, 0, 1, v[1]) and copies.copy_of(0, 0)[0] == 1  # a new incarnation starts afresh
+    assert not DownlinkCopies("none", None).seed(0, 1, 0, 0, v[0])
+
+
 def test_no_delta_format_sends_every_version_whole_and_keeps_nothing():
     copies = DownlinkCopies("int8", None)
     v = _versions(2, [(10,)])
