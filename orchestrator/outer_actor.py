@@ -95,6 +95,9 @@ class _OuterShell:
             for p, w in enumerate(wire):
                 self._decoded[p][self.core.versions[p]] = decode_fragment(w)
         self._decode = decode_fragment
+        # Island incarnations this shell has sent a difference to: what they hold may then differ from any whole
+        # version by rounding, so they are never seeded again (an unregistered incarnation registering anew).
+        self._diffed: set[tuple[int, int]] = set()
         self._islands: dict[int, tuple[int, Any]] = {}
         self._pollers: dict[int, asyncio.Task] = {}
         self._ticker: asyncio.Task | None = None
@@ -136,7 +139,8 @@ class _OuterShell:
             self._wake = asyncio.Event()
             self._ticker = asyncio.create_task(self._tick())
         # Asked before it is admitted, while nothing is sent to it, so the answer cannot change until it is.
-        held = await self._held(handle) if self._islands.get(island, (None,))[0] != incarnation else None
+        fresh = self._islands.get(island, (None,))[0] != incarnation and (island, incarnation) not in self._diffed
+        held = await self._held(handle) if fresh else None
         await self._core(self.core.register, island, incarnation)
         self._islands[island] = (incarnation, handle)
         self._copies.forget(island)  # it starts from latest() (or kept what it had): whole fragments first...
@@ -275,6 +279,8 @@ class _OuterShell:
     def _encode(self, island: int, incarnation: int, update: FragmentUpdate, tensors: list) -> tuple[FragmentUpdate, int]:
         """(update as sent, bytes on the wire) for this island's copy: whole or a difference (delta mode only)."""
         enc = self._copies.encode(island, incarnation, update.fragment, update.version, tensors)
+        if enc.delta_from is not None:
+            self._diffed.add((island, incarnation))
         return dataclasses.replace(update, tensors=[ray.put(enc.payload)], delta_from=enc.delta_from), enc.nbytes
 
     async def _deliver(self, island: int, region: str) -> None:

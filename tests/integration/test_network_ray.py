@@ -322,3 +322,37 @@ def test_a_salvage_takes_its_islands_uplink_and_merges_after_the_slot_came_back(
         await shell.stop()
 
     asyncio.run(body())
+
+
+def test_a_registering_island_is_seeded_only_when_it_surely_holds_a_remembered_whole_version(ray_cluster, tmp_path):
+    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, downlink="int8", downlink_delta="int4")
+    none = NetworkModel("none", "local", {}, emulated=False)
+
+    async def body():
+        from islands.messages import FragmentUpdate
+
+        shell, cfg, plan, data = make_shell(tmp_path, settings, none)
+        spec = IslandSpec(island=0, incarnation=1, pool="us-east", num_islands=2, model_config=cfg, plan=plan,
+                          inner=InnerSettings(batch_size=4), sync_every_steps=40, seed=3)
+
+        def island(incarnation: int) -> LocalIsland:
+            return LocalIsland(LearnerIsland(dataclasses.replace(spec, incarnation=incarnation), data,
+                                             latest, resolve=ray.get))
+
+        latest = await shell.latest()
+        await shell.register(0, 1, island(1))
+        for p in range(plan.num_fragments):  # it holds version 0 as decoded from the int8 whole: seeded
+            version, held = shell._copies.copy_of(0, p)
+            assert version == 0
+            assert all(torch.equal(h, d) for h, d in zip(held, shell._decoded[p][0]))
+        # A difference goes to incarnation 1; what it holds may now differ from any whole version by rounding.
+        moved = [t + 0.01 for t in shell.core.fragment(0)]
+        shell._encode(0, 1, FragmentUpdate(0, 1, []), moved)
+        await shell.unregister(0)
+        await shell.register(0, 1, island(1))  # the same incarnation again: never seeded
+        assert all(shell._copies.copy_of(0, p) is None for p in range(plan.num_fragments))
+        await shell.register(0, 2, island(2))  # a new incarnation from latest(): seeded again
+        assert all(shell._copies.copy_of(0, p)[0] == 0 for p in range(plan.num_fragments))
+        await shell.stop()
+
+    asyncio.run(body())
