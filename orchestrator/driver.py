@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 _TRANSIENT = (RayActorError, RayTaskError, GetTimeoutError)
 
 
+def _warn_transient(err: Exception) -> None:
+    log.warning("control call failed (retrying): %s", str(err).strip().splitlines()[-1][:200])
+
+
 @dataclass
 class Progress:
     """What the driver knows at one moment, handed to the progress callback."""
@@ -447,7 +451,7 @@ class Run:
                 self._get(self.outer.note.remote(tokens_processed=self._tokens(), run_id=self.run_id,
                                                  incarnations=incarnations))
             except _TRANSIENT as err:  # an actor restarting: Ray brings it back, try again next tick
-                log.warning("control call failed (retrying): %s", str(err).strip().splitlines()[-1][:200])
+                _warn_transient(err)
                 time.sleep(0.5)
                 continue
             self._report(t0, status)
@@ -460,21 +464,33 @@ class Run:
                 log.warning("stopping on max_wall_s=%s before the token budget", self.cfg.run.max_wall_s)
                 self.stopped_by = "max_wall_s"
                 break
+            next_eval, next_flush, stop = self._periodic(t0, now, next_eval, next_flush, status)
+            if stop:
+                break
+            time.sleep(0.5)
+        return self._finish(t0)
+
+    def _periodic(self, t0: float, now: float, next_eval: float, next_flush: float, status: dict) -> tuple[float, float, bool]:
+        """Evaluate and drain events when due: (next eval time, next drain time, whether the eval target stops the
+        run). A call that fails because the outer optimizer is restarting (a kill between the loop's status call
+        and these) leaves what it was doing due, to be done at the next tick, instead of failing the run."""
+        try:
             if now >= next_eval:
                 self._evaluate(t0)
                 next_eval = now + self.cfg.eval.interval_s
                 if target_reached([p["eval_loss"] for p in self.eval_points], self.cfg.run.stop_at_eval_loss):
                     log.warning("stopping on stop_at_eval_loss=%s before the token budget", self.cfg.run.stop_at_eval_loss)
                     self.stopped_by = "stop_at_eval_loss"
-                    break
+                    return next_eval, next_flush, True
             if now >= next_flush:
                 self._drain_events()
                 self.events.flush()
                 next_flush = now + 5.0
                 self.metrics.record_goodput_so_far(lambda: self._get(self.outer.accounting.remote()), status=status,
                                                    snapshot=self.snapshot, run_start=self.run_start, baseline=self.baseline)
-            time.sleep(0.5)
-        return self._finish(t0)
+        except _TRANSIENT as err:
+            _warn_transient(err)
+        return next_eval, next_flush, False
 
     def _finish(self, t0: float) -> dict:
         flush = self.cfg.run.final_flush
