@@ -583,6 +583,7 @@ class Run:
             "bytes_down": status["bytes_down"],
             "bytes_sent": status["bytes_up"] + status["bytes_down"],
             "bytes_by_link": status["bytes_by_link"],  # {region: {up, down}} bytes on each region's link to the hub
+            "transfers_by_link": status["transfers_by_link"],  # {region: {up, down}} transfers, as docs/network.md says
             "network": self.network.describe(),
             "network_emulated": self.network.emulated,
             "network_wait_s": status["network_wait_s"],  # delivery delay the emulated links added, per direction

@@ -110,3 +110,43 @@ def test_sync_diloco_rounds_take_every_island(ray_cluster, tmp_path):
     assert sorted(last["participants"]) == [0, 1] or last["reason"] == "final flush", seen
     assert all(r["fragment"] == 0 for r in rounds)
     assert summary["versions"] == [len(rounds)]
+
+
+def test_topk_both_ways_trains_merges_and_sends_exactly_its_wire_bytes(ray_cluster, tmp_path):
+    # Top-k with error feedback end to end: real island actors owe what their cuts leave out, the outer optimizer
+    # merges the sparse submissions, and every downlink send after registration is a top-k difference (the
+    # islands registered holding version 0, so none goes whole).
+    from islands.model import build_model, model_config
+    from policies.compression import topk_keep
+    from policies.fragments import plan_fragments
+
+    outer = {"compression": "topk", "downlink_delta": "topk", "downlink": "int8", "topk_density": 0.05,
+             "momentum": 0.0, "partial_momentum": 0.0, "lr": 1.0}
+    summary = train(build_config(two_pool_config(outer, islands=1, token_budget=150_000)), tmp_path / "topk")
+    assert summary["evals"][-1]["eval_loss"] < summary["evals"][0]["eval_loss"] - 0.3
+    ledger = summary["token_ledger"]
+    assert summary["tokens_refused"] == 0 and sum(ledger["merged"]) > 0
+    assert all(ledger["lost"][p] == 0 for p in range(len(ledger["merged"])))
+    # Every merged submission of fragment p costs exactly its top-k payload: two bytes an entry, four per chunk.
+    init = {n: t.detach() for n, t in build_model(model_config("nano"), seed=1).named_parameters()}
+    plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in init.items()], 2)  # as the driver plans
+
+    def topk_bytes(names) -> int:
+        total = 0
+        for name in names:
+            chunk, keep = topk_keep(init[name].numel(), 0.05)
+            total += (-(-init[name].numel() // chunk)) * (2 * keep + 4)
+        return total
+
+    expected = [topk_bytes(names) for names in plan.fragments]
+    rounds = read_events(tmp_path / "topk", "rounds").to_pylist()
+    assert rounds and all(r["bytes"] == expected[r["fragment"]] * len(r["participants"]) for r in rounds), \
+        ([(r["fragment"], r["bytes"], len(r["participants"])) for r in rounds], expected)
+    # The downlink carries top-k differences only, each exactly its fragment's top-k bytes (or nothing, when an
+    # island already holds the version): the bytes are a sum of at most `sends` of them. One whole int8 fragment
+    # (about a byte per parameter) in the mix would leave a remainder no such sum has.
+    down = sum(v["down"] for v in summary["bytes_by_link"].values())
+    sends = sum(v["down"] for v in summary["transfers_by_link"].values())
+    assert sends > 0 and down > 0
+    assert any(a * expected[0] + b * expected[1] == down for a in range(sends + 1) for b in range(sends + 1 - a)), \
+        (down, sends, expected)
