@@ -465,6 +465,12 @@ class HealthMonitor:
             return False
         return island is None
 
+    @staticmethod
+    def _fetcher(slot: SlotState) -> int | None:
+        """Whose fetch of the global model the outer optimizer counts on the downlink: a restarted incarnation's
+        (it crosses the WAN), not a first start's (islands could build the initial model from the seed)."""
+        return slot.island if slot.incarnation > 1 else None
+
     async def _start(self, slot: SlotState, *, cursor: int | None = None) -> None:
         """Place a new incarnation of `slot` in its pool and reintegrate it from the global state.
 
@@ -481,7 +487,7 @@ class HealthMonitor:
         if pool.workers_per_island == 1 and self.spares[slot.pool]:
             if cursor is None:
                 cursor = (await self._call(outer.resume_cursor.remote(slot.island))) or 0
-            handle = await self._activate_spare(slot, spec, outer.latest.remote(), cursor)
+            handle = await self._activate_spare(slot, spec, outer.latest.remote(self._fetcher(slot)), cursor)
         if handle is not None:
             self._refill(slot.pool)
         else:
@@ -489,7 +495,8 @@ class HealthMonitor:
             # the new process fetches the answers itself, so its start-up (worker, imports, model) overlaps
             # the outer optimizer's own at the start of a run. Nested in a list, the refs are not resolved
             # before the process starts.
-            pending = [outer.latest.remote(), None if cursor is not None else outer.resume_cursor.remote(slot.island)]
+            pending = [outer.latest.remote(self._fetcher(slot)),
+                       None if cursor is not None else outer.resume_cursor.remote(slot.island)]
             slot.name = island_name(self.run_id, slot.island, slot.incarnation)
             while True:
                 try:

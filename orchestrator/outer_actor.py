@@ -128,10 +128,24 @@ class _OuterShell:
 
     # ------------------------------------------------------------ membership
 
-    async def latest(self) -> list[FragmentUpdate]:
-        """The current version of every fragment, as updates a (re)joining island starts from."""
+    async def latest(self, island: int | None = None) -> list[FragmentUpdate]:
+        """The current version of every fragment, as updates a (re)joining island starts from.
+
+        With `island` (a restarted island), the whole fragments count as one downlink transfer on that island's
+        region link, and on an EMULATED network the answer waits until it arrives: the island fetches the model
+        across the WAN. A run's first start passes none, as every island could build the initial model from the
+        seed, which is what data parallel's workers do."""
         versions = await self._core(lambda: list(self.core.versions))
-        return [FragmentUpdate(p, v, [self._refs[p]], epoch=self.epoch) for p, v in enumerate(versions)]
+        updates = [FragmentUpdate(p, v, [self._refs[p]], epoch=self.epoch) for p, v in enumerate(versions)]
+        if island is not None:
+            nbytes, region = sum(self._fragment_nbytes), self._region(island)
+            if self._network.emulated:
+                wait = self._links.reserve(region, "down", nbytes, time.time()) - time.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            else:
+                self._links.account(region, "down", nbytes)
+        return updates
 
     async def register(self, island: int, incarnation: int, handle: Any) -> None:
         """Admit an island incarnation and start taking its submissions."""

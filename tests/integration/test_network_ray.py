@@ -356,3 +356,24 @@ def test_a_registering_island_is_seeded_only_when_it_surely_holds_a_remembered_w
         await shell.stop()
 
     asyncio.run(body())
+
+
+def test_a_restarted_islands_fetch_of_the_model_is_counted_and_delayed_on_its_link(ray_cluster, tmp_path):
+    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, downlink="bf16")
+
+    async def body():
+        shell, cfg, plan, data = make_shell(tmp_path, settings, NETWORK)
+        whole = sum(2 * t.numel() for p in range(plan.num_fragments) for t in shell.core.fragment(p))  # bf16
+        await shell.latest()  # a first start: nothing crosses a link
+        assert (await shell.status())["bytes_by_link"] == {}
+        t0 = time.time()
+        updates = await shell.latest(1)  # island 1 (eu-west) restarted: the model crosses its link
+        waited = time.time() - t0
+        status = await shell.status()
+        assert status["bytes_by_link"] == {"eu-west": {"up": 0, "down": whole}}
+        assert status["transfers_by_link"]["eu-west"]["down"] == 1 and status["bytes_down"] == whole
+        assert waited >= NETWORK.link("eu-west").transfer_s(whole) - 1e-3 > 0.3
+        assert [u.version for u in updates] == [0] * plan.num_fragments
+        await shell.stop()
+
+    asyncio.run(body())
