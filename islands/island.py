@@ -38,7 +38,7 @@ from islands.messages import FragmentUpdate, Submission, SubmissionKey
 from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: plain values live in islands.spec
 from islands.trainer import InnerTrainer
 from policies.adoption import adopt_fragment, parse_adoption
-from policies.compression import compress, decompress
+from policies.compression import compress
 from policies.downlink import apply_delta, decode_fragment
 from policies.error_feedback import ErrorFeedback
 from policies.quorum import MovingAverage
@@ -284,7 +284,7 @@ class LearnerIsland:
         owed = sub.payload
         sub.payload = self._encode(owed)
         if self._feedback is not None:  # what this cut does not carry is owed to the next one
-            self._feedback.settle(p, owed, [decompress(c) for c in sub.payload])
+            self._feedback.settle(p, owed, decode_fragment(sub.payload))
         self._submitted[p] += sub.tokens
         self._steps[p] = 0
         self._tokens[p] = 0

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SCHEMES", "DENSE_SCHEMES", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed", "compress", "decompress",
-           "error_bound", "topk_keep"]
+           "error_bound", "topk_keep", "check_density"]
 
 SCHEMES = ("none", "bf16", "int8", "int4", "topk")
 # Formats that carry every element: the only ones that can carry whole weights (the downlink's full format).
@@ -81,7 +81,8 @@ def _check(scheme: str, block_size: int) -> None:
         raise ValueError(f"block_size must be > 0, got {block_size}; use e.g. 256")
 
 
-def _check_density(density: float) -> None:
+def check_density(density: float) -> None:
+    """Raise a one-line ValueError unless ``density`` (the fraction of a chunk top-k keeps) is in (0, 1]."""
     if not 0.0 < density <= 1.0:
         raise ValueError(f"top-k density must be in (0, 1], got {density}; use e.g. {DEFAULT_DENSITY:.4f} (1/64)")
 
@@ -89,7 +90,7 @@ def _check_density(density: float) -> None:
 def topk_keep(numel: int, density: float) -> tuple[int, int]:
     """(chunk, keep) of a ``numel``-element tensor under ``topk``: chunks of ``TOPK_CHUNK`` elements (the
     whole tensor when smaller), ``keep = ceil(density * chunk)`` entries of each (at least one)."""
-    _check_density(density)
+    check_density(density)
     chunk = max(1, min(TOPK_CHUNK, numel))
     return chunk, max(1, min(chunk, math.ceil(density * chunk - 1e-9)))
 
@@ -239,9 +240,10 @@ def error_bound(t: Tensor, scheme: str, *, block_size: int = 256, density: float
     if scheme == "topk":
         chunk, keep = topk_keep(t.numel(), density)
         mags = _blocks(t, chunk).abs()
-        scale = mags.amax(dim=1) / 7
+        absmax = mags.amax(dim=1)
+        scale = absmax / 7  # the kept entries include the chunk's absmax
         kth = mags.topk(keep, dim=1).values[:, -1]
-        per_chunk = torch.maximum(scale / 2 + (mags.amax(dim=1) + scale) * 2.0**-21, kth)
+        per_chunk = torch.maximum(scale / 2 + (absmax + scale) * 2.0**-21, kth)
         return per_chunk.repeat_interleave(chunk)[: t.numel()].reshape(x.shape)
     if scheme == "none":
         return torch.zeros_like(x)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from policies.compression import DEFAULT_DENSITY, DENSE_SCHEMES, Compressed, compress, decompress
+from policies.compression import DEFAULT_DENSITY, DENSE_SCHEMES, Compressed, check_density, compress, decompress
 
 __all__ = ["DELTA_SCHEMES", "Encoded", "DownlinkCopies", "decode_fragment", "apply_delta"]
 
@@ -88,8 +88,7 @@ class DownlinkCopies:
             raise ValueError(f"unknown downlink_delta format {delta!r}; use one of {DELTA_SCHEMES} or null (send whole fragments)")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}; use e.g. 256")
-        if not 0.0 < density <= 1.0:
-            raise ValueError(f"top-k density must be in (0, 1], got {density}; use e.g. {DEFAULT_DENSITY:.4f} (1/64)")
+        check_density(density)
         self.full, self.delta, self.block_size, self.density = full, delta, block_size, density
         # island -> (incarnation, {fragment: (version, copy tensors)})
         self._copies: dict[int, tuple[int, dict[int, tuple[int, list[Tensor]]]]] = {}
