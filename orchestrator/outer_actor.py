@@ -138,13 +138,7 @@ class _OuterShell:
         versions = await self._core(lambda: list(self.core.versions))
         updates = [FragmentUpdate(p, v, [self._refs[p]], epoch=self.epoch) for p, v in enumerate(versions)]
         if island is not None:
-            nbytes, region = sum(self._fragment_nbytes), self._region(island)
-            if self._network.emulated:
-                wait = self._links.reserve(region, "down", nbytes, time.time()) - time.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-            else:
-                self._links.account(region, "down", nbytes)
+            await self._down(self._region(island), sum(self._fragment_nbytes))
         return updates
 
     async def register(self, island: int, incarnation: int, handle: Any) -> None:
@@ -297,6 +291,17 @@ class _OuterShell:
             self._diffed.add((island, incarnation))
         return dataclasses.replace(update, tensors=[ray.put(enc.payload)], delta_from=enc.delta_from), enc.nbytes
 
+    async def _down(self, region: str, nbytes: int) -> None:
+        """`nbytes` on `region`'s downlink: counted, and over an EMULATED network awaited until they arrive
+        (queued behind the link's earlier transfers; the wait counts as delivery delay)."""
+        if not self._network.emulated:
+            self._links.account(region, "down", nbytes)
+            return
+        wait = self._links.reserve(region, "down", nbytes, time.time()) - time.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._network_wait_s["down"] += max(wait, 0.0)
+
     async def _deliver(self, island: int, region: str) -> None:
         """One island's downlink: the oldest waiting fragment first, one transfer at a time.
 
@@ -317,14 +322,7 @@ class _OuterShell:
                     update, nbytes = await self._core(self._encode, island, live[0], update, tensors)
                 else:
                     nbytes = self._fragment_nbytes[fragment]
-                if self._network.emulated:
-                    done_at = self._links.reserve(region, "down", nbytes, time.time())
-                    wait = done_at - time.time()
-                    if wait > 0:
-                        await asyncio.sleep(wait)
-                    self._network_wait_s["down"] += max(wait, 0.0)
-                else:
-                    self._links.account(region, "down", nbytes)
+                await self._down(region, nbytes)
                 now_live = self._islands.get(island)
                 if now_live is None or now_live[0] != live[0] or self._stopping:
                     self._copies.forget(island)  # never delivered: whatever goes next goes whole
