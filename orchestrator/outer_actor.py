@@ -108,10 +108,14 @@ class _OuterShell:
         # Island i's traffic uses its pool region's link; no network = scenario none (count, never delay).
         self._network = network or NetworkModel("none", "local", {}, emulated=False)
         self._links = LinkSchedule(self._network)
+        # Counting goes on across a restart from the newest checkpoint (what crossed a link after it is not counted).
+        if "links" in latest.meta:
+            self._links.restore_counters(latest.meta["links"])
         self._regions = {int(i): r for i, r in (island_regions or {}).items()}
         self._in_transit: dict[Any, Submission] = {}  # submission key -> submission on its uplink
         self._transfers: set[asyncio.Task] = set()
         self._network_wait_s = {"up": 0.0, "down": 0.0}  # delivery delay added by the emulated links
+        self._network_wait_s.update(latest.meta.get("network_wait_s", {}))
         # island -> fragment -> (newest waiting update, its float32 tensors: what a difference is taken of)
         self._down_queue: dict[int, dict[int, tuple[FragmentUpdate, list]]] = {}
         self._down_senders: set[int] = set()  # islands whose downlink sender task is running
@@ -131,10 +135,11 @@ class _OuterShell:
     async def latest(self, island: int | None = None) -> list[FragmentUpdate]:
         """The current version of every fragment, as updates a (re)joining island starts from.
 
-        With `island` (a restarted island), the whole fragments count as one downlink transfer on that island's
-        region link, and on an EMULATED network the answer waits until it arrives: the island fetches the model
-        across the WAN. A run's first start passes none, as every island could build the initial model from the
-        seed, which is what data parallel's workers do."""
+        With `island` (a restarted island, or any island resyncing after this optimizer restarted), the whole
+        fragments count as one downlink transfer on that island's region link, and on an EMULATED network the
+        answer waits until it arrives: the island fetches the model across the WAN. A run's first start passes
+        none, as every island could build the initial model from the seed, which is what data parallel's workers
+        do."""
         versions = await self._core(lambda: list(self.core.versions))
         updates = [FragmentUpdate(p, v, [self._refs[p]], epoch=self.epoch) for p, v in enumerate(versions)]
         if island is not None:
@@ -421,7 +426,8 @@ class _OuterShell:
         tensors, meta = await self._core(self.core.state_dict)
         self._ckpt_step += 1
         step = self._ckpt_step
-        meta = {"outer": meta, "epoch": self.epoch, "extra": dict(self.extra), "saved_at": time.time()}
+        meta = {"outer": meta, "epoch": self.epoch, "extra": dict(self.extra), "saved_at": time.time(),
+                "links": self._links.counters(), "network_wait_s": dict(self._network_wait_s)}
         await asyncio.get_running_loop().run_in_executor(self._writer, self._store.save, step, tensors, meta)
         return {"step": step, "versions": list(meta["outer"]["versions"])}
 

@@ -228,6 +228,30 @@ class LinkSchedule:
         self._bytes[key] = self._bytes.get(key, 0) + int(nbytes)
         self._count[key] = self._count.get(key, 0) + 1
 
+    def counters(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Bytes and transfers so far, JSON-safe: what a checkpoint keeps so counting survives a restart."""
+        return {"bytes": self.bytes_by_link(), "transfers": self.transfers_by_link()}
+
+    def restore_counters(self, saved: dict) -> None:
+        """Go on counting from `saved` (a :meth:`counters` answer); the links' queues start empty.
+
+        Raises ValueError (changing nothing) when `saved` is not such an answer."""
+        tables = []
+        for name in ("bytes", "transfers"):
+            table = saved.get(name) if isinstance(saved, dict) else None
+            if not isinstance(table, dict):
+                raise ValueError(f"link counters need a {name!r} table of {{region: {{'up': n, 'down': n}}}}, "
+                                 f"got {saved!r}; pass what LinkSchedule.counters() returned")
+            flat: dict[tuple[str, str], int] = {}
+            for region, row in table.items():
+                if not isinstance(row, dict) or set(row) != set(DIRECTIONS) or not all(
+                        isinstance(v, int) and v >= 0 for v in row.values()):
+                    raise ValueError(f"link counters {name!r} for {region!r} must be {{'up': n, 'down': n}} with "
+                                     f"counts >= 0, got {row!r}; pass what LinkSchedule.counters() returned")
+                flat.update({(region, d): v for d, v in row.items()})
+            tables.append(flat)
+        self._bytes, self._count = tables
+
     def bytes_by_link(self) -> dict[str, dict[str, int]]:
         """Bytes moved so far as a plain dict: {region: {'up': bytes, 'down': bytes}}."""
         return self._nested(self._bytes)

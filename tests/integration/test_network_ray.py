@@ -377,3 +377,33 @@ def test_a_restarted_islands_fetch_of_the_model_is_counted_and_delayed_on_its_li
         await shell.stop()
 
     asyncio.run(body())
+
+
+def test_link_counters_and_network_waits_survive_an_outer_optimizer_restart(ray_cluster, tmp_path):
+    """A restarted shell restores its checkpoint's counts (summary.json reported only what crossed the links
+    after the restart), then counts each island's resync fetch on top of them."""
+    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, downlink="bf16")
+
+    async def body():
+        shell, cfg, plan, data = make_shell(tmp_path, settings, NETWORK)
+        whole = sum(2 * t.numel() for p in range(plan.num_fragments) for t in shell.core.fragment(p))  # bf16
+        await shell.latest(0)
+        await shell.latest(1)
+        before = await shell.status()
+        assert before["network_wait_s"]["down"] > 0.5
+        await shell.checkpoint()
+        await shell.stop()
+        # The actor's restart: a new shell over the same checkpoint store.
+        again = _OuterShell(plan, settings, build_model(cfg, seed=3).embedding_parameter_names(), str(tmp_path / "ckpt"),
+                            checkpoint_every_s=1e9, network=NETWORK, island_regions=REGIONS)
+        after = await again.status()
+        for key in ("bytes_by_link", "transfers_by_link", "bytes_down", "network_wait_s"):
+            assert after[key] == before[key], key
+        assert after["restored_from"]["step"] == 1 and again.epoch == 1
+        await again.latest(1)  # island 1's resync fetch after the restart
+        status = await again.status()
+        assert status["bytes_by_link"] == {"us-east": {"up": 0, "down": whole}, "eu-west": {"up": 0, "down": 2 * whole}}
+        assert status["transfers_by_link"]["eu-west"]["down"] == 2
+        await again.stop()
+
+    asyncio.run(body())

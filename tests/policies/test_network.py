@@ -1,5 +1,6 @@
 """policies.network: exact link delays, FIFO serialization, the ring all-reduce formula, scaling, errors."""
 
+import json
 import math
 
 import pytest
@@ -50,6 +51,41 @@ def test_schedule_is_fifo_per_link_and_direction_with_exact_times_and_bytes():
         sched.reserve("a", "sideways", 1, 0.0)
     with pytest.raises(ValueError, match="region 'z' is not in network scenario 'test'"):
         sched.reserve("z", "up", 1, 0.0)
+
+
+def test_counters_survive_a_restart_and_counting_goes_on_from_them():
+    net = star(a=Link(8e6, 0.1), b=Link(16e6, 0.0))
+    sched = LinkSchedule(net)
+    sched.reserve("a", "up", 1_000, ready_at=0.0)
+    sched.reserve("a", "up", 500, ready_at=0.0)
+    sched.account("b", "down", 7)
+    saved = sched.counters()
+    assert saved == {"bytes": {"a": {"up": 1_500, "down": 0}, "b": {"up": 0, "down": 7}},
+                     "transfers": {"a": {"up": 2, "down": 0}, "b": {"up": 0, "down": 1}}}
+    again = LinkSchedule(net)  # a restarted owner: counts from the saved tables, queues empty
+    again.restore_counters(json.loads(json.dumps(saved)))  # as a checkpoint's JSON metadata holds them
+    assert again.counters() == saved
+    assert again.reserve("a", "up", 1_000_000, ready_at=5.0) == pytest.approx(6.1)  # not behind the old queue
+    again.account("b", "down", 3)
+    assert again.bytes_by_link() == {"a": {"up": 1_001_500, "down": 0}, "b": {"up": 0, "down": 10}}
+    assert again.transfers_by_link() == {"a": {"up": 3, "down": 0}, "b": {"up": 0, "down": 2}}
+
+
+@pytest.mark.parametrize("bad", [
+    None,
+    {"bytes": {"a": {"up": 1, "down": 0}}},  # no transfers table
+    {"bytes": {"a": {"up": 1}}, "transfers": {"a": {"up": 1, "down": 0}}},  # a direction missing
+    {"bytes": {"a": {"up": -1, "down": 0}}, "transfers": {}},
+    {"bytes": {}, "transfers": {"a": {"up": 1.5, "down": 0}}},
+])
+def test_malformed_counters_are_refused_in_one_line_and_change_nothing(bad):
+    sched = LinkSchedule(star(a=Link(8e6, 0.1)))
+    sched.account("a", "up", 9)
+    before = sched.counters()
+    with pytest.raises(ValueError, match="LinkSchedule.counters") as err:
+        sched.restore_counters(bad)
+    assert "\n" not in str(err.value)
+    assert sched.counters() == before
 
 
 def test_allreduce_matches_a_hand_computed_ring():
