@@ -692,19 +692,24 @@ class HealthMonitor:
     async def _check_outer(self) -> None:
         outer = self._outer()
         info = await self._call(outer.health.remote())
+        registered = {int(k): v for k, v in info["islands"].items()}
         if self._outer_epoch is not None and info["epoch"] != self._outer_epoch:
             log.warning("outer optimizer restarted (epoch %s -> %s): resyncing islands", self._outer_epoch, info["epoch"])
-            latest = outer.latest.remote()  # one ref, resolved in each island's process (no tensors here)
-            for island, handle in list(self.handles.items()):
+            # Each island fetches the restored model across its own link (counted, and on an EMULATED network
+            # delayed, like a restarted island's fetch). Asked for all at once so the transfers overlap; each
+            # ref resolves in its island's process (no tensors here).
+            handles = list(self.handles.items())
+            fetched = {island: outer.latest.remote(island) for island, _ in handles}
+            for island, handle in handles:
                 slot = self.slots[island]
-                await self._call(handle.resync.remote(latest))
+                await self._call(handle.resync.remote(fetched[island]))
                 await self._call(outer.register.remote(island, slot.incarnation, handle))
+                registered[island] = slot.incarnation  # `info` predates this: the reconcile below must not repeat it
         self._outer_epoch = info["epoch"]
         for island, inc in info["diverged"]:
             slot = self.slots.get(island)
             if slot is not None and slot.incarnation == inc:
                 await self._fail(slot, "diverged", "sent a non-finite outer gradient")
-        registered = {int(k): v for k, v in info["islands"].items()}
         for island, handle in list(self.handles.items()):  # reconcile after any outer restart
             slot = self.slots[island]
             if slot.state in ("training", "blocked") and registered.get(island) != slot.incarnation:

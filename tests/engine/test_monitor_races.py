@@ -1,4 +1,4 @@
-"""The health monitor's failure path under interleaving, driven by asyncio alone (no Ray cluster).
+"""The health monitor's failure and restart paths under interleaving, driven by asyncio alone (no Ray cluster).
 
 Seen in a full-suite run under load: an island's inner loop failed while a health check was waiting for
 its status. The watcher declared the incarnation failed; the check then got its (stale) answer, marked
@@ -176,3 +176,57 @@ def test_a_restarted_island_earns_its_backoff_back_by_submitting_not_by_stepping
     after_steps, after_submission = asyncio.run(scenario())
     assert after_steps == 1, "stepping alone is what a crash loop does too: the backoff stands"
     assert after_submission == 0, "a submission cut since the restart clears it"
+
+
+class RestartedOuter:
+    """An outer-optimizer handle that reports a new epoch, logging each call in the order it was made."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self.health = _Method(self._health)
+        self.latest = _Method(lambda island=None: log.append(("latest", island)) or ("fetched", island))
+        self.register = _Method(self._register)
+
+    async def _health(self):
+        return {"epoch": 1, "diverged": [], "islands": {}}
+
+    async def _register(self, island, incarnation, handle):
+        self.log.append(("register", island))
+
+
+class Resyncing:
+    def __init__(self, island: int, log: list) -> None:
+        self.resync = _Method(self._resync)
+        self.island, self.log = island, log
+
+    async def _resync(self, fetched):
+        self.log.append(("resync", self.island, fetched))
+        await asyncio.sleep(0.01)  # a fetch takes a while: the others' must already be under way
+
+
+def test_after_an_outer_restart_every_island_fetches_the_model_on_its_own_link_at_once():
+    """Each island's resync fetch is its own latest(island) (counted on its link and, on an EMULATED network,
+    delayed), and all are asked for before the first resync waits on one, so the transfers overlap."""
+    async def scenario():
+        cfg, plan = model_config("nano"), plan_fragments([("w", 4)], 1)
+        specs = [IslandSpec(island=i, incarnation=1, pool="a", num_islands=3, model_config=cfg, plan=plan,
+                            inner=InnerSettings(), sync_every_steps=8) for i in range(3)]
+        mon = HealthMonitor(run_id="r", namespace="ns", pools=[PoolConfig(name="a", islands=3)], specs=specs,
+                            data=[], outer_name="outer-r", island_cls=object, placement_timeout_s=10,
+                            call_timeout_s=5, health={"factor": 3.0, "floor_s": 30.0, "startup_s": 60.0,
+                                                      "unreachable_s": 30.0})
+        log: list = []
+        outer = RestartedOuter(log)
+        mon._outer = lambda: outer
+        mon._outer_epoch = 0
+        for i in range(3):
+            mon.slots[i].incarnation, mon.slots[i].state = 1, "training"
+            mon.handles[i] = Resyncing(i, log)
+        await mon._check_outer()
+        return mon, log
+
+    mon, log = asyncio.run(scenario())
+    assert log[:3] == [("latest", 0), ("latest", 1), ("latest", 2)], log
+    assert [e for e in log if e[0] == "resync"] == [("resync", i, ("fetched", i)) for i in range(3)]
+    assert [e[1] for e in log if e[0] == "register"] == [0, 1, 2]
+    assert mon._outer_epoch == 1
