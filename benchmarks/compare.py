@@ -31,6 +31,8 @@ budget (so every one of them reaches it); time to it is when the loss reaches it
   python benchmarks/compare.py --repeats 1 --dp-cap-s 3600 --skip-sync-baselines   # DP timed to the target (~60 min)
   python benchmarks/compare.py --scenario heterogeneity --repeats 3 --out runs/compare-het
   python benchmarks/compare.py --scenario heterogeneity --skip-no-grace --set outer.partial_momentum=0.9   # an A/B
+  python benchmarks/compare.py --repeats 1 --skip-sync-baselines --model small --set-all model.seq_len=128 \
+      --set-all inner.lr=0.0015                               # another model and inner lr, for every method
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def base_config(args: argparse.Namespace) -> dict:
     }
     if args.sync_every_steps:
         cfg["outer"] = {"sync_every_steps": args.sync_every_steps}
+    # --set-all: every run (a model shape, an inner lr), applied before the scenario's pools so it cannot move them.
+    cfg = apply_overrides(cfg, args.all_overrides)
     if args.scenario == "heterogeneity":
         cfg["pools"] = [
             {"name": "fast", "islands": 2, "cpus_per_island": 0.5, "region": "us-east"},
@@ -166,7 +170,8 @@ def measure_local_step(args: argparse.Namespace) -> float:
     timed with as many side by side (orchestrator.driver.measure_step_s).
     """
     cfg = build_config(base_config(args))
-    return measure_step_s(cfg, model_config(args.model), load_corpus(cfg).train, steps=8)
+    shape = model_config(cfg.model.preset, **cfg.model.overrides())  # with any --set-all model.* override
+    return measure_step_s(cfg, shape, load_corpus(cfg).train, steps=8)
 
 
 # ---------------------------------------------------------------------------- analysis
@@ -428,6 +433,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for the decoupled runs (repeatable), e.g. outer.lr=0.35; applied after the "
                          "flags above, so it wins over them")
+    ap.add_argument("--set-all", dest="all_overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every run, data parallel's too (repeatable), e.g. model.seq_len=128 or "
+                         "inner.lr=0.0015; not pools or network (the scenario's); --set wins over it for decoupled")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -438,10 +446,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parse_adoption(args.adoption)
     except ValueError as err:
         ap.error(f"--adoption: {err}")
-    try:  # a bad --set fails here, in one line, before any run
-        load_config(overrides=args.overrides)
+    try:  # a bad --set or --set-all fails here, in one line, before any run
+        load_config(overrides=args.all_overrides + args.overrides)
     except ConfigError as err:
         ap.error(str(err))
+    for item in args.all_overrides:
+        key = item.split("=", 1)[0].strip()
+        if key.split(".", 1)[0] in ("pools", "network") or key == "run.token_budget":
+            ap.error(f"--set-all {item}: pools, network and the budget are the scenario's; "
+                     f"pick them with --scenario, --network and --budget")
     if args.skip_no_grace and args.scenario != "heterogeneity":
         ap.error("--skip-no-grace applies to --scenario heterogeneity only; for wan-4-regions see --skip-sync-baselines")
     if args.scenario == "heterogeneity" and "min_quorum" in apply_overrides({}, args.overrides).get("outer", {}):
@@ -510,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     rda = build_config(deep_merge(base, methods(args)[0][2])).outer.rda_across_rounds  # --set may turn it off
     notes = sorted({s["network"] for s in first.values()} | {s["emulation"] for s in first.values() if s.get("emulation")})
     notes += [f"{args.repeats} repeat(s), medians; token budget {args.budget:,} per run; model {args.model}; "
-              f"decoupled outer gradients {args.compression}, downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, adoption {args.adoption}, step scale {args.step_scale}, RDA across rounds {'on' if rda else 'off'}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}{'; decoupled overrides ' + ' '.join(args.overrides) if args.overrides else ''}; started {args.started} UTC."]
+              f"decoupled outer gradients {args.compression}, downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, adoption {args.adoption}, step scale {args.step_scale}, RDA across rounds {'on' if rda else 'off'}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}{'; every run ' + ' '.join(args.all_overrides) if args.all_overrides else ''}{'; decoupled overrides ' + ' '.join(args.overrides) if args.overrides else ''}; started {args.started} UTC."]
     table = table_het(res, notes) if het else table_wan(res, notes)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

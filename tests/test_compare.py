@@ -63,6 +63,21 @@ def test_set_reaches_the_decoupled_runs_only_and_a_bad_one_is_a_one_line_error(c
     assert "outer.lr" in capsys.readouterr().err
 
 
+def test_set_all_reaches_every_run_and_set_still_wins_for_decoupled(capsys):
+    args = compare.parse_args(["--model", "small", "--set-all", "model.seq_len=128", "--set-all", "inner.lr=0.0015",
+                               "--set", "inner.lr=0.00075"])
+    for name, _, extra in compare.methods(args):
+        cfg = compare.build_config(compare.deep_merge(compare.base_config(args), extra))
+        assert (cfg.model.preset, cfg.model.seq_len) == ("small", 128), name
+        assert cfg.inner.lr == (0.00075 if name == "decoupled" else 0.0015), name
+        assert [p.region for p in cfg.pools] == list(compare.REGIONS), "the scenario's pools stand"
+    for bad, said in ((["--set-all", "inner.lr=-1"], "inner.lr"), (["--set-all", "pools.0.islands=2"], "--scenario"),
+                      (["--set-all", "run.token_budget=5"], "--budget")):
+        with pytest.raises(SystemExit):
+            compare.parse_args(bad)
+        assert said in capsys.readouterr().err
+
+
 def test_set_tunes_k1_with_grace_but_cannot_change_what_names_a_heterogeneity_method(capsys):
     het = {n: extra["outer"] for n, _, extra in
            compare.methods(compare.parse_args(["--scenario", "heterogeneity", "--set", "outer.grace_gamma=1.0"]))}
