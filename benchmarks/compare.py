@@ -59,7 +59,6 @@ os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # a load
 import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (orchestrator/__init__.py)
 import ray  # noqa: E402
 
-from islands.model import model_config  # noqa: E402
 from orchestrator.actors import WORKER_ENV, ignore_zero_copy_warnings  # noqa: E402
 from orchestrator.baseline_dp import train_data_parallel  # noqa: E402
 from orchestrator.config import ConfigError, apply_overrides, build_config, load_config  # noqa: E402
@@ -118,7 +117,7 @@ def base_config(args: argparse.Namespace) -> dict:
     }
     if args.sync_every_steps:
         cfg["outer"] = {"sync_every_steps": args.sync_every_steps}
-    # --set-all: every run (a model shape, an inner lr), applied before the scenario's pools so it cannot move them.
+    # --set-all: every run (a model shape, an inner lr); parse_args refuses pools, network and the budget (the scenario's).
     cfg = apply_overrides(cfg, args.all_overrides)
     if args.scenario == "heterogeneity":
         cfg["pools"] = [
@@ -170,8 +169,7 @@ def measure_local_step(args: argparse.Namespace) -> float:
     timed with as many side by side (orchestrator.driver.measure_step_s).
     """
     cfg = build_config(base_config(args))
-    shape = model_config(cfg.model.preset, **cfg.model.overrides())  # with any --set-all model.* override
-    return measure_step_s(cfg, shape, load_corpus(cfg).train, steps=8)
+    return measure_step_s(cfg, cfg.model.shape(), load_corpus(cfg).train, steps=8)  # with any --set-all model.*
 
 
 # ---------------------------------------------------------------------------- analysis

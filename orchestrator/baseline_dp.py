@@ -39,7 +39,7 @@ import torch
 import yaml
 
 from islands.data import unigram_bits_per_byte
-from islands.model import build_model, model_config
+from islands.model import build_model
 from islands.trainer import InnerTrainer
 from orchestrator.config import ConfigError, RunConfig, load_config
 
@@ -290,7 +290,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     try:
         (run_dir / "config.yaml").write_text(yaml.safe_dump({**cfg.model_dump(mode="json"), "mode": MODE}, sort_keys=False))
         corpus = load_corpus(cfg)
-        model_cfg = model_config(cfg.model.preset, **cfg.model.overrides())
+        model_cfg = cfg.model.shape()
         n_params = sum(p.numel() for p in build_model(model_cfg, seed=cfg.run.seed).parameters())
         model_bytes = 4 * n_params  # float32: the network's scaling unit (policies.network)
         network, _ = build_run_network(cfg, model_bytes, lambda: measure_step_s(cfg, model_cfg, corpus.train))

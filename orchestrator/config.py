@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from islands.spec import ModelConfig, model_config
 from policies.network import SCENARIOS as NETWORK_SCENARIOS
 
 # The merge, adoption and compression policies do tensor math: their names are checked by importing
@@ -66,6 +67,10 @@ class ModelSection(_Section):
     def overrides(self) -> dict[str, int]:
         """The non-empty overrides, as keyword arguments for islands.model.model_config."""
         return {k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None}
+
+    def shape(self) -> ModelConfig:
+        """The model's shape: the preset with the non-empty overrides applied (islands.spec.model_config)."""
+        return model_config(self.preset, **self.overrides())
 
 
 class DataSection(_Section):

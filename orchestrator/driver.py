@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from islands.data import Corpus, load_parquet_corpus, load_stdlib_corpus, unigram_bits_per_byte
 from islands.island import IslandSpec
-from islands.model import build_model, model_config
+from islands.model import build_model
 from islands.trainer import InnerSettings, InnerTrainer
 from orchestrator.accounting import run_goodput, token_fates
 from orchestrator.actors import (NAMESPACE, WORKER_ENV, ChaosInjectorActor, HealthMonitorActor, IslandActor,
@@ -187,7 +187,7 @@ def with_measured_step(cfg: RunConfig, address: str | None) -> RunConfig:
     if (address is not None or ray.is_initialized() or cfg.network.scenario == "none"
             or cfg.network.local_step_s is not None):
         return cfg
-    model_cfg = model_config(cfg.model.preset, **cfg.model.overrides())
+    model_cfg = cfg.model.shape()
     step_s = measure_step_s(cfg, model_cfg, load_corpus(cfg).train)
     return cfg.model_copy(update={"network": cfg.network.model_copy(update={"local_step_s": step_s})})
 
@@ -287,7 +287,7 @@ class Run:
         meta_path.write_text(json.dumps({"run_id": self.run_id, "sessions": sessions}, indent=2))
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         self.corpus = load_corpus(cfg)
-        self.model_cfg = model_config(cfg.model.preset, **cfg.model.overrides())
+        self.model_cfg = cfg.model.shape()
         model = build_model(self.model_cfg, seed=cfg.run.seed)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         self.plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], cfg.outer.num_fragments)
