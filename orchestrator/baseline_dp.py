@@ -12,7 +12,9 @@ Gradients cross the emulated wire as bf16 by default (rounded locally so the mat
 Rank 0 evaluates on the engine's held-out batches before the first step, at the first step boundary
 after each `eval.interval_s` of wall clock, and at the end; the others wait at the next all-reduce
 (reported as `eval_s`, kept in `wall_s`). Run directory: `config.yaml`, `summary.json` (mode
-"data-parallel"), `driver.log`, the `evals` event-log rows, Ray Train's storage under `ray_train/`.
+"data-parallel"), `driver.log`, the `evals` event-log rows, the final parameters as one checkpoint in the
+engine's format under `checkpoints/` (or `checkpoint.uri`; `diloco sample` and `diloco export` read it),
+Ray Train's storage under `ray_train/`.
 
 Ray Train 2.60: v2 is the default (`RAY_TRAIN_V2_ENABLED` unset = on); `Result.metrics` holds only
 metrics reported with a checkpoint, so rank 0's record comes back as `Result.return_value`; start-up
@@ -41,6 +43,7 @@ import yaml
 from islands.data import unigram_bits_per_byte
 from islands.model import build_model
 from islands.trainer import InnerTrainer
+from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.config import ConfigError, RunConfig, load_config
 
 log = logging.getLogger(__name__)
@@ -248,7 +251,10 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         evaluate(done, t0, train_loss)
     return {"world_size": world, "backend": dist.get_backend(), "steps": done, "tokens_per_step": tokens_per_step,
             "train_loss": train_loss, "wall_s": wall_s, "eval_s": eval_s, "evals": evals, "stopped_by": stopped_by,
-            "workers": sorted(records, key=lambda r: r["island"])}
+            "workers": sorted(records, key=lambda r: r["island"]),
+            # The final model (every worker holds the same), saved by the driver: `diloco sample` / `export`.
+            # As numpy arrays (bit for bit): Ray Train 2.60 refuses torch tensors in a return value.
+            "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()}}
 
 
 # ---------------------------------------------------------------------------- the driver side
@@ -280,6 +286,10 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     if any(p.workers_per_island != 1 for p in cfg.pools):
         raise ConfigError("data-parallel: set workers_per_island=1 on every pool (one Ray Train worker per island slot)")
     run_dir = Path(run_dir).resolve()
+    ckpt_uri = run_checkpoint_uri(cfg.checkpoint.uri, run_dir)
+    if "://" in ckpt_uri or Path(ckpt_uri).is_dir():
+        if CheckpointStore(ckpt_uri).list():  # its model would be saved over another run's, or refused at the end
+            raise ConfigError(f"{ckpt_uri} already holds checkpoints of another run; pick a new --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(run_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
@@ -328,6 +338,11 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
                            delay_s=delay_s, fit_s=fit_s, unigram=unigram_bits_per_byte(
                                corpus.train, corpus.heldout, vocab_size=corpus.vocab_size),
                            corpus=corpus.source, result_path=result.path)
+        # The final parameters, in the engine's checkpoint format, so `diloco sample` / `diloco export` read
+        # either method's model the same way (orchestrator.trained).
+        CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(
+            out["steps"], {f"param/{n}": torch.from_numpy(a) for n, a in out.pop("params").items()},
+            {"mode": MODE, "steps": out["steps"], "tokens_processed": summary["tokens_processed"]})
         events = EventLog(run_dir)
         events.add("evals", out["evals"])
         events.flush()

@@ -29,6 +29,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import torch
@@ -67,6 +68,17 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     meta: dict
     path: str
+
+
+def run_checkpoint_uri(configured: str | None, run_dir: str | os.PathLike) -> str:
+    """Where a run's checkpoints live: `checkpoint.uri` as configured (a local path made absolute, a
+    URI with a scheme unchanged), or RUN_DIR/checkpoints when it is None.
+
+    Absolute because the actors that write there run in the Ray worker's working directory, not the
+    driver's."""
+    if configured is None:
+        return str(Path(run_dir).expanduser().resolve() / "checkpoints")
+    return configured if "://" in configured else str(Path(configured).expanduser().resolve())
 
 
 def checkpoint_dirname(step: int) -> str:

@@ -8,6 +8,8 @@ Examples:
   diloco submit --address http://127.0.0.1:8265 --config configs/default.yaml   # as a Ray job
   diloco status                                  # a live run's versions, islands, goodput
   diloco baseline-dp --set run.token_budget=1000000   # synchronous data parallel on Ray Train
+  diloco sample runs/demo --prompt "def "        # continue a prompt with a run's trained model
+  diloco export runs/demo --out demo.pt          # the trained model as a PyTorch file
 """
 
 from __future__ import annotations
@@ -170,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     from orchestrator import baseline_dp  # `diloco baseline-dp` (Ray Train TorchTrainer baseline; Ray imported lazily)
 
     baseline_dp.register(sub)
+    from orchestrator import trained  # `diloco sample` and `diloco export` (a run's trained model)
+
+    trained.register(sub)
     return parser
 
 

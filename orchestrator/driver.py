@@ -34,7 +34,7 @@ from islands.trainer import InnerSettings, InnerTrainer
 from orchestrator.accounting import run_goodput, token_fates
 from orchestrator.actors import (NAMESPACE, WORKER_ENV, ChaosInjectorActor, HealthMonitorActor, IslandActor,
                                  IslandWorkerActor, OuterOptimizerActor, ProgressKeeperActor, ignore_zero_copy_warnings)
-from orchestrator.checkpoint import CheckpointStore
+from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config, resume_conflict
 from orchestrator.evaluation import Evaluator
 from orchestrator.eventlog import EventLog
@@ -68,12 +68,6 @@ class Progress:
     eval_bpb: float | None
     elapsed_s: float
     islands: dict[str, str] = field(default_factory=dict)  # "pool/island" -> state
-
-
-def absolute_uri(uri: str) -> str:
-    """`uri` with a local path made absolute (URIs with a scheme unchanged): actors do not share the
-    driver's working directory."""
-    return uri if "://" in uri else str(Path(uri).expanduser().resolve())
 
 
 def load_corpus(cfg: RunConfig) -> Corpus:
@@ -272,7 +266,7 @@ class Run:
         cfg = self.cfg
         meta_path = self.run_dir / "run.json"
         previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
-        ckpt_uri = absolute_uri(cfg.checkpoint.uri) if cfg.checkpoint.uri else str(self.run_dir / "checkpoints")
+        ckpt_uri = run_checkpoint_uri(cfg.checkpoint.uri, self.run_dir)
         if not self.resume and CheckpointStore(ckpt_uri).list():
             raise ConfigError(f"{self.run_dir} already holds checkpoints; continue it with --resume or pick a new --run-dir")
         if self.resume:  # before anything is touched: a refused resume leaves the run directory as it was
@@ -510,6 +504,8 @@ class Run:
         ledger = self._get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
         acct = self._get(self.outer.accounting.remote())
         status = self._get(self.outer.status.remote())
+        # The last checkpoint holds the final model (orchestrator.trained reads it) and the final token count.
+        self._get(self.outer.note.remote(tokens_processed=self._tokens()))
         self._get(self.outer.checkpoint.remote())
         faults = self._get(self.injector.report.remote()) if self.injector is not None else []
         self._drain_events()

@@ -250,11 +250,13 @@ def test_manifest_cannot_name_a_non_tensor_dtype(tmp_path):
         store.load(1)
 
 
-def test_driver_hands_actors_absolute_checkpoint_paths(tmp_path, monkeypatch):
+def test_a_run_hands_actors_absolute_checkpoint_paths(tmp_path, monkeypatch):
     # Actors run in the Ray worker's working directory: a relative path would point elsewhere there.
-    from orchestrator.driver import absolute_uri
+    from orchestrator.checkpoint import run_checkpoint_uri
 
     monkeypatch.chdir(tmp_path)
-    assert absolute_uri("runs/x/checkpoints") == str(tmp_path / "runs" / "x" / "checkpoints")
-    assert absolute_uri("s3://bucket/run/checkpoints") == "s3://bucket/run/checkpoints"
-    assert absolute_uri(f"file://{tmp_path}/c") == f"file://{tmp_path}/c"
+    assert run_checkpoint_uri("runs/x/checkpoints", "elsewhere") == str(tmp_path / "runs" / "x" / "checkpoints")
+    assert run_checkpoint_uri("s3://bucket/run/checkpoints", "elsewhere") == "s3://bucket/run/checkpoints"
+    assert run_checkpoint_uri(f"file://{tmp_path}/c", "elsewhere") == f"file://{tmp_path}/c"
+    # Unset: the run directory's checkpoints/, absolute too.
+    assert run_checkpoint_uri(None, "runs/y") == str(tmp_path / "runs" / "y" / "checkpoints")

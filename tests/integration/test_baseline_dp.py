@@ -19,11 +19,13 @@ import torch
 
 from islands.data import ShardSampler
 from islands.model import build_model, model_config
-from orchestrator.baseline_dp import WorkerSlot, assign_slots, steps_for_budget, train_data_parallel
-from orchestrator.config import build_config
+from orchestrator.baseline_dp import (WorkerSlot, assign_slots, parameter_checksum, steps_for_budget,
+                                      train_data_parallel)
+from orchestrator.config import ConfigError, build_config
 from orchestrator.driver import load_corpus
 from orchestrator.evaluation import Evaluator
 from orchestrator.eventlog import read_events
+from orchestrator.trained import load_trained
 from policies.network import NetworkModel, build_network
 from policies.stopping import target_reached
 
@@ -132,6 +134,15 @@ def test_data_parallel_runs_on_ray_train_with_emulated_allreduce(ray_cluster, tm
     assert read_events(run_dir, "evals").num_rows == len(summary["evals"]) >= 2
     assert seen and seen[-1]["tokens_processed"] == summary["tokens_processed"]
     assert 0.0 < summary["goodput"] < 1.0
+
+    # The final model is kept (`diloco sample` / `diloco export` read it): bitwise the workers' parameters.
+    trained = load_trained(run_dir)
+    assert trained.mode == "data-parallel" and trained.step == steps and trained.tokens_processed == summary["tokens_processed"]
+    assert parameter_checksum(trained.model) == summary["parameter_checksums"][0]
+    # A second run into the same directory would save over this model: refused before anything starts.
+    with pytest.raises(ConfigError, match="already holds checkpoints of another run; pick a new --run-dir"):
+        train_data_parallel(cfg, run_dir)
+    assert load_trained(run_dir).step == steps
 
 
 @pytest.mark.ray

@@ -8,8 +8,10 @@ import pytest
 import ray
 
 from orchestrator.config import build_config
-from orchestrator.driver import train
+from orchestrator.driver import load_corpus, train
+from orchestrator.evaluation import Evaluator
 from orchestrator.eventlog import read_events
+from orchestrator.trained import load_trained
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -79,6 +81,13 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
     for key in ("eval_loss", "eval_bits_per_byte", "tokens_merged", "tokens_refused", "rounds", "bytes_sent", "wall_s", "mode"):
         assert key in on_disk
     assert "EMULATION" in on_disk["emulation"]
+    # The trained model, as `diloco sample` / `diloco export` load it, is the one the final evaluation scored.
+    trained = load_trained(run_dir)
+    cfg = build_config(two_pool_config())
+    scorer = Evaluator(cfg.model.shape(), load_corpus(cfg).heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
+    assert scorer.evaluate(dict(trained.model.named_parameters()))[0] == pytest.approx(summary["eval_loss"], rel=1e-6)
+    assert trained.versions == summary["evals"][-1]["versions"] and trained.mode == "decoupled"
+    assert trained.tokens_processed == summary["tokens_processed"]
     # Nothing of the run is left behind on the cluster.
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if run_dir.name in a["name"]]
 

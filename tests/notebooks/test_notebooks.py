@@ -57,6 +57,8 @@ def check_quickstart(res: dict, cwd: Path) -> None:
     assert 0.0 < res["goodput"] <= 1.0
     assert res["emulation"].startswith("EMULATION")
     assert (cwd / res["run_dir"] / "summary.json").is_file(), "the run went to ./runs/ under the notebook's directory"
+    # The model it samples from is the run's final one, the model the last evaluation scored.
+    assert res["sample_bytes"] == 300 and res["sample_versions"] == res["final_versions"]
 
 
 def check_self_healing(res: dict, cwd: Path) -> None:

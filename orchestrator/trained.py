@@ -1,0 +1,249 @@
+"""The model a run trained: load it from the run directory, sample from it, export it as a PyTorch file.
+
+A run's global parameters live in its checkpoints (orchestrator.checkpoint; `checkpoint.uri`, default
+RUN_DIR/checkpoints). `diloco train` writes the last one after the final flush, so it holds exactly the
+parameters `summary.json`'s final held-out loss was measured on; `diloco baseline-dp` saves its final
+parameters the same way. :func:`load_trained` rebuilds the model from the run's `config.yaml` and loads
+the newest (or a chosen) checkpoint into it, refusing in one line anything that does not fit.
+
+`diloco sample RUN_DIR --prompt "def "` prints a continuation; `diloco export RUN_DIR --out model.pt`
+writes a plain PyTorch file (a dict of the model's shape and state dict, loadable with
+`torch.load(path, weights_only=True)`; :func:`load_exported` rebuilds the model from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from islands.model import ByteTransformer, ModelConfig, build_model
+from islands.sampling import generate
+from orchestrator.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
+from orchestrator.config import ConfigError, RunConfig, build_config
+
+__all__ = ["EXPORT_FORMAT", "TrainedModel", "TrainedModelError", "export_model", "load_exported", "load_trained",
+           "read_run_config", "register"]
+
+EXPORT_FORMAT = "decoupled-diloco/byte-transformer/1"
+DATA_PARALLEL = "data-parallel"  # the mode `diloco baseline-dp` writes into its config.yaml
+PARAM_PREFIX = "param/"  # how checkpoints name global parameters (OuterOptimizer.state_dict)
+
+
+class TrainedModelError(RuntimeError):
+    """A run's trained model cannot be loaded or exported; the message names what and the fix."""
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A run's global model as loaded from one checkpoint."""
+
+    model: ByteTransformer
+    """The model on the CPU in eval mode, float32, its parameters the checkpoint's."""
+    run_config: RunConfig
+    """The run's resolved config (its `config.yaml`)."""
+    mode: str
+    """decoupled | sync-diloco | streaming-diloco | data-parallel."""
+    step: int
+    """The checkpoint's number."""
+    checkpoint: str
+    """Where the checkpoint was read from."""
+    versions: list[int] | None
+    """Each fragment's version at the checkpoint (engine runs); None for data parallel."""
+    tokens_processed: int | None
+    """Tokens the run had processed when the checkpoint was written, where it recorded them."""
+
+
+def read_run_config(run_dir: str | Path) -> tuple[RunConfig, str]:
+    """(resolved config, mode) of a run directory written by `diloco train` or `diloco baseline-dp`."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise TrainedModelError(f"{run_dir} is not a directory; pass a run directory written by `diloco train` "
+                                "or `diloco baseline-dp`")
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise TrainedModelError(f"{run_dir} has no config.yaml; pass a run directory written by `diloco train` "
+                                "or `diloco baseline-dp`")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"it holds a {type(data).__name__}, not a mapping")
+        mode = data.get("mode", "decoupled")
+        if mode == DATA_PARALLEL:  # not an engine mode: the rest of the config is the engine's
+            data = {k: v for k, v in data.items() if k != "mode"}
+        cfg = build_config(data)
+    except (ConfigError, yaml.YAMLError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise TrainedModelError(f"{path} is not a valid run config ({first}); was it edited by hand?") from None
+    return cfg, mode if mode == DATA_PARALLEL else cfg.mode
+
+
+def load_trained(run_dir: str | Path, *, step: int | None = None) -> TrainedModel:
+    """Rebuild the model of `run_dir` and load checkpoint `step` into it (None = the newest).
+
+    The checkpoint's payload is verified against its checksum; a checkpoint whose parameters do not
+    match the model of the run's config (a missing, extra or reshaped tensor) is refused, naming the
+    first mismatch. A run still training can be read: its newest checkpoint is a consistent snapshot.
+    """
+    cfg, mode = read_run_config(run_dir)
+    uri = run_checkpoint_uri(cfg.checkpoint.uri, run_dir)
+    if "://" not in uri and not Path(uri).is_dir():
+        raise TrainedModelError(f"{run_dir} has no checkpoints at {uri}; the run saved none (it failed before its "
+                                "first, or a data-parallel run from before baseline-dp saved its model)")
+    store = CheckpointStore(uri)
+    steps = store.list()
+    if not steps:
+        raise TrainedModelError(f"no complete checkpoint under {uri}; the run saved none yet")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise TrainedModelError(f"no checkpoint {step} under {uri}; it holds {', '.join(map(str, steps))} "
+                                "(older ones are pruned: checkpoint.keep)")
+    try:
+        ckpt = store.load(step)
+    except CheckpointError as err:
+        raise TrainedModelError(str(err)) from None
+
+    shape = cfg.model.shape()
+    model = build_model(shape, seed=cfg.run.seed)
+    params = {name[len(PARAM_PREFIX):]: t for name, t in ckpt.tensors.items() if name.startswith(PARAM_PREFIX)}
+    named = dict(model.named_parameters())
+    where = f"checkpoint {checkpoint_dirname(step)} of {run_dir}"
+    missing, extra = sorted(set(named) - set(params)), sorted(set(params) - set(named))
+    if missing or extra:
+        what = f"lacks {missing[0]!r}" if missing else f"holds {extra[0]!r}, which"
+        raise TrainedModelError(f"{where} {what} the model of its config.yaml ({cfg.model.preset}: {shape}) "
+                                f"{'has' if missing else 'lacks'}; was config.yaml changed after the run?")
+    with torch.no_grad():
+        for name, p in named.items():
+            t = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise TrainedModelError(f"{where}: {name} has shape {tuple(t.shape)} but the model of its config.yaml "
+                                        f"wants {tuple(p.shape)}; was config.yaml changed after the run?")
+            p.copy_(t)
+    model.eval()
+    meta = ckpt.meta
+    versions = meta.get("outer", {}).get("versions")
+    tokens = meta.get("tokens_processed", meta.get("extra", {}).get("tokens_processed"))
+    return TrainedModel(model=model, run_config=cfg, mode=mode, step=step, checkpoint=ckpt.path,
+                        versions=None if versions is None else list(versions),
+                        tokens_processed=None if tokens is None else int(tokens))
+
+
+def export_model(trained: TrainedModel, path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write `trained`'s model to `path` as a plain PyTorch file; return the path.
+
+    The file holds a dict: `format` (:data:`EXPORT_FORMAT`), `model_config` (the shape's fields),
+    `state_dict`, `mode`, `step` and `tokens_processed`; only tensors and plain values, so
+    `torch.load(path, weights_only=True)` reads it. Written under a temporary name and renamed, so a
+    failure leaves no half file; an existing file is kept unless `overwrite`.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise TrainedModelError(f"{path} already exists; pass another path, or overwrite it (--force)")
+    if not path.parent.is_dir():
+        raise TrainedModelError(f"{path.parent} is not a directory; create it or pass another --out")
+    payload = {
+        "format": EXPORT_FORMAT,
+        "model_config": dataclasses.asdict(trained.model.cfg),
+        "state_dict": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()},
+        "mode": trained.mode,
+        "step": trained.step,
+        "tokens_processed": trained.tokens_processed,
+    }
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_exported(path: str | Path) -> ByteTransformer:
+    """The model of a file written by :func:`export_model`, on the CPU in eval mode."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrainedModelError(f"{path} does not exist; pass a file written by `diloco export`")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one line
+        raise TrainedModelError(f"{path} is not a readable PyTorch file ({type(err).__name__}); "
+                                "pass a file written by `diloco export`") from None
+    if not isinstance(payload, dict) or payload.get("format") != EXPORT_FORMAT:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise TrainedModelError(f"{path} is not a `diloco export` file (format {found!r}, expected {EXPORT_FORMAT!r})")
+    model = build_model(ModelConfig(**payload["model_config"]), seed=0)
+    model.load_state_dict(payload["state_dict"])  # strict: any missing or extra tensor raises
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def _describe(run_dir: str, t: TrainedModel) -> str:
+    tokens = f", {t.tokens_processed / 1e6:.2f}M tokens processed" if t.tokens_processed is not None else ""
+    versions = f", versions {t.versions}" if t.versions is not None else ""
+    return f"{run_dir}: checkpoint {t.step} ({t.mode}{versions}{tokens})"
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    try:
+        trained = load_trained(args.run_dir, step=args.step)
+        prompt = args.prompt.encode("utf-8")
+        if not prompt:
+            raise TrainedModelError("--prompt is empty; give some text to continue, e.g. --prompt 'def '")
+        new = generate(trained.model, list(prompt), max_new_tokens=args.bytes, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed)
+    except (TrainedModelError, ValueError) as err:
+        print(f"diloco sample: {err}", file=sys.stderr)
+        return 2
+    print(_describe(args.run_dir, trained), file=sys.stderr)
+    sys.stdout.write((prompt + bytes(new)).decode("utf-8", errors="replace") + "\n")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    try:
+        trained = load_trained(args.run_dir, step=args.step)
+        path = export_model(trained, args.out, overwrite=args.force)
+    except TrainedModelError as err:
+        print(f"diloco export: {err}", file=sys.stderr)
+        return 2
+    n = sum(p.numel() for p in trained.model.parameters())
+    print(f"{path}: {n:,} parameters from {_describe(args.run_dir, trained)}")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `sample` and `export` to the `diloco` parser's subparsers."""
+    s = subparsers.add_parser(
+        "sample", help="continue a prompt with a run's trained model",
+        description="Load the newest checkpoint of RUN_DIR (or --step) into the run's model and continue the prompt "
+                    "byte by byte.\n\nExample:\n  diloco sample runs/demo --prompt 'def ' --bytes 300 --temperature 0.8",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `diloco train` or `diloco baseline-dp`")
+    s.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    s.add_argument("--bytes", type=int, default=200, help="how many bytes to generate (default 200)")
+    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, 1 = the model's distribution (default 0.8)")
+    s.add_argument("--top-k", type=int, default=None, help="draw only among the K likeliest bytes")
+    s.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    s.add_argument("--step", type=int, default=None, help="checkpoint number (default: the newest)")
+    s.set_defaults(func=_cmd_sample)
+    e = subparsers.add_parser(
+        "export", help="write a run's trained model as a PyTorch file",
+        description="Write the model of RUN_DIR's newest checkpoint (or --step) as a PyTorch file: a dict with its "
+                    "shape and state dict, read back by torch.load(path, weights_only=True) or "
+                    "orchestrator.trained.load_exported(path).\n\nExample:\n  diloco export runs/demo --out demo.pt",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `diloco train` or `diloco baseline-dp`")
+    e.add_argument("--out", required=True, metavar="FILE", help="where to write the model (e.g. model.pt)")
+    e.add_argument("--step", type=int, default=None, help="checkpoint number (default: the newest)")
+    e.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    e.set_defaults(func=_cmd_export)

@@ -1,0 +1,167 @@
+"""orchestrator.trained: a run's model from its run directory, `diloco sample` and `diloco export` (no Ray).
+
+The run directories here are written as the driver and `diloco baseline-dp` write them (config.yaml and
+checkpoints in orchestrator.checkpoint's format); tests/integration loads real runs' models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from islands.model import build_model, model_config
+from islands.sampling import generate
+from orchestrator import cli
+from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri
+from orchestrator.config import build_config
+from orchestrator.trained import EXPORT_FORMAT, TrainedModelError, export_model, load_exported, load_trained
+
+
+def trained_params(seed: int) -> dict[str, torch.Tensor]:
+    """Parameters unlike any build_model init: a nano model's, shifted."""
+    model = build_model(model_config("nano"), seed=seed)
+    return {n: p.detach() + 0.01 * (i + 1) for i, (n, p) in enumerate(model.named_parameters())}
+
+
+def write_run(run_dir, *, mode: str = "decoupled", steps=(0, 4), preset: str = "nano", dp: bool = False):
+    """A run directory as `diloco train` (or, with dp, `diloco baseline-dp`) leaves it; returns each step's params."""
+    run_dir.mkdir(parents=True)
+    cfg = build_config({"model": {"preset": preset}, "run": {"seed": 2}})
+    data = cfg.model_dump(mode="json")
+    data["mode"] = "data-parallel" if dp else mode
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    store = CheckpointStore(run_checkpoint_uri(None, run_dir))
+    saved = {}
+    for step in steps:
+        params = trained_params(seed=step)
+        meta = ({"mode": "data-parallel", "steps": 9, "tokens_processed": 1234} if dp else
+                {"outer": {"versions": [step, step + 1]}, "epoch": 0, "extra": {"tokens_processed": 1000 * step}})
+        tensors = {f"param/{n}": t for n, t in params.items()}
+        if not dp:
+            tensors.update({f"momentum/{n}": torch.ones_like(t) for n, t in params.items()})
+        store.save(step, tensors, meta)
+        saved[step] = params
+    return saved
+
+
+def test_the_newest_checkpoint_loads_into_the_run_model(tmp_path):
+    saved = write_run(tmp_path / "run")
+    t = load_trained(tmp_path / "run")
+    assert t.step == 4 and t.mode == "decoupled" and t.versions == [4, 5] and t.tokens_processed == 4000
+    assert t.run_config.model.preset == "nano" and not t.model.training
+    got = dict(t.model.named_parameters())
+    assert set(got) == set(saved[4])
+    for name, p in saved[4].items():
+        assert torch.equal(got[name], p), name
+
+    older = load_trained(tmp_path / "run", step=0)
+    assert older.step == 0 and torch.equal(dict(older.model.named_parameters())["lm_head.weight"],
+                                           saved[0]["lm_head.weight"])
+    with pytest.raises(TrainedModelError, match=r"no checkpoint 3 under .*; it holds 0, 4 \(older ones are pruned"):
+        load_trained(tmp_path / "run", step=3)
+
+
+def test_a_data_parallel_run_loads_the_same_way(tmp_path):
+    saved = write_run(tmp_path / "dp", steps=(9,), dp=True)
+    t = load_trained(tmp_path / "dp")
+    assert t.mode == "data-parallel" and t.step == 9 and t.versions is None and t.tokens_processed == 1234
+    assert torch.equal(dict(t.model.named_parameters())["blocks.0.mlp.fc.weight"], saved[9]["blocks.0.mlp.fc.weight"])
+
+
+def test_what_cannot_be_loaded_is_refused_in_one_line(tmp_path):
+    cases = []
+
+    def refused(path, match, **kw):
+        with pytest.raises(TrainedModelError, match=match) as err:
+            load_trained(path, **kw)
+        assert "\n" not in str(err.value)
+        cases.append(match)
+
+    refused(tmp_path / "nowhere", "is not a directory")
+    (tmp_path / "empty").mkdir()
+    refused(tmp_path / "empty", "has no config.yaml")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.yaml").write_text("outer:\n  min_quorm: 2\n")
+    refused(tmp_path / "bad", r"is not a valid run config \(unknown config field 'outer.min_quorm'")
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "config.yaml").write_text("model:\n  preset: nano\n")
+    refused(tmp_path / "fresh", "has no checkpoints at .*the run saved none")
+    assert not (tmp_path / "fresh" / "checkpoints").exists(), "a failed load creates nothing"
+    (tmp_path / "fresh" / "checkpoints" / "step-000000000001").mkdir(parents=True)  # interrupted save: no manifest
+    refused(tmp_path / "fresh", "no complete checkpoint under")
+
+    # A config that no longer matches the checkpoint's model.
+    write_run(tmp_path / "edited", steps=(1,))
+    cfg = yaml.safe_load((tmp_path / "edited" / "config.yaml").read_text())
+    cfg["model"]["d_model"] = 64
+    (tmp_path / "edited" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    refused(tmp_path / "edited", r"tok_emb.weight has shape \(256, 32\) but the model of its config.yaml wants "
+                                 r"\(256, 64\); was config.yaml changed")
+    cfg["model"].update(d_model=None, n_layers=2)
+    (tmp_path / "edited" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    refused(tmp_path / "edited", "lacks 'blocks.1.")
+
+    # A payload damaged after it was written fails its checksum.
+    write_run(tmp_path / "damaged", steps=(1,))
+    payload = next((tmp_path / "damaged" / "checkpoints").glob("step-*/tensors.bin"))
+    raw = bytearray(payload.read_bytes())
+    raw[100] ^= 0xFF
+    payload.write_bytes(bytes(raw))
+    refused(tmp_path / "damaged", "sha256")
+    assert len(cases) == 8
+
+
+def test_export_writes_a_plain_pytorch_file_that_rebuilds_the_model(tmp_path):
+    write_run(tmp_path / "run")
+    t = load_trained(tmp_path / "run")
+    out = export_model(t, tmp_path / "model.pt")
+    payload = torch.load(out, weights_only=True)  # plain tensors and values: the safe loader reads it
+    assert payload["format"] == EXPORT_FORMAT and payload["step"] == 4 and payload["mode"] == "decoupled"
+    assert payload["model_config"]["d_model"] == 32 and payload["tokens_processed"] == 4000
+    model = load_exported(out)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(x), t.model(x))
+    assert {p.name for p in tmp_path.iterdir()} == {"run", "model.pt"}, "no temporary file is left"
+
+    # An existing file is kept unless asked; a missing folder is named.
+    before = out.read_bytes()
+    with pytest.raises(TrainedModelError, match="already exists; pass another path, or overwrite it"):
+        export_model(load_trained(tmp_path / "run", step=0), out)
+    assert out.read_bytes() == before
+    export_model(load_trained(tmp_path / "run", step=0), out, overwrite=True)
+    assert torch.load(out, weights_only=True)["step"] == 0
+    with pytest.raises(TrainedModelError, match="is not a directory; create it"):
+        export_model(t, tmp_path / "no" / "model.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a model")
+    with pytest.raises(TrainedModelError, match="is not a readable PyTorch file"):
+        load_exported(tmp_path / "junk.pt")
+    torch.save({"format": "other"}, tmp_path / "other.pt")
+    with pytest.raises(TrainedModelError, match="is not a `diloco export` file"):
+        load_exported(tmp_path / "other.pt")
+
+
+def test_diloco_sample_and_export_on_the_command_line(tmp_path, capsys):
+    write_run(tmp_path / "run")
+    run = str(tmp_path / "run")
+    assert cli.main(["sample", run, "--prompt", "def ", "--bytes", "12", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    want = generate(load_trained(run).model, list(b"def "), max_new_tokens=12, temperature=0)
+    assert out == (b"def " + bytes(want)).decode("utf-8", errors="replace") + "\n"
+    assert "checkpoint 4 (decoupled, versions [4, 5], 0.00M tokens processed)" in err
+
+    assert cli.main(["sample", run, "--prompt", ""]) == 2
+    assert capsys.readouterr().err == "diloco sample: --prompt is empty; give some text to continue, e.g. --prompt 'def '\n"
+    assert cli.main(["sample", run, "--top-k", "0"]) == 2
+    assert capsys.readouterr().err.startswith("diloco sample: top_k=0 must be")
+    assert cli.main(["sample", str(tmp_path / "nowhere")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+    assert cli.main(["export", run, "--out", str(tmp_path / "m.pt"), "--step", "0"]) == 0
+    assert "parameters from" in capsys.readouterr().out
+    assert torch.load(tmp_path / "m.pt", weights_only=True)["step"] == 0
+    assert cli.main(["export", run, "--out", str(tmp_path / "m.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already exists" in err
+    assert cli.main(["export", run, "--out", str(tmp_path / "m.pt"), "--force"]) == 0
+    assert torch.load(tmp_path / "m.pt", weights_only=True)["step"] == 4
