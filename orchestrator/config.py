@@ -129,7 +129,7 @@ class OuterSection(_Section):
         0.7, ge=0, lt=1, description="Outer momentum of rounds that merge fewer than all live islands, under "
         "step_scale 'clock'; capped at momentum; None = momentum. Those rounds apply outer gradients measured from "
         "versions other islands have since moved, which carries momentum of its own (asynchronous SGD behaves like "
-        "momentum SGD), so they take less explicit momentum than full rounds (README, Measured).")
+        "momentum SGD), so they take less explicit momentum than full rounds (benchmarks/RESULTS.md).")
     step_scale: Literal["clock", "participation", "none"] = Field(
         "clock", description="How a round with fewer than all live islands counts, by its share s = distinct "
         "islands merged / live islands (1 when K = all): 'clock' = s of a full round in time (the outer gradient "
@@ -143,13 +143,13 @@ class OuterSection(_Section):
         "lengthened, per tensor RDA merges, by the ratio of the recent rounds' mean norm to the norm of their sum, "
         "capped at 1/sqrt(s), as RDA lengthens a full round's mean of misaligned island deltas. Full rounds are "
         "unchanged, and so is everything under step_scale 'none' or merge_rule 'mean'. Holds one float32 copy of the "
-        "model on the outer optimizer once a partial round happens (policies.merge.RdaAcrossRounds; README, Measured).")
+        "model on the outer optimizer once a partial round happens (policies.merge.RdaAcrossRounds; benchmarks/RESULTS.md).")
     max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old.")
     adoption: str = Field("rebase", description="How islands adopt a new fragment: rebase (keep the progress not yet merged) | overwrite (the paper: replace it) | mix(alpha). With K < all every round goes to every island, and overwrite then discards most of each island's progress (the overwritten token fate).")
     compression: str = Field("none", description="Outer-gradient wire format: none | bf16 | int8 | int4 | topk. topk "
         "sends the largest `topk_density` of each 4,096-element chunk in int4 (two bytes an entry) and keeps the "
         "rest on the island, owed to its next submission of the fragment (error feedback, policies/error_feedback.py; "
-        "README, Measured).")
+        "benchmarks/RESULTS.md).")
     compression_block_size: int = Field(256, gt=0, description="Elements per quantization scale block (uplink and downlink; "
         "topk uses chunks of 4,096).")
     topk_density: float = Field(1 / 64, gt=0, le=1, description="Fraction of each 4,096-element chunk that topk keeps, "
