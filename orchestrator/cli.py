@@ -9,6 +9,7 @@ Examples:
   diloco status                                  # a live run's versions, islands, goodput
   diloco baseline-dp --set run.token_budget=1000000   # synchronous data parallel on Ray Train
   diloco sample runs/demo --prompt "def "        # continue a prompt with a run's trained model
+  diloco evaluate runs/demo                      # its held-out loss, or on another corpus with --set data.*
   diloco export runs/demo --out demo.pt          # the trained model as a PyTorch file
 """
 
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     from orchestrator import baseline_dp  # `diloco baseline-dp` (Ray Train TorchTrainer baseline; Ray imported lazily)
 
     baseline_dp.register(sub)
-    from orchestrator import trained  # `diloco sample` and `diloco export` (a run's trained model)
+    from orchestrator import trained  # `diloco sample`, `evaluate`, `export` (a run's trained model)
 
     trained.register(sub)
     return parser

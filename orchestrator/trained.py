@@ -6,7 +6,8 @@ parameters `summary.json`'s final held-out loss was measured on; `diloco baselin
 parameters the same way. :func:`load_trained` rebuilds the model from the run's `config.yaml` and loads
 the newest (or a chosen) checkpoint into it, refusing in one line anything that does not fit.
 
-`diloco sample RUN_DIR --prompt "def "` prints a continuation; `diloco export RUN_DIR --out model.pt`
+`diloco sample RUN_DIR --prompt "def "` prints a continuation; `diloco evaluate RUN_DIR` scores the model
+on the run's held-out data or on another corpus (`--set data.*`); `diloco export RUN_DIR --out model.pt`
 writes a plain PyTorch file (a dict of the model's shape and state dict, loadable with
 `torch.load(path, weights_only=True)`; :func:`load_exported` rebuilds the model from it).
 """
@@ -26,10 +27,10 @@ import yaml
 from islands.model import ByteTransformer, ModelConfig, build_model
 from islands.sampling import generate
 from orchestrator.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
-from orchestrator.config import ConfigError, RunConfig, build_config
+from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config
 
-__all__ = ["EXPORT_FORMAT", "TrainedModel", "TrainedModelError", "export_model", "load_exported", "load_trained",
-           "read_run_config", "register"]
+__all__ = ["EXPORT_FORMAT", "TrainedModel", "TrainedModelError", "evaluate_trained", "export_model", "load_exported",
+           "load_trained", "read_run_config", "register"]
 
 EXPORT_FORMAT = "decoupled-diloco/byte-transformer/1"
 DATA_PARALLEL = "data-parallel"  # the mode `diloco baseline-dp` writes into its config.yaml
@@ -136,6 +137,40 @@ def load_trained(run_dir: str | Path, *, step: int | None = None) -> TrainedMode
                         tokens_processed=None if tokens is None else int(tokens))
 
 
+def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) -> dict:
+    """Held-out loss of `trained` on its run's held-out data, or on the data `overrides` name.
+
+    `overrides` are `data.*` and `eval.*` fields (`--set` syntax) applied to the run's config: another
+    corpus (`data.source=parquet`, `data.path=...`), more or fewer windows (`eval.batches`). The
+    windows are the ones a run's own evaluations score (orchestrator.evaluation). Returns
+    {"eval_loss" (nats per token), "eval_bits_per_token", "unigram_bits_per_token", "tokens", "source"}.
+    """
+    from islands.data import DataError, unigram_bits_per_byte
+    from orchestrator.driver import load_corpus  # imports Ray; only evaluation needs the corpus loader
+    from orchestrator.evaluation import Evaluator
+
+    overrides = list(overrides or [])
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if not key.startswith(("data.", "eval.")):
+            raise TrainedModelError(f"--set {item!r}: evaluation takes data.* and eval.* fields only "
+                                    "(the model and everything else are the run's)")
+    try:
+        cfg = build_config(apply_overrides(trained.run_config.model_dump(mode="json"), overrides))
+        corpus = load_corpus(cfg)
+    except (ConfigError, DataError) as err:
+        raise TrainedModelError(str(err).splitlines()[0]) from None
+    shape = trained.model.cfg
+    if corpus.vocab_size > shape.vocab_size:
+        raise TrainedModelError(f"{corpus.source} has token ids up to {corpus.vocab_size - 1} but the model knows "
+                                f"{shape.vocab_size}; evaluate it on data of the run's vocabulary")
+    evaluator = Evaluator(shape, corpus.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
+    loss, bits = evaluator.evaluate(dict(trained.model.named_parameters()))
+    return {"eval_loss": loss, "eval_bits_per_token": bits,
+            "unigram_bits_per_token": unigram_bits_per_byte(corpus.train, corpus.heldout, vocab_size=corpus.vocab_size),
+            "tokens": sum(x.numel() for x, _ in evaluator.batches), "source": corpus.source}
+
+
 def export_model(trained: TrainedModel, path: str | Path, *, overwrite: bool = False) -> Path:
     """Write `trained`'s model to `path` as a plain PyTorch file; return the path.
 
@@ -209,6 +244,20 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    try:
+        trained = load_trained(args.run_dir, step=args.step)
+        got = evaluate_trained(trained, args.set)
+    except TrainedModelError as err:
+        print(f"diloco evaluate: {err}", file=sys.stderr)
+        return 2
+    print(_describe(args.run_dir, trained))
+    print(f"held-out loss {got['eval_loss']:.4f} nats/token, {got['eval_bits_per_token']:.3f} bits/token over "
+          f"{got['tokens']:,} tokens of {got['source']}")
+    print(f"unigram model of the same data: {got['unigram_bits_per_token']:.3f} bits/token")
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     try:
         trained = load_trained(args.run_dir, step=args.step)
@@ -221,29 +270,41 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_dir_command(subparsers, name: str, *, help: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand that reads one checkpoint of RUN_DIR: the positional RUN_DIR and --step."""
+    p = subparsers.add_parser(name, help=help, description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `diloco train` or `diloco baseline-dp`")
+    p.add_argument("--step", type=int, default=None, help="checkpoint number (default: the newest)")
+    return p
+
+
 def register(subparsers) -> None:
-    """Add `sample` and `export` to the `diloco` parser's subparsers."""
-    s = subparsers.add_parser(
-        "sample", help="continue a prompt with a run's trained model",
+    """Add `sample`, `evaluate` and `export` to the `diloco` parser's subparsers."""
+    s = _run_dir_command(
+        subparsers, "sample", help="continue a prompt with a run's trained model",
         description="Load the newest checkpoint of RUN_DIR (or --step) into the run's model and continue the prompt "
-                    "byte by byte.\n\nExample:\n  diloco sample runs/demo --prompt 'def ' --bytes 300 --temperature 0.8",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `diloco train` or `diloco baseline-dp`")
+                    "byte by byte.\n\nExample:\n  diloco sample runs/demo --prompt 'def ' --bytes 300 --temperature 0.8")
     s.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     s.add_argument("--bytes", type=int, default=200, help="how many bytes to generate (default 200)")
     s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, 1 = the model's distribution (default 0.8)")
     s.add_argument("--top-k", type=int, default=None, help="draw only among the K likeliest bytes")
     s.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
-    s.add_argument("--step", type=int, default=None, help="checkpoint number (default: the newest)")
     s.set_defaults(func=_cmd_sample)
-    e = subparsers.add_parser(
-        "export", help="write a run's trained model as a PyTorch file",
+    v = _run_dir_command(
+        subparsers, "evaluate", help="held-out loss of a run's trained model, on its own data or another corpus",
+        description="Score the model of RUN_DIR's newest checkpoint (or --step) on held-out windows: the run's own "
+                    "held-out data, or what --set data.* names (eval.* sets how many windows).\n\nExamples:\n"
+                    "  diloco evaluate runs/demo\n"
+                    "  diloco evaluate runs/demo --set data.source=parquet --set data.path=my.parquet --set eval.batches=64")
+    v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a data.* or eval.* field to change (repeatable)")
+    v.set_defaults(func=_cmd_evaluate)
+    e = _run_dir_command(
+        subparsers, "export", help="write a run's trained model as a PyTorch file",
         description="Write the model of RUN_DIR's newest checkpoint (or --step) as a PyTorch file: a dict with its "
                     "shape and state dict, read back by torch.load(path, weights_only=True) or "
-                    "orchestrator.trained.load_exported(path).\n\nExample:\n  diloco export runs/demo --out demo.pt",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `diloco train` or `diloco baseline-dp`")
+                    "orchestrator.trained.load_exported(path).\n\nExample:\n  diloco export runs/demo --out demo.pt")
     e.add_argument("--out", required=True, metavar="FILE", help="where to write the model (e.g. model.pt)")
-    e.add_argument("--step", type=int, default=None, help="checkpoint number (default: the newest)")
     e.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     e.set_defaults(func=_cmd_export)

@@ -6,8 +6,11 @@ checkpoints in orchestrator.checkpoint's format); tests/integration loads real r
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 
 from islands.model import build_model, model_config
@@ -15,7 +18,8 @@ from islands.sampling import generate
 from orchestrator import cli
 from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.config import build_config
-from orchestrator.trained import EXPORT_FORMAT, TrainedModelError, export_model, load_exported, load_trained
+from orchestrator.trained import (EXPORT_FORMAT, TrainedModelError, evaluate_trained, export_model, load_exported,
+                                  load_trained)
 
 
 def trained_params(seed: int) -> dict[str, torch.Tensor]:
@@ -27,7 +31,8 @@ def trained_params(seed: int) -> dict[str, torch.Tensor]:
 def write_run(run_dir, *, mode: str = "decoupled", steps=(0, 4), preset: str = "nano", dp: bool = False):
     """A run directory as `diloco train` (or, with dp, `diloco baseline-dp`) leaves it; returns each step's params."""
     run_dir.mkdir(parents=True)
-    cfg = build_config({"model": {"preset": preset}, "run": {"seed": 2}})
+    cfg = build_config({"model": {"preset": preset}, "run": {"seed": 2}, "data": {"max_bytes": 1_000_000},
+                        "eval": {"batches": 4, "batch_size": 8}})
     data = cfg.model_dump(mode="json")
     data["mode"] = "data-parallel" if dp else mode
     (run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
@@ -165,3 +170,42 @@ def test_diloco_sample_and_export_on_the_command_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "already exists" in err
     assert cli.main(["export", run, "--out", str(tmp_path / "m.pt"), "--force"]) == 0
     assert torch.load(tmp_path / "m.pt", weights_only=True)["step"] == 4
+
+
+def test_evaluate_scores_the_run_held_out_windows_or_another_corpus(tmp_path, capsys):
+    from islands.data import heldout_batches
+    from orchestrator.driver import load_corpus
+
+    write_run(tmp_path / "run")
+    t = load_trained(tmp_path / "run")
+    got = evaluate_trained(t)
+    # By hand: mean cross-entropy of the model over the run's 4 held-out windows of 8 x 32 bytes.
+    heldout = load_corpus(t.run_config).heldout
+    batches = heldout_batches(heldout, seq_len=32, batch_size=8, num_batches=4)
+    with torch.no_grad():
+        want = sum(float(F.cross_entropy(t.model(x).reshape(-1, 256), y.reshape(-1))) for x, y in batches) / 4
+    assert got["eval_loss"] == pytest.approx(want, rel=1e-6) and got["tokens"] == 4 * 8 * 32
+    assert got["eval_bits_per_token"] == pytest.approx(want / 0.6931471805599453, rel=1e-6)
+    assert got["source"].startswith("Python") and got["unigram_bits_per_token"] > 3
+
+    # Another corpus: a Parquet file of the user's, and more windows.
+    rows = [f"row {i}: " + "the quick brown fox jumps over the lazy dog. " * 4 for i in range(400)]
+    pq.write_table(pa.table({"text": rows}), tmp_path / "mine.parquet")
+    other = evaluate_trained(t, ["data.source=parquet", f"data.path={tmp_path / 'mine.parquet'}",
+                                 "data.text_column=text", "data.heldout_fraction=0.4", "eval.batches=6"])
+    assert other["tokens"] == 6 * 8 * 32 and "mine.parquet" in other["source"]
+    assert other["eval_loss"] != pytest.approx(got["eval_loss"], rel=1e-3)
+    assert other["unigram_bits_per_token"] < got["unigram_bits_per_token"], "a repetitive text has fewer bits per byte"
+
+    # Only data and eval may change, and bad data is named in one line.
+    with pytest.raises(TrainedModelError, match="evaluation takes data.\\* and eval.\\* fields only"):
+        evaluate_trained(t, ["model.d_model=64"])
+    with pytest.raises(TrainedModelError, match="nowhere.parquet") as err:
+        evaluate_trained(t, ["data.source=parquet", f"data.path={tmp_path / 'nowhere.parquet'}", "data.text_column=text"])
+    assert "\n" not in str(err.value)
+
+    assert cli.main(["evaluate", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert f"held-out loss {got['eval_loss']:.4f} nats/token" in out and "over 1,024 tokens of Python" in out
+    assert cli.main(["evaluate", str(tmp_path / "run"), "--set", "run.seed=3"]) == 2
+    assert capsys.readouterr().err.startswith("diloco evaluate: --set 'run.seed=3': evaluation takes")

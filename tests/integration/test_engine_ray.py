@@ -8,10 +8,9 @@ import pytest
 import ray
 
 from orchestrator.config import build_config
-from orchestrator.driver import load_corpus, train
-from orchestrator.evaluation import Evaluator
+from orchestrator.driver import train
 from orchestrator.eventlog import read_events
-from orchestrator.trained import load_trained
+from orchestrator.trained import evaluate_trained, load_trained
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -83,9 +82,7 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
     assert "EMULATION" in on_disk["emulation"]
     # The trained model, as `diloco sample` / `diloco export` load it, is the one the final evaluation scored.
     trained = load_trained(run_dir)
-    cfg = build_config(two_pool_config())
-    scorer = Evaluator(cfg.model.shape(), load_corpus(cfg).heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
-    assert scorer.evaluate(dict(trained.model.named_parameters()))[0] == pytest.approx(summary["eval_loss"], rel=1e-6)
+    assert evaluate_trained(trained)["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-6)
     assert trained.versions == summary["evals"][-1]["versions"] and trained.mode == "decoupled"
     assert trained.tokens_processed == summary["tokens_processed"]
     # Nothing of the run is left behind on the cluster.
