@@ -95,8 +95,8 @@ def load_trained(run_dir: str | Path, *, step: int | None = None) -> TrainedMode
     cfg, mode = read_run_config(run_dir)
     uri = run_checkpoint_uri(cfg.checkpoint.uri, run_dir)
     if "://" not in uri and not Path(uri).is_dir():
-        raise TrainedModelError(f"{run_dir} has no checkpoints at {uri}; the run saved none (it failed before its "
-                                "first, or a data-parallel run from before baseline-dp saved its model)")
+        raise TrainedModelError(f"{run_dir} has no checkpoints at {uri}: the run failed before its first one, or it "
+                                "is a data-parallel run from before `diloco baseline-dp` kept its model; train it again")
     store = CheckpointStore(uri)
     steps = store.list()
     if not steps:
@@ -118,9 +118,10 @@ def load_trained(run_dir: str | Path, *, step: int | None = None) -> TrainedMode
     where = f"checkpoint {checkpoint_dirname(step)} of {run_dir}"
     missing, extra = sorted(set(named) - set(params)), sorted(set(params) - set(named))
     if missing or extra:
-        what = f"lacks {missing[0]!r}" if missing else f"holds {extra[0]!r}, which"
-        raise TrainedModelError(f"{where} {what} the model of its config.yaml ({cfg.model.preset}: {shape}) "
-                                f"{'has' if missing else 'lacks'}; was config.yaml changed after the run?")
+        which = f"the model has {missing[0]!r}, the checkpoint not" if missing else \
+            f"the checkpoint has {extra[0]!r}, the model not"
+        raise TrainedModelError(f"{where} does not fit the model of its config.yaml ({cfg.model.preset}: {shape}): "
+                                f"{which}; was config.yaml changed after the run?")
     with torch.no_grad():
         for name, p in named.items():
             t = params[name]

@@ -91,7 +91,7 @@ def test_what_cannot_be_loaded_is_refused_in_one_line(tmp_path):
     refused(tmp_path / "bad", r"is not a valid run config \(unknown config field 'outer.min_quorm'")
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "config.yaml").write_text("model:\n  preset: nano\n")
-    refused(tmp_path / "fresh", "has no checkpoints at .*the run saved none")
+    refused(tmp_path / "fresh", "has no checkpoints at .*: the run failed before its first one")
     assert not (tmp_path / "fresh" / "checkpoints").exists(), "a failed load creates nothing"
     (tmp_path / "fresh" / "checkpoints" / "step-000000000001").mkdir(parents=True)  # interrupted save: no manifest
     refused(tmp_path / "fresh", "no complete checkpoint under")
@@ -105,7 +105,7 @@ def test_what_cannot_be_loaded_is_refused_in_one_line(tmp_path):
                                  r"\(256, 64\); was config.yaml changed")
     cfg["model"].update(d_model=None, n_layers=2)
     (tmp_path / "edited" / "config.yaml").write_text(yaml.safe_dump(cfg))
-    refused(tmp_path / "edited", "lacks 'blocks.1.")
+    refused(tmp_path / "edited", "does not fit the model of its config.yaml .*: the model has 'blocks.1.")
 
     # A payload damaged after it was written fails its checksum.
     write_run(tmp_path / "damaged", steps=(1,))
