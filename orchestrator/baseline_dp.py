@@ -338,15 +338,16 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
                            delay_s=delay_s, fit_s=fit_s, unigram=unigram_bits_per_byte(
                                corpus.train, corpus.heldout, vocab_size=corpus.vocab_size),
                            corpus=corpus.source, result_path=result.path)
-        # The final parameters, in the engine's checkpoint format, so `diloco sample` / `diloco export` read
-        # either method's model the same way (orchestrator.trained).
-        CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(
-            out["steps"], {f"param/{n}": torch.from_numpy(a) for n, a in out.pop("params").items()},
-            {"mode": MODE, "steps": out["steps"], "tokens_processed": summary["tokens_processed"]})
         events = EventLog(run_dir)
         events.add("evals", out["evals"])
         events.flush()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        # The final parameters, in the engine's checkpoint format, so `diloco sample` / `diloco export` read
+        # either method's model the same way (orchestrator.trained); after the summary, which a failed save
+        # must not cost.
+        CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(
+            out["steps"], {f"param/{n}": torch.from_numpy(a) for n, a in out.pop("params").items()},
+            {"mode": MODE, "steps": out["steps"], "tokens_processed": summary["tokens_processed"]})
         log.info("data-parallel done: loss %.4f after %d tokens, %.0f s (+%.0f s Ray Train start-up)",
                  summary["eval_loss"], summary["tokens_processed"], summary["wall_s"], summary["startup_s"])
         return summary
