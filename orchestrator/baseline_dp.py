@@ -43,7 +43,7 @@ import yaml
 from islands.data import unigram_bits_per_byte
 from islands.model import build_model
 from islands.trainer import InnerTrainer
-from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri
+from orchestrator.checkpoint import PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
 from orchestrator.config import ConfigError, RunConfig, load_config
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         # either method's model the same way (orchestrator.trained); after the summary, which a failed save
         # must not cost.
         CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(
-            out["steps"], {f"param/{n}": torch.from_numpy(a) for n, a in out.pop("params").items()},
+            out["steps"], {PARAM_PREFIX + n: torch.from_numpy(a) for n, a in out.pop("params").items()},
             {"mode": MODE, "steps": out["steps"], "tokens_processed": summary["tokens_processed"]})
         log.info("data-parallel done: loss %.4f after %d tokens, %.0f s (+%.0f s Ray Train start-up)",
                  summary["eval_loss"], summary["tokens_processed"], summary["wall_s"], summary["startup_s"])

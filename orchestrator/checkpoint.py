@@ -52,6 +52,11 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# A run's global parameters are stored as PARAM_PREFIX + their model name (other tensors of the outer
+# optimizer's state sit beside them under other prefixes).
+PARAM_PREFIX = "param/"
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message names the checkpoint and the fix."""
 
@@ -68,6 +73,10 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     meta: dict
     path: str
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The global parameters by model name: the tensors stored under :data:`PARAM_PREFIX`."""
+        return {name[len(PARAM_PREFIX):]: t for name, t in self.tensors.items() if name.startswith(PARAM_PREFIX)}
 
 
 def run_checkpoint_uri(configured: str | None, run_dir: str | os.PathLike) -> str:

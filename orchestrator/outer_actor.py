@@ -65,7 +65,7 @@ class _OuterShell:
         latest = self._store.load_latest()
         if latest is None:
             raise RuntimeError(f"no valid checkpoint under {checkpoint_uri}; the driver seeds checkpoint 0 before starting")
-        initial = {name[len("param/"):]: t for name, t in latest.tensors.items() if name.startswith("param/")}
+        initial = latest.parameters()
         self.core = OuterOptimizer(initial, plan, settings=settings, embedding_names=embedding_names, now=0.0)
         self.core.load_state_dict(latest.tensors, latest.meta["outer"])
         self._ckpt_every = checkpoint_every_s

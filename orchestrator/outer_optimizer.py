@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from islands.messages import Submission, SubmissionKey
+from orchestrator.checkpoint import PARAM_PREFIX
 from policies.compression import Compressed, decompress
 from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds, join_segments, merge_fragment
@@ -407,7 +408,7 @@ class OuterOptimizer:
         for p, (names, frag) in enumerate(zip(self.plan.fragments, self.params)):
             state = self._opts[p].state_dict()["sgd"]["state"]
             for i, (name, t) in enumerate(zip(names, frag)):
-                tensors[f"param/{name}"] = t.clone()
+                tensors[PARAM_PREFIX + name] = t.clone()
                 buf = state.get(i, {}).get("momentum_buffer")
                 if buf is not None:
                     tensors[f"momentum/{name}"] = buf.clone()
@@ -440,7 +441,7 @@ class OuterOptimizer:
         for p, names in enumerate(self.plan.fragments):
             with torch.no_grad():
                 for t, name in zip(self.params[p], names):
-                    t.copy_(tensors[f"param/{name}"])
+                    t.copy_(tensors[PARAM_PREFIX + name])
             sgd = self._opts[p].state_dict()
             sgd["sgd"]["state"] = {i: {"momentum_buffer": tensors[f"momentum/{n}"].clone()}
                                    for i, n in enumerate(names) if f"momentum/{n}" in tensors}

@@ -26,6 +26,7 @@ import yaml
 
 from islands.model import ByteTransformer, ModelConfig, build_model
 from islands.sampling import generate
+from orchestrator.baseline_dp import MODE as DATA_PARALLEL  # the mode `diloco baseline-dp` writes into config.yaml
 from orchestrator.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
 from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config
 
@@ -33,8 +34,6 @@ __all__ = ["EXPORT_FORMAT", "TrainedModel", "TrainedModelError", "evaluate_train
            "load_trained", "read_run_config", "register"]
 
 EXPORT_FORMAT = "decoupled-diloco/byte-transformer/1"
-DATA_PARALLEL = "data-parallel"  # the mode `diloco baseline-dp` writes into its config.yaml
-PARAM_PREFIX = "param/"  # how checkpoints name global parameters (OuterOptimizer.state_dict)
 
 
 class TrainedModelError(RuntimeError):
@@ -113,7 +112,7 @@ def load_trained(run_dir: str | Path, *, step: int | None = None) -> TrainedMode
 
     shape = cfg.model.shape()
     model = build_model(shape, seed=cfg.run.seed)
-    params = {name[len(PARAM_PREFIX):]: t for name, t in ckpt.tensors.items() if name.startswith(PARAM_PREFIX)}
+    params = ckpt.parameters()
     named = dict(model.named_parameters())
     where = f"checkpoint {checkpoint_dirname(step)} of {run_dir}"
     missing, extra = sorted(set(named) - set(params)), sorted(set(params) - set(named))
