@@ -391,14 +391,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="output directory, new or empty (default runs/compare-<timestamp>)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 200k tokens, H=10, short evals, every run capped at 45 s of wall clock (DP at 30 s), 1 repeat")
-    ap.add_argument("--compression", choices=("int4", "int8", "bf16", "none", "topk"), default="int4",
-                    help="decoupled outer-gradient wire format (default int4; topk: the largest outer.topk_density of "
-                         "each chunk with error feedback, set the density with --set; see benchmarks/README.md)")
+    ap.add_argument("--compression", choices=("int4", "int8", "bf16", "none", "int2", "sign", "topk"), default="int4",
+                    help="decoupled outer-gradient wire format (default int4; int2 / sign: 2 bits / 1 bit an element with "
+                         "error feedback; topk: the largest outer.topk_density of each chunk with error feedback, set the density with --set; see benchmarks/README.md)")
     ap.add_argument("--downlink", choices=("none", "bf16", "int8"), default=None,
                     help="wire format of published fragments in the engine runs' decoupled settings (outer.downlink; "
                          "default int8 for wan-4-regions, where float32 fragments saturate the slow links, "
                          "none (float32) for heterogeneity)")
-    ap.add_argument("--downlink-delta", choices=("none", "bf16", "int8", "int4", "topk"), default=None,
+    ap.add_argument("--downlink-delta", choices=("none", "bf16", "int8", "int4", "int2", "sign", "topk"), default=None,
                     help="outer.downlink_delta of the decoupled runs: later versions go down as differences from "
                          "each island's copy in this format (default int4 for wan-4-regions, none for heterogeneity)")
     ap.add_argument("--publish-to", choices=("all", "participants"), default="all",

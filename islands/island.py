@@ -38,7 +38,7 @@ from islands.messages import FragmentUpdate, Submission, SubmissionKey
 from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: plain values live in islands.spec
 from islands.trainer import InnerTrainer
 from policies.adoption import adopt_fragment, parse_adoption
-from policies.compression import compress
+from policies.compression import FEEDBACK_SCHEMES, compress
 from policies.downlink import apply_delta, decode_fragment
 from policies.error_feedback import ErrorFeedback
 from policies.quorum import MovingAverage
@@ -121,7 +121,7 @@ class LearnerIsland:
         self._discarded = [0] * P
         self._overwritten = [0] * P  # per fragment: progress an overwrite adoption replaced (never merged)
         # Top-k sends a few percent of each outer gradient: the rest is owed to the fragment's next cut.
-        self._feedback = ErrorFeedback(P, spec.feedback_decay) if spec.compression == "topk" else None
+        self._feedback = ErrorFeedback(P, spec.feedback_decay) if spec.compression in FEEDBACK_SCHEMES else None
         self._blocked_s = 0.0
         # Injected faults (chaos): a hang stops the inner loop while the control interface still answers.
         self._hang_until = 0.0

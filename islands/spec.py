@@ -109,7 +109,7 @@ class IslandSpec:
     compression: str = "none"
     compression_block_size: int = 256
     topk_density: float = 1 / 64  # fraction of each chunk a topk outer gradient keeps
-    feedback_decay: float = 1.0  # topk: decay of the error-feedback accumulator (policies/error_feedback.py)
+    feedback_decay: float = 1.0  # int2, sign, topk: decay of the error-feedback accumulator (policies/error_feedback.py)
     wait_for_round: bool = False  # synchronous DiLoCo: block until every in-flight submission resolves
     seed: int = 0
     workers: int = 1  # data-parallel workers in this island (rank 0 is this LearnerIsland)

@@ -146,15 +146,18 @@ class OuterSection(_Section):
         "model on the outer optimizer once a partial round happens (policies.merge.RdaAcrossRounds; benchmarks/RESULTS.md).")
     max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old.")
     adoption: str = Field("rebase", description="How islands adopt a new fragment: rebase (keep the progress not yet merged) | overwrite (the paper: replace it) | mix(alpha). With K < all every round goes to every island, and overwrite then discards most of each island's progress (the overwritten token fate).")
-    compression: str = Field("none", description="Outer-gradient wire format: none | bf16 | int8 | int4 | topk. topk "
+    compression: str = Field("none", description="Outer-gradient wire format: none | bf16 | int8 | int4 | int2 | sign | "
+        "topk. int2 (2 bits an element, 0.27 bytes a parameter) and sign (1 bit, 0.14) scale each block by its spread "
+        "and clip; topk "
         "sends the largest `topk_density` of each 4,096-element chunk in int4 (two bytes an entry) and keeps the "
-        "rest on the island, owed to its next submission of the fragment (error feedback, policies/error_feedback.py; "
+        "rest on the island, owed to its next submission of the fragment. Under int2, sign and topk an island keeps what "
+        "a submission did not carry and owes it to the next one (error feedback, policies/error_feedback.py; "
         "benchmarks/RESULTS.md).")
     compression_block_size: int = Field(256, gt=0, description="Elements per quantization scale block (uplink and downlink; "
         "topk uses chunks of 4,096).")
     topk_density: float = Field(1 / 64, gt=0, le=1, description="Fraction of each 4,096-element chunk that topk keeps, "
         "uplink (outer.compression) and downlink (outer.downlink_delta) alike: about 2 x density bytes per parameter.")
-    feedback_decay: float = Field(1.0, ge=0, le=1, description="Under topk, the factor on what an island's earlier "
+    feedback_decay: float = Field(1.0, ge=0, le=1, description="Under int2, sign and topk, the factor on what an island's earlier "
         "submissions did not carry each time new progress is added to it: 1 keeps all of it owed; below 1 lets old "
         "progress fade, as SparseLoCo's accumulator does in place of outer momentum.")
     downlink: Literal["none", "bf16", "int8"] = Field(
@@ -162,13 +165,14 @@ class OuterSection(_Section):
         "none = float32; bf16 halves the bytes, int8 quarters them (per-block scales). Islands train from the "
         "decoded copy; the outer optimizer keeps float32. With K = 1 every round goes to every island, so "
         "this is most of a run's bytes.")
-    downlink_delta: Literal["bf16", "int8", "int4", "topk"] | None = Field(
+    downlink_delta: Literal["bf16", "int8", "int4", "int2", "sign", "topk"] | None = Field(
         None, description="Send each island a new version of a fragment as its difference from the copy that "
         "island already holds, in this format (per-block scales), instead of whole. Consecutive versions differ "
         "by one outer step: where that is r times smaller than the weights, int8 differences are ~r times more "
-        "precise than int8 weights at the same bytes, and int4 halves the bytes; topk sends the largest "
+        "precise than int8 weights at the same bytes, and int4 halves the bytes; int2 and sign (2 bits, 1 bit) "
+        "halve and quarter it again; topk sends the largest "
         "`topk_density` of each chunk of the difference. Rounding error does not "
-        "accumulate (each difference is taken from what the island decoded, so what topk leaves out goes with the next). The first send of a fragment to an island "
+        "accumulate (each difference is taken from what the island decoded, so what a coarse format rounds off or topk leaves out goes with the next). The first send of a fragment to an island "
         "incarnation goes whole, in the `downlink` format. null = every version whole. Costs the outer "
         "optimizer one float32 copy of the model per island (policies/downlink.py).")
     publish_to: Literal["all", "participants"] = Field(

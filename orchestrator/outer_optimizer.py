@@ -30,7 +30,8 @@ from policies.weighting import merge_weights
 
 log = logging.getLogger(__name__)
 
-_WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "topk": torch.uint8}
+_WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "int2": torch.uint8,
+                "sign": torch.uint8, "topk": torch.uint8}
 
 
 @dataclass(frozen=True)

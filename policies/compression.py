@@ -1,9 +1,23 @@
-"""Outer gradients on the wire: lossless, bfloat16, blockwise int8/int4 quantization, or top-k.
+"""Outer gradients on the wire: lossless, bfloat16, blockwise int8/int4/int2/sign quantization, or top-k.
 
 Int schemes quantize each block of ``block_size`` consecutive elements of the flattened tensor
 with its own float32 scale ``absmax / qmax`` (``qmax`` 127 for int8, 7 for int4), so one outlier
 only costs precision in its own block. The payload carries exactly the quantized values (no
 padding): ``numel`` int8 values, or ``ceil(numel / 2)`` bytes holding two 4-bit values each.
+
+Below four bits an absmax scale wastes the few levels there are (most of a Gaussian block would
+round to zero), so the two smallest formats scale by the block's spread instead and clip what lies
+beyond it; what they lose is meant to come back through error feedback (``FEEDBACK_SCHEMES``):
+
+- ``int2``: four levels ``(c - 1.5) * step``, c in 0..3, with ``step`` the block's root mean square:
+  the uniform 2-bit quantizer of least mean squared error for a Gaussian block (Max, "Quantizing
+  for minimum distortion", IRE Trans. Inf. Theory 6(1), 1960: step 0.996 sigma, error 0.119
+  sigma^2, 88% of the block's energy kept). Four values a byte, ``ceil(numel / 4)`` bytes.
+- ``sign``: one bit, ``+scale`` or ``-scale`` with ``scale`` the block's mean magnitude (the scale
+  of least squared error for a sign code; 64% of a Gaussian block's energy kept), as 1-bit SGD and
+  EF-SignSGD send (Seide et al. 2014; Karimireddy et al. 2019). Eight a byte, ``ceil(numel / 8)``.
+
+An all-zero block gets scale 0 and decodes to exact zeros under both.
 
 ``topk`` keeps, in every chunk of ``TOPK_CHUNK`` consecutive elements (or the whole tensor when it is
 smaller), the ``keep`` largest magnitudes, ``keep = ceil(density * chunk)``, quantized to int4 against
@@ -24,12 +38,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SCHEMES", "DENSE_SCHEMES", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed", "compress", "decompress",
+__all__ = ["SCHEMES", "DENSE_SCHEMES", "FEEDBACK_SCHEMES", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed", "compress", "decompress",
            "error_bound", "topk_keep", "check_density"]
 
-SCHEMES = ("none", "bf16", "int8", "int4", "topk")
-# Formats that carry every element: the only ones that can carry whole weights (the downlink's full format).
+SCHEMES = ("none", "bf16", "int8", "int4", "int2", "sign", "topk")
+# Formats precise enough to carry whole weights (the downlink's full format): every element, >= 4 bits.
 DENSE_SCHEMES = ("none", "bf16", "int8", "int4")
+# Formats that drop too much of each message to lose it: an island's uplink under them keeps what a
+# submission did not carry and owes it to the next (policies/error_feedback.py); the downlink's
+# differences have that built in. int8/int4 lose a percent or less of a block's energy and go without.
+FEEDBACK_SCHEMES = ("int2", "sign", "topk")
 # Elements per top-k chunk: an index within it fits the 12 bits next to a 4-bit value in two bytes.
 TOPK_CHUNK = 4096
 DEFAULT_DENSITY = 1 / 64
@@ -47,7 +65,9 @@ class Compressed:
         scheme: one of ``SCHEMES``.
         shape: shape of the original tensor.
         payload: float32 (none), bfloat16 (bf16), int8 with ``numel`` values (int8) or uint8
-            with ``ceil(numel / 2)`` packed bytes, low nibble first (int4).
+            with ``ceil(numel / 2)`` packed bytes, low nibble first (int4), ``ceil(numel / 4)`` bytes
+            of 2-bit codes, lowest bits first (int2), or ``ceil(numel / 8)`` bytes of sign bits, 1 for
+            ``+scale``, lowest bit first (sign); topk's two bytes per kept entry.
         scales: float32 per-block scales, ``ceil(numel / block_size)`` of them, or ``None``.
         block_size: elements per quantization block (topk: per chunk).
         keep: topk only: entries kept per chunk (0 for the other schemes).
@@ -119,6 +139,9 @@ def compress(t: Tensor, scheme: str, *, block_size: int = 256, density: float = 
     - bf16: ``t.to(bfloat16)``.
     - int8 / int4: per block ``b``, ``scale_b = absmax_b / qmax`` (1 for an all-zero block, so
       its values quantize to exact zeros) and ``q = clamp(round(x / scale_b), -qmax, qmax)``.
+    - int2: ``step_b = rms_b``, code ``c = clamp(floor(x / step_b) + 2, 0, 3)``, decoded
+      ``(c - 1.5) * step_b``; sign: ``scale_b = mean_b |x|``, bit ``x >= 0``, decoded ``+-scale_b``
+      (module docstring; lossy by design, meant for error feedback).
     - topk: per chunk (``topk_keep``; ``block_size`` is not used), the ``keep`` largest magnitudes,
       int4-quantized against ``absmax(kept) / 7``; the rest is dropped (see the module docstring).
 
@@ -136,6 +159,8 @@ def compress(t: Tensor, scheme: str, *, block_size: int = 256, density: float = 
     if scheme == "bf16":
         payload = t.detach().to(torch.bfloat16).contiguous().clone()
         return Compressed(scheme, shape, payload, None, block_size)
+    if scheme in _LOW_BITS:
+        return _compress_low_bits(t, scheme, block_size)
 
     qmax = _QMAX[scheme]
     n = t.numel()
@@ -154,6 +179,67 @@ def compress(t: Tensor, scheme: str, *, block_size: int = 256, density: float = 
             nibbles = torch.cat([nibbles, nibbles.new_full((1,), _INT4_OFFSET)])
         payload = (nibbles[0::2] | (nibbles[1::2] << 4)).contiguous()  # (ceil(n/2),)
     return Compressed(scheme, shape, payload, scales.contiguous(), block_size)
+
+
+# Bits per element of the spread-scaled formats.
+_LOW_BITS = {"int2": 2, "sign": 1}
+
+
+def _spread_scales(blocks: Tensor, n: int, scheme: str) -> Tensor:
+    """int2's step (root mean square) or sign's scale (mean magnitude) of each block of ``n`` real
+    elements: the last block's zero padding is not counted, so it does not shrink that block's scale."""
+    counts = torch.full((blocks.shape[0],), float(blocks.shape[1]))
+    if blocks.shape[0] and n % blocks.shape[1]:
+        counts[-1] = n % blocks.shape[1]
+    # Relative to the block's absmax, so squares (or sums) of values near float32's limit do not overflow.
+    absmax = blocks.abs().amax(dim=1)
+    rel = blocks / torch.where(absmax == 0, torch.ones_like(absmax), absmax)[:, None]
+    if scheme == "int2":
+        return absmax * (rel.pow(2).sum(dim=1) / counts).sqrt()
+    return absmax * rel.abs().sum(dim=1) / counts
+
+
+def _compress_low_bits(t: Tensor, scheme: str, block_size: int) -> Compressed:
+    shape = tuple(t.shape)
+    n = t.numel()
+    bits = _LOW_BITS[scheme]
+    blocks = _blocks(t, block_size)
+    scales = _spread_scales(blocks, n, scheme)
+    if not bool(torch.isfinite(scales).all()) or not bool(torch.isfinite(blocks).all()):
+        raise _non_finite(scheme, shape)
+    if scheme == "int2":
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+        codes = (torch.floor(blocks / safe[:, None]) + 2).clamp_(0, 3)
+    else:
+        codes = (blocks >= 0).to(torch.float32)
+    codes = codes.reshape(-1)[:n].to(torch.uint8)
+    per_byte = 8 // bits
+    pad = -n % per_byte
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    codes = codes.view(-1, per_byte)
+    payload = torch.zeros(codes.shape[0], dtype=torch.uint8)
+    for i in range(per_byte):
+        payload |= codes[:, i] << (bits * i)
+    return Compressed(scheme, shape, payload.contiguous(), scales.contiguous(), block_size)
+
+
+def _decompress_low_bits(c: Compressed) -> Tensor:
+    assert c.scales is not None, "int2 and sign always carry scales"
+    n, bits = c.numel, _LOW_BITS[c.scheme]
+    per_byte = 8 // bits
+    num_blocks = math.ceil(n / c.block_size) if n else 0
+    if c.payload.numel() != math.ceil(n / per_byte) or c.scales.numel() != num_blocks:
+        raise ValueError(f"malformed {c.scheme} payload: {c.payload.numel()} bytes and {c.scales.numel()} scales "
+                         f"for {n} elements in blocks of {c.block_size}")
+    mask = (1 << bits) - 1
+    codes = torch.stack([(c.payload >> (bits * i)) & mask for i in range(per_byte)], dim=1).reshape(-1)[:n]
+    levels = codes.to(torch.float32) - 1.5 if c.scheme == "int2" else codes.to(torch.float32) * 2 - 1
+    pad = num_blocks * c.block_size - n
+    if pad:
+        levels = torch.cat([levels, levels.new_zeros(pad)])
+    out = levels.view(num_blocks, c.block_size) * c.scales[:, None].to(torch.float32)
+    return out.reshape(-1)[:n].reshape(c.shape).contiguous()
 
 
 def _non_finite(scheme: str, shape: tuple[int, ...]) -> ValueError:
@@ -207,6 +293,8 @@ def decompress(c: Compressed) -> Tensor:
         return _decompress_topk(c)
     if c.scheme in ("none", "bf16"):
         return c.payload.to(torch.float32).reshape(c.shape)
+    if c.scheme in _LOW_BITS:
+        return _decompress_low_bits(c)
     assert c.scales is not None, "int schemes always carry scales"
     n = c.numel
     if c.scheme == "int8":
@@ -231,6 +319,10 @@ def error_bound(t: Tensor, scheme: str, *, block_size: int = 256, density: float
     - int8 / int4: ``scale_b / 2 + (|x| + scale_b) * 2**-21`` with ``scale_b = absmax_b / qmax``;
       the second term covers float32 rounding of ``x / scale`` and ``q * scale`` (and 0 for
       all-zero blocks, which are exact).
+    - int2: ``max(step_b / 2, |x| - 1.5 step_b)`` (beyond the outer levels the value is clipped)
+      plus ``(|x| + step_b) * 2**-21``, ``step_b = rms_b``.
+    - sign: ``| |x| - scale_b |`` (0 decodes to ``+scale_b``) plus ``(|x| + scale_b) * 2**-21``,
+      ``scale_b = mean_b |x|``.
     - topk: per chunk, the larger of int4's bound for a kept entry (``scale_c = absmax_c / 7``: the
       kept entries include the chunk's absmax) and the ``keep``-th largest magnitude of the chunk,
       which no dropped entry exceeds.
@@ -250,6 +342,12 @@ def error_bound(t: Tensor, scheme: str, *, block_size: int = 256, density: float
     if scheme == "bf16":
         return x.abs() * 2.0**-8
     n = t.numel()
+    if scheme in _LOW_BITS:
+        s = _spread_scales(_blocks(t, block_size), n, scheme).repeat_interleave(block_size)[:n].reshape(x.shape)
+        rounding = (x.abs() + s) * 2.0**-21
+        if scheme == "int2":
+            return torch.maximum(s / 2, x.abs() - 1.5 * s) + rounding
+        return (x.abs() - s).abs() + rounding
     scales = _absmax_scales(_blocks(t, block_size), _QMAX[scheme])  # (num_blocks,)
     per_elem = scales.repeat_interleave(block_size)[:n].reshape(x.shape)
     return per_elem / 2 + (x.abs() + per_elem) * 2.0**-21

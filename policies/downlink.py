@@ -36,8 +36,9 @@ from policies.compression import DEFAULT_DENSITY, DENSE_SCHEMES, Compressed, che
 __all__ = ["DELTA_SCHEMES", "Encoded", "DownlinkCopies", "decode_fragment", "apply_delta"]
 
 # A float32 difference would cost as much as the whole fragment: no reason to send one.
+# int2 / sign: 2 bits or 1 an element, their rounding carried by the next difference like topk's remainder.
 # topk: the largest few percent of each chunk of the difference; the rest stays in the next one's (error feedback).
-DELTA_SCHEMES = ("bf16", "int8", "int4", "topk")
+DELTA_SCHEMES = ("bf16", "int8", "int4", "int2", "sign", "topk")
 
 
 @dataclass(frozen=True)

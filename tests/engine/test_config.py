@@ -35,7 +35,7 @@ def test_sync_diloco_preset_sets_the_degenerate_settings():
         (["outer.num_fragments=3"], "pick H = 39"),
         (["outer.merge_rule=median"], "unknown merge rule 'median'; use one of rda, mean"),
         (["outer.adoption=blend"], "config field 'outer.adoption'"),
-        (["outer.compression=int2"], "unknown compression 'int2'; use one of none, bf16, int8, int4"),
+        (["outer.compression=int3"], "unknown compression 'int3'; use one of none, bf16, int8, int4, int2, sign, topk"),
         (["outer.min_quorum=9"], "exceeds the 4 islands"),
         (["run.token_budget=-5"], "config field 'run.token_budget'"),
         (["mode=sync-diloco", "outer.merge_rule=rda"], "conflicts with mode sync-diloco"),

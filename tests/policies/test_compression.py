@@ -101,6 +101,11 @@ def test_none_is_lossless_copy():
         ("bf16", 1000, 256, 2000),
         ("none", 1000, 256, 4000),
         ("int4", 1, 256, 1 + 4),
+        ("int2", 1000, 256, 250 + 4 * 4),
+        ("int2", 1001, 256, 251 + 4 * 4),
+        ("sign", 1000, 256, 125 + 4 * 4),
+        ("sign", 1001, 256, 126 + 4 * 4),
+        ("sign", 7, 256, 1 + 4),
     ],
 )
 def test_nbytes_exact(scheme, numel, block_size, expected):
@@ -122,7 +127,7 @@ def test_pickle_round_trip_without_padding(scheme):
 def test_int_schemes_beat_bf16_on_wire_size():
     x = torch.randn(4096)
     sizes = {s: compress(x, s).nbytes for s in SCHEMES}
-    assert sizes["int4"] < sizes["int8"] < sizes["bf16"] < sizes["none"]
+    assert sizes["sign"] < sizes["int2"] < sizes["int4"] < sizes["int8"] < sizes["bf16"] < sizes["none"]
 
 
 def test_errors():
@@ -132,11 +137,84 @@ def test_errors():
     with pytest.raises(ValueError, match="block_size must be > 0, got 0"):
         compress(x, "int8", block_size=0)
     with pytest.raises(ValueError, match="unknown compression scheme"):
-        error_bound(x, "int2")
+        error_bound(x, "int3")
     with pytest.raises(ValueError, match="inf or NaN"):
         compress(torch.tensor([1.0, float("nan")]), "int8")
     with pytest.raises(ValueError, match="inf or NaN"):
         compress(torch.tensor([float("inf")]), "int4")
+
+
+# ---------------------------------------------------------------- int2 and sign
+
+
+def _reference_low_bits_roundtrip(x, scheme, block_size):
+    """Independent numpy int2 (step = block rms, levels +-0.5 and +-1.5 steps) and sign (+-mean |x|) round
+    trips, float64, one block at a time."""
+    flat = np.asarray(x, dtype=np.float64).reshape(-1)
+    out = np.empty_like(flat)
+    for start in range(0, flat.size, block_size):
+        block = flat[start : start + block_size]
+        if scheme == "int2":
+            step = np.sqrt(np.mean(block**2))
+            levels = np.array([-1.5, -0.5, 0.5, 1.5]) * step
+            # nearest level; a tie (x exactly 0 or +-step) goes up, as floor(x / step) does
+            out[start : start + block_size] = [levels[np.searchsorted([-step, 0.0, step], v, side="right")] for v in block]
+        else:
+            scale = np.mean(np.abs(block))
+            out[start : start + block_size] = np.where(block >= 0, scale, -scale)
+    return out.reshape(np.shape(x))
+
+
+@pytest.mark.parametrize("scheme", ["int2", "sign"])
+@pytest.mark.parametrize("numel, block_size", [(1003, 64), (257, 256), (5, 2)])
+def test_low_bits_match_numpy_reference(scheme, numel, block_size):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    y = decompress(compress(x, scheme, block_size=block_size))
+    np.testing.assert_allclose(y.numpy(), _reference_low_bits_roundtrip(x.numpy(), scheme, block_size), rtol=1e-5, atol=1e-6)
+
+
+def test_int2_hand_example():
+    # one block of 4: rms = sqrt((4 + 0.25 + 1 + 36) / 4) = sqrt(10.3125); step s = 3.2113...
+    x = torch.tensor([2.0, -0.5, 1.0, -6.0])
+    c = compress(x, "int2", block_size=4)
+    s = 10.3125**0.5
+    assert c.scales.tolist() == pytest.approx([s])
+    # codes floor(x / s) + 2 clamped to 0..3: 2 -> 2, -0.5 -> 1, 1 -> 2, -6 -> -1.87 -> 0; packed 2 bits each, lowest first
+    assert c.payload.tolist() == [2 | 1 << 2 | 2 << 4 | 0 << 6]
+    assert decompress(c).tolist() == pytest.approx([0.5 * s, -0.5 * s, 0.5 * s, -1.5 * s])
+
+
+def test_sign_hand_example_and_the_last_block_counts_only_its_real_elements():
+    # blocks of 3: [1, -2, 0] -> mean |x| 1; [-4] alone -> 4, not 4/3 (the padding does not count)
+    x = torch.tensor([1.0, -2.0, 0.0, -4.0])
+    c = compress(x, "sign", block_size=3)
+    assert c.scales.tolist() == [1.0, 4.0]
+    assert c.payload.tolist() == [0b0101]  # bits x >= 0, lowest first: 1, 0, 1, 0
+    assert decompress(c).tolist() == [1.0, -1.0, 1.0, -4.0]
+
+
+@pytest.mark.parametrize("scheme, kept", [("int4", None), ("int2", 0.8812), ("sign", 2 / math.pi)])
+def test_share_of_a_gaussian_blocks_energy_kept(scheme, kept):
+    # Independent references: Max (1960) tabulates the optimal uniform 2-bit quantizer of a unit Gaussian
+    # (step 0.9957, mean squared error 0.1188); the best sign code keeps E|x|^2 / E x^2 = 2 / pi.
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(11))
+    y = decompress(compress(x, scheme))
+    share = 1 - float(((y - x) ** 2).sum() / (x**2).sum())
+    if kept is None:
+        assert share > 0.98  # int4 loses little: the reason it goes without error feedback
+    else:
+        assert share == pytest.approx(kept, abs=0.005)
+
+
+@pytest.mark.parametrize("scheme", ["int2", "sign"])
+def test_low_bits_reject_malformed_payloads(scheme):
+    c = compress(torch.randn(100), scheme, block_size=32)
+    with pytest.raises(ValueError, match=f"malformed {scheme} payload"):
+        decompress(dataclasses.replace(c, payload=c.payload[:-1]))
+    with pytest.raises(ValueError, match=f"malformed {scheme} payload"):
+        decompress(dataclasses.replace(c, scales=c.scales[:-1]))
+    with pytest.raises(ValueError, match="inf or NaN"):
+        compress(torch.tensor([1.0, float("inf")]), scheme)
 
 
 # ---------------------------------------------------------------- topk

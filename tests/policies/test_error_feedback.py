@@ -4,7 +4,7 @@ the accumulator follows its recursion (decay < 1). The reference sums are float6
 import pytest
 import torch
 
-from policies.compression import compress, decompress
+from policies.compression import FEEDBACK_SCHEMES, compress, decompress
 from policies.error_feedback import ErrorFeedback
 
 SHAPES = [(64, 80), (300,)]
@@ -15,19 +15,20 @@ def _deltas(n, seed=0):
     return [[torch.randn(s, generator=gen) * 1e-2 for s in SHAPES] for _ in range(n)]
 
 
-def _send(fb, fragment, delta, density=1 / 64):
+def _send(fb, fragment, delta, density=1 / 64, scheme="topk"):
     owed = fb.owed(fragment, delta)
-    sent = [decompress(compress(o, "topk", density=density)) for o in owed]
+    sent = [decompress(compress(o, scheme, density=density)) for o in owed]
     fb.settle(fragment, owed, sent)
     return owed, sent
 
 
-def test_with_decay_one_everything_sent_plus_the_residual_is_all_progress():
+@pytest.mark.parametrize("scheme", FEEDBACK_SCHEMES)
+def test_with_decay_one_everything_sent_plus_the_residual_is_all_progress(scheme):
     fb = ErrorFeedback(num_fragments=2)
     total = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
     sent_sum = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
     for delta in _deltas(25):
-        _, sent = _send(fb, 1, delta)
+        _, sent = _send(fb, 1, delta, scheme=scheme)
         total = [t + d.double() for t, d in zip(total, delta)]
         sent_sum = [a + s.double() for a, s in zip(sent_sum, sent)]
     residual = fb.residual(1)
@@ -50,14 +51,16 @@ def test_decayed_accumulator_follows_its_recursion():
         assert torch.allclose(e.double(), r, rtol=0, atol=1e-6)
 
 
-def test_a_constant_gradient_is_delivered_in_full_over_time():
-    # Top-k alone would send 1/64 of a constant outer gradient forever; with feedback the unsent entries
-    # grow until they are sent, so the owed residual stays bounded instead of growing with the rounds.
+@pytest.mark.parametrize("scheme", FEEDBACK_SCHEMES)
+def test_a_constant_gradient_is_delivered_in_full_over_time(scheme):
+    # Top-k alone would send 1/64 of a constant outer gradient forever, and sign would send every entry as
+    # the block's mean; with feedback what is owed grows until it is sent, so the owed residual stays
+    # bounded instead of growing with the rounds.
     fb = ErrorFeedback(num_fragments=1)
     g = [torch.linspace(0.1, 1.0, 4096)]
     norms = {}
     for r in range(1, 401):
-        _send(fb, 0, g)
+        _send(fb, 0, g, scheme=scheme)
         if r in (200, 400):
             norms[r] = fb.norm()
     assert norms[400] <= 1.2 * norms[200]
