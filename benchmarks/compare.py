@@ -64,6 +64,8 @@ from orchestrator.baseline_dp import train_data_parallel  # noqa: E402
 from orchestrator.config import ConfigError, apply_overrides, build_config, load_config  # noqa: E402
 from orchestrator.driver import load_corpus, measure_step_s, train  # noqa: E402
 from policies.adoption import parse_adoption  # noqa: E402
+from policies.compression import SCHEMES  # noqa: E402
+from policies.downlink import DELTA_SCHEMES  # noqa: E402
 from policies.outer_optimizer import STEP_SCALES  # noqa: E402
 
 REGIONS = ("us-east", "us-central", "us-west", "us-south")
@@ -391,14 +393,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="output directory, new or empty (default runs/compare-<timestamp>)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 200k tokens, H=10, short evals, every run capped at 45 s of wall clock (DP at 30 s), 1 repeat")
-    ap.add_argument("--compression", choices=("int4", "int8", "bf16", "none", "int2", "sign", "topk"), default="int4",
+    ap.add_argument("--compression", choices=SCHEMES, default="int4",
                     help="decoupled outer-gradient wire format (default int4; int2 / sign: 2 bits / 1 bit an element with "
                          "error feedback; topk: the largest outer.topk_density of each chunk with error feedback, set the density with --set; see benchmarks/README.md)")
     ap.add_argument("--downlink", choices=("none", "bf16", "int8"), default=None,
                     help="wire format of published fragments in the engine runs' decoupled settings (outer.downlink; "
                          "default int8 for wan-4-regions, where float32 fragments saturate the slow links, "
                          "none (float32) for heterogeneity)")
-    ap.add_argument("--downlink-delta", choices=("none", "bf16", "int8", "int4", "int2", "sign", "topk"), default=None,
+    ap.add_argument("--downlink-delta", choices=("none",) + DELTA_SCHEMES, default=None,
                     help="outer.downlink_delta of the decoupled runs: later versions go down as differences from "
                          "each island's copy in this format (default int4 for wan-4-regions, none for heterogeneity)")
     ap.add_argument("--publish-to", choices=("all", "participants"), default="all",

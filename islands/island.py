@@ -120,7 +120,7 @@ class LearnerIsland:
         self._submitted = [0] * P
         self._discarded = [0] * P
         self._overwritten = [0] * P  # per fragment: progress an overwrite adoption replaced (never merged)
-        # Top-k sends a few percent of each outer gradient: the rest is owed to the fragment's next cut.
+        # Top-k, int2 and sign drop much of each outer gradient: what a cut does not carry is owed to the next.
         self._feedback = ErrorFeedback(P, spec.feedback_decay) if spec.compression in FEEDBACK_SCHEMES else None
         self._blocked_s = 0.0
         # Injected faults (chaos): a hang stops the inner loop while the control interface still answers.
