@@ -20,7 +20,7 @@ import torch
 
 from islands.messages import Submission, SubmissionKey
 from orchestrator.checkpoint import PARAM_PREFIX
-from policies.compression import Compressed, decompress
+from policies.compression import WIRE_DTYPES, Compressed, decompress
 from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds, join_segments, merge_fragment
 from policies.outer_optimizer import FragmentOuterOptimizer, is_clock_rule, round_step_scale
@@ -29,10 +29,6 @@ from policies.staleness import VersionRing, check_staleness
 from policies.weighting import merge_weights
 
 log = logging.getLogger(__name__)
-
-_WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "int2": torch.uint8,
-                "sign": torch.uint8, "topk": torch.uint8}
-
 
 @dataclass(frozen=True)
 class OuterSettings:
@@ -206,7 +202,7 @@ class OuterOptimizer:
         shapes = self._shapes[sub.fragment]
         if len(sub.payload) != len(shapes):
             return f"fragment {sub.fragment} has {len(shapes)} tensors, submission has {len(sub.payload)}", 0, []
-        wire = _WIRE_DTYPES[self.settings.compression]
+        wire = WIRE_DTYPES[self.settings.compression]
         for i, (c, shape) in enumerate(zip(sub.payload, shapes)):
             if not isinstance(c, Compressed) or c.scheme != self.settings.compression:
                 return f"tensor {i}: wire format is not {self.settings.compression!r}", 0, []

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SCHEMES", "DENSE_SCHEMES", "FEEDBACK_SCHEMES", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed", "compress", "decompress",
+__all__ = ["SCHEMES", "DENSE_SCHEMES", "FEEDBACK_SCHEMES", "WIRE_DTYPES", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed", "compress", "decompress",
            "error_bound", "topk_keep", "check_density"]
 
 SCHEMES = ("none", "bf16", "int8", "int4", "int2", "sign", "topk")
@@ -48,6 +48,9 @@ DENSE_SCHEMES = ("none", "bf16", "int8", "int4")
 # submission did not carry and owes it to the next (policies/error_feedback.py); the downlink's
 # differences have that built in. int8/int4 lose a percent or less of a block's energy and go without.
 FEEDBACK_SCHEMES = ("int2", "sign", "topk")
+# The payload dtype of each format, for receivers that check what arrives.
+WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8,
+               "int2": torch.uint8, "sign": torch.uint8, "topk": torch.uint8}
 # Elements per top-k chunk: an index within it fits the 12 bits next to a 4-bit value in two bytes.
 TOPK_CHUNK = 4096
 DEFAULT_DENSITY = 1 / 64
@@ -205,7 +208,7 @@ def _compress_low_bits(t: Tensor, scheme: str, block_size: int) -> Compressed:
     bits = _LOW_BITS[scheme]
     blocks = _blocks(t, block_size)
     scales = _spread_scales(blocks, n, scheme)
-    if not bool(torch.isfinite(scales).all()) or not bool(torch.isfinite(blocks).all()):
+    if not bool(torch.isfinite(scales).all()):  # an inf or NaN element makes its block's scale NaN
         raise _non_finite(scheme, shape)
     if scheme == "int2":
         safe = torch.where(scales == 0, torch.ones_like(scales), scales)
@@ -235,11 +238,7 @@ def _decompress_low_bits(c: Compressed) -> Tensor:
     mask = (1 << bits) - 1
     codes = torch.stack([(c.payload >> (bits * i)) & mask for i in range(per_byte)], dim=1).reshape(-1)[:n]
     levels = codes.to(torch.float32) - 1.5 if c.scheme == "int2" else codes.to(torch.float32) * 2 - 1
-    pad = num_blocks * c.block_size - n
-    if pad:
-        levels = torch.cat([levels, levels.new_zeros(pad)])
-    out = levels.view(num_blocks, c.block_size) * c.scales[:, None].to(torch.float32)
-    return out.reshape(-1)[:n].reshape(c.shape).contiguous()
+    return _scaled(levels, c)
 
 
 def _non_finite(scheme: str, shape: tuple[int, ...]) -> ValueError:
@@ -303,12 +302,17 @@ def decompress(c: Compressed) -> Tensor:
         low = (c.payload & 0x0F).to(torch.float32)
         high = (c.payload >> 4).to(torch.float32)
         q = torch.stack([low, high], dim=1).reshape(-1)[:n] - _INT4_OFFSET
+    return _scaled(q, c)
+
+
+def _scaled(levels: Tensor, c: Compressed) -> Tensor:
+    """``c``'s tensor from its ``numel`` decoded levels (float32, flat): each times its block's scale."""
     num_blocks = c.scales.numel()
-    pad = num_blocks * c.block_size - n
+    pad = num_blocks * c.block_size - c.numel
     if pad:
-        q = torch.cat([q, q.new_zeros(pad)])
-    out = q.view(num_blocks, c.block_size) * c.scales[:, None].to(torch.float32)
-    return out.reshape(-1)[:n].reshape(c.shape).contiguous()
+        levels = torch.cat([levels, levels.new_zeros(pad)])
+    out = levels.view(num_blocks, c.block_size) * c.scales[:, None].to(torch.float32)
+    return out.reshape(-1)[: c.numel].reshape(c.shape).contiguous()
 
 
 def error_bound(t: Tensor, scheme: str, *, block_size: int = 256, density: float = DEFAULT_DENSITY) -> Tensor:

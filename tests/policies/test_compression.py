@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from policies.compression import SCHEMES, Compressed, compress, decompress, error_bound
+from policies.compression import SCHEMES, WIRE_DTYPES, Compressed, compress, decompress, error_bound
 
 
 def _reference_int_roundtrip(x, qmax, block_size):
@@ -122,6 +122,13 @@ def test_pickle_round_trip_without_padding(scheme):
     assert torch.equal(decompress(c2), decompress(c))
     # The pickled storage is exactly the payload: no padded blocks travel.
     assert c2.payload.untyped_storage().nbytes() == c2.payload.numel() * c2.payload.element_size()
+
+
+def test_wire_dtypes_name_every_format_as_compress_writes_it():
+    # The outer optimizer refuses a submission whose payload dtype is not WIRE_DTYPES[scheme].
+    assert set(WIRE_DTYPES) == set(SCHEMES)
+    for scheme in SCHEMES:
+        assert compress(torch.randn(300), scheme).payload.dtype == WIRE_DTYPES[scheme], scheme
 
 
 def test_int_schemes_beat_bf16_on_wire_size():
