@@ -38,7 +38,7 @@ from islands.messages import FragmentUpdate, Submission, SubmissionKey
 from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: plain values live in islands.spec
 from islands.trainer import InnerTrainer
 from policies.adoption import adopt_fragment, parse_adoption
-from policies.compression import FEEDBACK_SCHEMES, compress, last_word_scheme
+from policies.compression import FEEDBACK_SCHEMES, compress
 from policies.downlink import apply_delta, decode_fragment
 from policies.error_feedback import ErrorFeedback
 from policies.quorum import MovingAverage
@@ -220,11 +220,9 @@ class LearnerIsland:
             payload=payload, created_at=time.time(), compute_s=self._compute[p], cursor=self.trainer.sampler.cursor,
         )
 
-    def _encode(self, deltas: list[torch.Tensor], last_word: bool = False) -> list:
-        """The wire form of a fragment's differences: the run's outer-gradient compression, or for a message no
-        later one can correct (`last_word`: the final flush, a progress snapshot) its `last_word_scheme`."""
-        scheme = last_word_scheme(self.spec.compression) if last_word else self.spec.compression
-        return [compress(d, scheme, block_size=self.spec.compression_block_size, density=self.spec.topk_density)
+    def _encode(self, deltas: list[torch.Tensor]) -> list:
+        """The wire form of a fragment's differences (the run's outer-gradient compression)."""
+        return [compress(d, self.spec.compression, block_size=self.spec.compression_block_size, density=self.spec.topk_density)
                 for d in deltas]
 
     def _anchor(self, p: int) -> list[torch.Tensor]:
@@ -261,7 +259,7 @@ class LearnerIsland:
 
     def _send_snapshot(self, snapshot: ProgressSnapshot) -> None:
         for sub in snapshot.submissions:  # the raw differences were taken at the step boundary; encode them here
-            sub.payload = self._encode(sub.payload, last_word=True)  # a salvage delivers it after the island died
+            sub.payload = self._encode(sub.payload)
         blob = pickle.dumps(snapshot, protocol=5)  # bytes: the keeper holds them without importing torch
         try:
             assert self._shelve is not None
@@ -277,15 +275,14 @@ class LearnerIsland:
         if self._shelving is not None:
             self._shelving.result()
 
-    def _cut_submission(self, fragment: int | None = None, last_word: bool = False) -> None:
-        # Caller holds self._cv. Fragments go round-robin (fragment = seq mod P) until the final flush names one
-        # (`last_word`: nothing after it can carry what its format rounds away).
+    def _cut_submission(self, fragment: int | None = None) -> None:
+        # Caller holds self._cv. Fragments go round-robin (fragment = seq mod P) until the final flush names one.
         p = self._k % self.spec.plan.num_fragments if fragment is None else fragment
         seq = self._k
         self._k += 1
         sub = self._progress(p, seq)
         owed = sub.payload
-        sub.payload = self._encode(owed, last_word=last_word)
+        sub.payload = self._encode(owed)
         if self._feedback is not None:  # what this cut does not carry is owed to the next one
             self._feedback.settle(p, owed, decode_fragment(sub.payload))
         self._submitted[p] += sub.tokens
@@ -350,8 +347,6 @@ class LearnerIsland:
         Without `flush` the outbox is frozen from here on. With it (the end of a run) every fragment's
         progress since its last submission is cut into one more submission, and `next_submission` keeps
         handing out the outbox until it is empty, so the outer optimizer can merge the island's last work.
-        Those cuts go in `last_word_scheme` and so carry what error feedback still owes (a fragment cut at
-        the very step the run stopped has no steps left to flush, and its owed rounding stays behind).
         """
         with self._cv:
             self._stop = True
@@ -367,7 +362,7 @@ class LearnerIsland:
                 if stopped and self._error is None:
                     for p in range(self.spec.plan.num_fragments):
                         if self._steps[p] > 0 and self._base[p]:
-                            self._cut_submission(p, last_word=True)
+                            self._cut_submission(p)
                 self._flush_pending = False
                 self._cv.notify_all()
         return self.status()

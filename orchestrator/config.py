@@ -152,8 +152,7 @@ class OuterSection(_Section):
         "sends the largest `topk_density` of each 4,096-element chunk in int4 (two bytes an entry) and keeps the "
         "rest on the island, owed to its next submission of the fragment. Under int2, sign and topk an island keeps what "
         "a submission did not carry and owes it to the next one (error feedback, policies/error_feedback.py; "
-        "benchmarks/RESULTS.md); under int2 and sign the final flush and progress snapshots, which nothing later "
-        "corrects, go in int8.")
+        "benchmarks/RESULTS.md).")
     compression_block_size: int = Field(256, gt=0, description="Elements per quantization scale block (uplink and downlink; "
         "topk uses chunks of 4,096).")
     topk_density: float = Field(1 / 64, gt=0, le=1, description="Fraction of each 4,096-element chunk that topk keeps, "

@@ -20,7 +20,7 @@ import torch
 
 from islands.messages import Submission, SubmissionKey
 from orchestrator.checkpoint import PARAM_PREFIX
-from policies.compression import WIRE_DTYPES, Compressed, accepted_schemes, decompress
+from policies.compression import WIRE_DTYPES, Compressed, decompress
 from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds, join_segments, merge_fragment
 from policies.outer_optimizer import FragmentOuterOptimizer, is_clock_rule, round_step_scale
@@ -203,12 +203,12 @@ class OuterOptimizer:
         shapes = self._shapes[sub.fragment]
         if len(sub.payload) != len(shapes):
             return f"fragment {sub.fragment} has {len(shapes)} tensors, submission has {len(sub.payload)}", 0, []
-        accepted = accepted_schemes(self.settings.compression)  # the run's format and its last word (final flush, salvage)
+        wire = WIRE_DTYPES[self.settings.compression]
         for i, (c, shape) in enumerate(zip(sub.payload, shapes)):
-            if not isinstance(c, Compressed) or c.scheme not in accepted:
-                return f"tensor {i}: wire format is not {' or '.join(map(repr, accepted))}", 0, []
-            if c.payload.dtype != WIRE_DTYPES[c.scheme]:
-                return f"tensor {i}: dtype {c.payload.dtype} is not {WIRE_DTYPES[c.scheme]} for {c.scheme!r}", 0, []
+            if not isinstance(c, Compressed) or c.scheme != self.settings.compression:
+                return f"tensor {i}: wire format is not {self.settings.compression!r}", 0, []
+            if c.payload.dtype != wire:
+                return f"tensor {i}: dtype {c.payload.dtype} is not {wire} for {c.scheme!r}", 0, []
             if tuple(c.shape) != shape:
                 return f"tensor {i}: shape {tuple(c.shape)} != {shape}", 0, []
         decision = check_staleness(

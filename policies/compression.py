@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SCHEMES", "DENSE_SCHEMES", "FEEDBACK_SCHEMES", "WIRE_DTYPES", "last_word_scheme", "accepted_schemes", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed", "compress", "decompress",
+__all__ = ["SCHEMES", "DENSE_SCHEMES", "FEEDBACK_SCHEMES", "WIRE_DTYPES", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed", "compress", "decompress",
            "error_bound", "topk_keep", "check_density"]
 
 SCHEMES = ("none", "bf16", "int8", "int4", "int2", "sign", "topk")
@@ -48,39 +48,12 @@ DENSE_SCHEMES = ("none", "bf16", "int8", "int4")
 # submission did not carry and owes it to the next (policies/error_feedback.py); the downlink's
 # differences have that built in. int8/int4 lose a percent or less of a block's energy and go without.
 FEEDBACK_SCHEMES = ("int2", "sign", "topk")
-# What a message no later one can correct goes in under int2 / sign (see last_word_scheme).
-_LAST_WORD = {"int2": "int8", "sign": "int8"}
 # The payload dtype of each format, for receivers that check what arrives.
 WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8,
                "int2": torch.uint8, "sign": torch.uint8, "topk": torch.uint8}
 # Elements per top-k chunk: an index within it fits the 12 bits next to a 4-bit value in two bytes.
 TOPK_CHUNK = 4096
 DEFAULT_DENSITY = 1 / 64
-
-
-def last_word_scheme(scheme: str) -> str:
-    """The wire format of an island's *last word* on a fragment under outer-gradient format ``scheme``.
-
-    Error feedback owes what one message rounds away to the next; a message with no next one (the final
-    flush of a run, a progress snapshot that a salvage delivers after the island died) would lose it. Under
-    int2 and sign that is the rounding of the last few messages, 12% and 36% of a Gaussian block's energy,
-    so those messages go in int8 instead, which keeps all but its own rounding (under 1/254 of each block's
-    largest value), at about one byte a parameter once per fragment and run. topk stays topk: what it owes
-    is most of each fragment's progress over the last ~1/density rounds, mostly stale on this project's
-    models (sending it densely in a final flush took a 3M-token run's loss from 2.49 to 4.90,
-    docs/network.md). Every other format is its own last word.
-    """
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown compression {scheme!r}; use one of {', '.join(SCHEMES)}")
-    return _LAST_WORD.get(scheme, scheme)
-
-
-def accepted_schemes(scheme: str) -> tuple[str, ...]:
-    """Formats a receiver takes from islands whose outer gradients are configured as ``scheme``: the scheme
-    itself and its last word (:func:`last_word_scheme`)."""
-    last = last_word_scheme(scheme)
-    return (scheme,) if last == scheme else (scheme, last)
-
 
 _QMAX = {"int8": 127, "int4": 7}
 # int4 values q in [-7, 7] are stored as q + 8 in one nibble.

@@ -14,11 +14,9 @@ With ``decay = 1`` the sum of everything sent plus ``e`` equals the sum of every
 rounding. SparseLoCo uses ``decay < 1`` so that the accumulator doubles as outer momentum; that is a choice for the
 run (``outer.feedback_decay``), measured in the README.
 
-What ``e`` holds is progress the island made but the global model does not have yet. Under int2 and sign a message
-that no later one can correct carries ``a`` in int8 instead (``policies.compression.last_word_scheme``): the final
-flush of a run, and a progress snapshot (taken without settling, so a salvage delivers ``a`` after the island
-died). What the island owed is then lost only to int8's rounding. Under top-k those messages stay top-k (its ``e``
-is mostly stale progress; the function says why), so what it owes is lost when the island dies and at a run's end.
+What ``e`` holds is progress the island made but the global model does not have yet. It is lost when the island
+dies (a progress snapshot carries ``a`` without settling it, so a salvage delivers it) and at the end of a run
+after the final flush.
 
 Pure (torch only): islands hold one :class:`ErrorFeedback`; tests drive it without Ray.
 """

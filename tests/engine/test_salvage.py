@@ -13,7 +13,7 @@ import torch
 from islands.island import IslandSpec, LearnerIsland
 from islands.trainer import InnerSettings
 from orchestrator.outer_optimizer import OuterSettings
-from policies.compression import decompress, last_word_scheme
+from policies.compression import decompress
 from policies.salvage import salvageable
 from tests.engine.nano import nano_world
 
@@ -32,11 +32,10 @@ def setup(every: int = 3, compression: str = "none"):
     return w.outer, islands, shelved
 
 
-@pytest.mark.parametrize("compression", ["none", "int4", "sign"])
+@pytest.mark.parametrize("compression", ["none", "int4"])
 def test_snapshots_hold_exactly_the_progress_a_cut_would_send(compression):
     # int4: the snapshot is encoded on the sender thread, from differences taken at the step boundary,
-    # and still carries exactly the wire form a cut at that boundary sends. sign: both are last words,
-    # in int8, and carry what the step-4 cut's rounding still owes.
+    # and still carries exactly the wire form a cut at that boundary sends.
     _, (_, island), shelved = setup(every=3, compression=compression)
     for _ in range(6):
         island.step()  # fragment 0 is cut at step 4 (seq 0); snapshots at steps 3 and 6
@@ -53,7 +52,7 @@ def test_snapshots_hold_exactly_the_progress_a_cut_would_send(compression):
     for s in snap.submissions:
         assert (cuts[s.fragment].tokens, cuts[s.fragment].cursor) == (s.tokens, s.cursor)
         for a, b in zip(s.payload, cuts[s.fragment].payload):
-            assert a.scheme == b.scheme == last_word_scheme(compression), "the snapshot went out in the last-word format"
+            assert a.scheme == b.scheme == compression, "the snapshot went out in the run's wire format"
             assert torch.equal(decompress(a), decompress(b))
 
 

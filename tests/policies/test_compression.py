@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from policies.compression import (FEEDBACK_SCHEMES, SCHEMES, WIRE_DTYPES, Compressed, accepted_schemes, compress, decompress,
-                                  error_bound, last_word_scheme)
+from policies.compression import SCHEMES, WIRE_DTYPES, Compressed, compress, decompress, error_bound
 
 
 def _reference_int_roundtrip(x, qmax, block_size):
@@ -130,15 +129,6 @@ def test_wire_dtypes_name_every_format_as_compress_writes_it():
     assert set(WIRE_DTYPES) == set(SCHEMES)
     for scheme in SCHEMES:
         assert compress(torch.randn(300), scheme).payload.dtype == WIRE_DTYPES[scheme], scheme
-
-
-def test_the_last_word_is_int8_for_the_dense_feedback_formats_and_the_format_itself_otherwise():
-    assert {s: last_word_scheme(s) for s in SCHEMES} == {"none": "none", "bf16": "bf16", "int8": "int8", "int4": "int4",
-                                                          "int2": "int8", "sign": "int8", "topk": "topk"}
-    assert accepted_schemes("sign") == ("sign", "int8") and accepted_schemes("int4") == ("int4",)
-    assert set(FEEDBACK_SCHEMES) >= {s for s in SCHEMES if last_word_scheme(s) != s}
-    with pytest.raises(ValueError, match="unknown compression 'int3'"):
-        last_word_scheme("int3")
 
 
 def test_int_schemes_beat_bf16_on_wire_size():
