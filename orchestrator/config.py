@@ -184,11 +184,6 @@ class OuterSection(_Section):
         "misses about M - 1 versions between its syncs: keep max_staleness >= the number of islands. "
         "Identical to all when every round merges every island (K = all). Measured in wan-4-regions: half "
         "the bytes and a 13.6% worse loss than all (docs/network.md).")
-    downlink_every: int = Field(1, ge=1, description="Pace the downlink: a new version of a fragment goes to an "
-        "island that took no part in its round only once it is at least this many versions newer than the last one "
-        "sent to that island (a skipped version's change arrives with the next one sent); the island's own rounds "
-        "always go. 1 = every version to every island (DESIGN.md section 3); 2 halves what the other islands' "
-        "rounds send with K = 1 (policies/downlink_pacing.py). No effect with publish_to: participants.")
     wait_for_round: bool = Field(False, description="Islands block after each submission until its round is adopted (synchronous DiLoCo).")
 
     @field_validator("merge_rule")

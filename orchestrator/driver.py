@@ -88,7 +88,7 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
         tau_steps=o.effective_tau_steps(), weighting=o.weighting, staleness_discount=o.staleness_discount,
         merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum, partial_momentum=o.partial_momentum, max_staleness=o.max_staleness,
         compression=o.compression, step_scale=o.step_scale, rda_across_rounds=o.rda_across_rounds, downlink=o.downlink, downlink_delta=o.downlink_delta, block_size=o.compression_block_size,
-        topk_density=o.topk_density, publish_to=o.publish_to, downlink_every=o.downlink_every,
+        topk_density=o.topk_density, publish_to=o.publish_to,
     )
 
 

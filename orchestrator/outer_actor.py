@@ -20,7 +20,6 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from islands.messages import FragmentUpdate, Submission
 from orchestrator.runtime import quiet_worker
-from policies.downlink_pacing import paced_send
 from policies.network import LinkSchedule, NetworkModel
 
 if TYPE_CHECKING:
@@ -120,8 +119,6 @@ class _OuterShell:
         # island -> fragment -> (newest waiting update, its float32 tensors: what a difference is taken of)
         self._down_queue: dict[int, dict[int, tuple[FragmentUpdate, list]]] = {}
         self._down_senders: set[int] = set()  # islands whose downlink sender task is running
-        # (island, fragment) -> the version last handed to its sender (outer.downlink_every paces from it)
-        self._last_sent: dict[tuple[int, int], int] = {}
         # (island, incarnation) -> {"seq": {fragment: highest seq taken}, "cursor": highest data cursor taken}:
         # what a salvaged snapshot is checked against (policies/salvage.py).
         self._taken: dict[tuple[int, int], dict] = {}
@@ -159,7 +156,6 @@ class _OuterShell:
         held = await self._held(handle) if fresh else None
         await self._core(self.core.register, island, incarnation)
         self._islands[island] = (incarnation, handle)
-        self._forget_sent(island)
         self._copies.forget(island)  # it starts from latest() (or kept what it had): whole fragments first...
         for p, (version, epoch) in enumerate(held or []):  # ...unless it holds a version we published and remember
             if epoch == self.epoch and version in self._decoded[p]:
@@ -169,11 +165,6 @@ class _OuterShell:
             old.cancel()
         self._pollers[island] = asyncio.create_task(self._poll(island, incarnation, handle))
         log.info("registered island %d incarnation %d", island, incarnation)
-
-    def _forget_sent(self, island: int) -> None:
-        """A (re)registered or departed island slot: its next version of every fragment goes unpaced."""
-        for key in [k for k in self._last_sent if k[0] == island]:
-            del self._last_sent[key]
 
     async def _held(self, handle: Any) -> list[tuple[int, int]] | None:
         """(version, epoch) of every fragment an island holds, when differences go down (None: not asked, or no
@@ -190,7 +181,6 @@ class _OuterShell:
     async def unregister(self, island: int) -> None:
         """Stop taking submissions from an island slot (it died or was stopped)."""
         self._islands.pop(island, None)
-        self._forget_sent(island)
         self._copies.forget(island)
         task = self._pollers.pop(island, None)
         if task is not None and task is not asyncio.current_task():
@@ -386,14 +376,9 @@ class _OuterShell:
             self._refs[result.fragment] = ref  # dropping the old ref lets the store free it
             update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged, epoch=self.epoch)
             if not self._finishing:  # after the final flush nobody trains on it any more
-                settings = self.core.settings
-                participants = set(result.record.participants)
+                to = set(result.record.participants) if self.core.settings.publish_to == "participants" else None
                 for island, (_, handle) in list(self._islands.items()):
-                    if settings.publish_to == "participants" and island not in participants:
-                        continue
-                    key = (island, result.fragment)
-                    if paced_send(result.version, self._last_sent.get(key), settings.downlink_every, island in participants):
-                        self._last_sent[key] = result.version
+                    if to is None or island in to:
                         self._send_down(island, handle, update, result.tensors)
             await self._core(self.core.observe_publish, time.perf_counter() - t0, result.record.merge_s)
 

@@ -51,7 +51,6 @@ class OuterSettings:
     downlink: str = "none"  # wire format of published fragments (the actor shell applies it)
     downlink_delta: str | None = None  # format of later versions as differences from an island's copy, or None
     publish_to: str = "all"  # all | participants: which islands a new version goes to (the actor shell sends it)
-    downlink_every: int = 1  # a non-participant gets a version only this many newer than its last (the shell paces)
     block_size: int = 256  # elements per quantization scale block, both directions
     topk_density: float = 1 / 64  # fraction of each chunk a topk difference keeps (downlink_delta topk)
 
