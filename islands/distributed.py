@@ -8,8 +8,8 @@ interface); ranks 1..W-1 are followers (`IslandFollower` here) that mirror it st
   (every incarnation is new processes), gloo on CPU, NCCL on GPU, with a finite timeout so a hung
   peer fails the island instead of hanging it forever (a dead peer fails the next collective at once).
 - Step boundary: the leader applies published fragments (its adoption policy: overwrite, rebase or
-  mix), then broadcasts a small control tensor (stop, train this step, which fragments changed) and
-  the changed fragments' parameters; followers copy them in. Adoption never touches optimizer state,
+  mix), then broadcasts a small control tensor (stop, train this step, the run progress its learning
+  rate follows, which fragments changed) and the changed fragments' parameters; followers copy them in. Adoption never touches optimizer state,
   so copying parameters is all a follower needs.
 - Inner step: worker r trains on batch `cursor * W + r` of the island's shard; gradients (and the
   loss, for reporting) are averaged with one all_reduce; every worker applies the same AdamW step,
@@ -69,6 +69,7 @@ class Control:
     stop: bool  # the island stops: leave the loop
     train: bool  # take an inner step now (False while the island is blocked or hung)
     changed: tuple[int, ...]  # fragments whose parameters follow, in this order
+    progress: float = 0.0  # the run progress the leader's learning rate follows (bit for bit)
 
 
 class WorkerGroup:
@@ -164,24 +165,27 @@ class WorkerGroup:
                         offset += t.numel()
 
     def lead(self, fragments: Sequence[Sequence[torch.Tensor]], *, changed: Iterable[int], train: bool,
-             stop: bool = False) -> None:
+             stop: bool = False, progress: float = 0.0) -> None:
         """Leader, at a step boundary: send the control tensor, then the changed fragments' parameters."""
         changed = sorted(set(changed))
-        ctrl = torch.zeros(2 + len(fragments), dtype=torch.int64, device=self.device)  # [stop, train, changed...]
+        ctrl = torch.zeros(3 + len(fragments), dtype=torch.int64, device=self.device)  # [stop, train, progress, changed...]
         ctrl[0], ctrl[1] = int(stop), int(train)
+        # The float64's bits, so every worker computes exactly the leader's learning rate.
+        ctrl[2] = torch.tensor([progress], dtype=torch.float64).view(torch.int64)[0]
         for p in changed:
-            ctrl[2 + p] = 1
+            ctrl[3 + p] = 1
         dist.broadcast(ctrl, src=0)
         if changed and not stop:
             self.broadcast_([t for p in changed for t in fragments[p]])
 
     def follow(self, fragments: Sequence[Sequence[torch.Tensor]]) -> Control:
         """Follower, at a step boundary: receive the control tensor and copy in the changed fragments."""
-        ctrl = torch.zeros(2 + len(fragments), dtype=torch.int64, device=self.device)
+        ctrl = torch.zeros(3 + len(fragments), dtype=torch.int64, device=self.device)
         dist.broadcast(ctrl, src=0)
+        progress = float(ctrl[2:3].cpu().view(torch.float64)[0])
         flags = ctrl.tolist()
-        control = Control(stop=bool(flags[0]), train=bool(flags[1]),
-                          changed=tuple(p for p, f in enumerate(flags[2:]) if f))
+        control = Control(stop=bool(flags[0]), train=bool(flags[1]), progress=progress,
+                          changed=tuple(p for p, f in enumerate(flags[3:]) if f))
         if control.changed and not control.stop:
             self.broadcast_([t for p in control.changed for t in fragments[p]])
         return control
@@ -220,6 +224,7 @@ class IslandFollower:
                 if control.stop:
                     break
                 if control.train:
+                    self.trainer.progress = control.progress
                     self.trainer.step()
                     self.steps += 1
         except Exception as err:  # noqa: BLE001 - reported through `state`/`error`; the shell ends the process

@@ -170,7 +170,7 @@ class LearnerIsland:
         if self._group is not None:
             # Followers adopt exactly what this step boundary adopted, and step only when we do. Sent on
             # blocked and hung calls too, so followers hear from us at least every half second.
-            self._group.lead(self._theta, changed=changed, train=not blocked and not hung)
+            self._group.lead(self._theta, changed=changed, train=not blocked and not hung, progress=self.trainer.progress)
         if blocked:
             return False
         if hung:
@@ -403,6 +403,7 @@ class LearnerIsland:
                 inflight=taken, cursor=self.trainer.sampler.cursor, submitted_tokens=list(self._submitted),
                 discarded_tokens=list(self._discarded), overwritten_tokens=list(self._overwritten), blocked_s=self._blocked_s, faults=self._faults,
                 error=self._error, shelve_s=self._shelve_s, shelved_bytes=self._shelved_bytes, epochs=list(self._epoch),
+                lr=self.trainer.lr_at(self.trainer.steps),
             )
 
     def watch(self, timeout_s: float = 5.0) -> str:
@@ -487,6 +488,9 @@ class LearnerIsland:
             updates, self._updates = self._updates, []
             forced, self._resync_pending = self._resync_pending, []
         changed: set[int] = set()
+        for update, _ in forced + updates:  # the learning rate's progress never runs backwards (late or stale updates)
+            if update.progress is not None:
+                self.trainer.progress = max(self.trainer.progress, update.progress)
         for update, tensors in forced:
             with torch.no_grad():
                 for t, g in zip(self._theta[update.fragment], tensors):

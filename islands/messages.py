@@ -62,7 +62,9 @@ class FragmentUpdate:
     refused since the previous update to their island, so the island can stop tracking them.
     With `delta_from` set, the tensors are the difference from the island's copy of version
     `delta_from` (outer.downlink_delta, policies/downlink.py), valid only on top of a copy that came
-    from the outer optimizer of the same `epoch` (its restart count).
+    from the outer optimizer of the same `epoch` (its restart count). `progress` is the run's tokens
+    processed / token budget as the outer optimizer last heard it (None: not known), which a decaying
+    inner learning rate follows (policies/lr_schedule.py).
     """
 
     fragment: int
@@ -72,3 +74,4 @@ class FragmentUpdate:
     refused: tuple[SubmissionKey, ...] = field(default_factory=tuple)
     epoch: int = 0
     delta_from: int | None = None
+    progress: float | None = None

@@ -86,6 +86,8 @@ class InnerSettings:
     beta1: float = 0.9
     beta2: float = 0.99
     warmup_steps: int = 20
+    lr_schedule: str = "constant"  # policies.lr_schedule.LR_SCHEDULES; decay follows the run's global progress
+    lr_final_ratio: float = 0.1  # cosine: the rate at the token budget, as a fraction of lr
     grad_clip: float | None = 1.0
     torch_threads: int = 1  # applied to the whole process by the island's actor shell, not here
     batch_size: int = 16
@@ -143,5 +145,6 @@ class IslandStatus:
     shelve_s: float = 0.0  # inner-loop time spent taking progress snapshots (pickling and sending run beside it)
     shelved_bytes: int = 0  # bytes of those snapshots (in-pool traffic, not over the WAN)
     epochs: list[int] = field(default_factory=list)  # per fragment: outer-optimizer epoch that sent the version held
+    lr: float | None = None  # the inner learning rate of the next step (policies/lr_schedule.py)
     error: str | None = None
     at: float = field(default_factory=time.time)

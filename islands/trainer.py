@@ -18,6 +18,7 @@ import torch
 from islands.data import ShardSampler
 from islands.model import ModelConfig, build_model
 from islands.spec import InnerSettings  # noqa: F401 - re-exported: the settings live in islands.spec
+from policies.lr_schedule import lr_factor
 
 if TYPE_CHECKING:
     from islands.distributed import WorkerGroup
@@ -83,17 +84,22 @@ class InnerTrainer:
         # Jitter draws are seeded per island so an emulated run replays the same pacing.
         self._jitter_rng = random.Random(seed * 1_000_003 + shard_index)
         self.steps = 0
+        # The run's tokens processed / token budget, as last heard (islands: from published fragments;
+        # followers: from their leader). Only a decaying lr schedule reads it.
+        self.progress = 0.0
 
-    def _lr_at(self, step: int) -> float:
-        warm = self.settings.warmup_steps
-        return self.settings.lr * min(1.0, (step + 1) / warm) if warm > 0 else self.settings.lr
+    def lr_at(self, step: int) -> float:
+        """The learning rate of inner step `step` at the run progress this trainer was last told (`progress`)."""
+        s = self.settings
+        return s.lr * lr_factor(s.lr_schedule, step=step, warmup_steps=s.warmup_steps, progress=self.progress,
+                                final_ratio=s.lr_final_ratio)
 
     def step(self) -> StepResult:
         """Run one AdamW step on the next batch of this island's shard, then the emulated slowdown."""
         t0 = time.perf_counter()
         x, y = self._next_batch()  # [B, T], [B, T]
         for group in self.optimizer.param_groups:
-            group["lr"] = self._lr_at(self.steps)
+            group["lr"] = self.lr_at(self.steps)
         loss = self.model.loss(x, y)
         loss.backward()
         mean_loss = loss.detach()

@@ -2,11 +2,12 @@
 
 One Ray Train worker per island slot of `cfg.pools` (pinned to its pool's nodes by label selector,
 tagged with its region), the same model and initial parameters, the same inner AdamW (lr, warmup,
-clip, betas, weight decay) on every step on the gradient averaged over all workers (one gloo
-`all_reduce` of a flat buffer: DDP with one bucket), the same per-worker batch, disjoint shards (slot
-i reads shard i of n, as island i does) and the same global token budget. After each exchange every
-worker sleeps the EMULATED ring all-reduce time `network.allreduce_s(grad_bytes, regions)`; nothing is
-subtracted for the real gloo all-reduce (processes on one machine: ~free next to the emulated time).
+lr schedule at DP's exact progress, clip, betas, weight decay) on every step on the gradient averaged
+over all workers (one gloo `all_reduce` of a flat buffer: DDP with one bucket), the same per-worker
+batch, disjoint shards (slot i reads shard i of n, as island i does) and the same global token
+budget. After each exchange every worker sleeps the EMULATED ring all-reduce time
+`network.allreduce_s(grad_bytes, regions)`; nothing is subtracted for the real gloo all-reduce
+(processes on one machine: ~free next to the emulated time).
 Gradients cross the emulated wire as bf16 by default (rounded locally so the math matches), or fp32.
 
 Rank 0 evaluates on the engine's held-out batches before the first step, at the first step boundary
@@ -45,6 +46,7 @@ from islands.model import build_model
 from islands.trainer import InnerTrainer
 from orchestrator.checkpoint import PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
 from orchestrator.config import ConfigError, RunConfig, load_config
+from policies.lr_schedule import lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +195,10 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     for step in range(steps):
         s0 = time.perf_counter()
         x, y = sampler.next_batch()  # [B, T], [B, T]
-        warm = inner.warmup_steps
-        for group in opt.param_groups:  # the rule of islands/trainer.py
-            group["lr"] = inner.lr * min(1.0, (step + 1) / warm) if warm > 0 else inner.lr
+        lr = inner.lr * lr_factor(inner.lr_schedule, step=step, warmup_steps=inner.warmup_steps, progress=step / steps,
+                                  final_ratio=inner.lr_final_ratio)  # the islands' rule, at DP's exact progress
+        for group in opt.param_groups:
+            group["lr"] = lr
         loss = model.loss(x, y)
         loss.backward()
         torch.cat([p.grad.reshape(-1) for p in params], out=flat[:numel])

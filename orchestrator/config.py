@@ -107,6 +107,12 @@ class InnerSection(_Section):
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
     warmup_steps: int = Field(20, ge=0, description="Linear learning-rate warmup, in inner steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warmup: 'constant' keeps lr; 'cosine' decays it to lr * lr_final_ratio over the "
+        "run's token budget, following the run's global progress (tokens processed / budget), which every published "
+        "fragment carries to the islands (policies/lr_schedule.py). Data parallel follows the same schedule.")
+    lr_final_ratio: float = Field(0.1, ge=0, le=1, description="Under lr_schedule 'cosine': the rate at the token "
+                                  "budget as a fraction of lr.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the gradient norm to this; None disables clipping.")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per island worker.")
 

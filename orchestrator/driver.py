@@ -97,7 +97,7 @@ def inner_settings(cfg: RunConfig, pool: PoolConfig | None = None) -> InnerSetti
     i = cfg.inner
     return InnerSettings(
         lr=i.lr, weight_decay=i.weight_decay, beta1=i.beta1, beta2=i.beta2, warmup_steps=i.warmup_steps,
-        grad_clip=i.grad_clip, torch_threads=i.torch_threads, batch_size=cfg.data.batch_size,
+        lr_schedule=i.lr_schedule, lr_final_ratio=i.lr_final_ratio, grad_clip=i.grad_clip, torch_threads=i.torch_threads, batch_size=cfg.data.batch_size,
         **({"emulated_slowdown": pool.emulated_slowdown, "emulated_jitter": pool.emulated_jitter} if pool else {}),
     )
 
@@ -443,7 +443,8 @@ class Run:
                 status = self._get(self.outer.status.remote())
                 incarnations = {str(i): s["incarnation"] for i, s in self.snapshot["slots"].items()}
                 self._get(self.outer.note.remote(tokens_processed=self._tokens(), run_id=self.run_id,
-                                                 incarnations=incarnations))
+                                                 incarnations=incarnations,
+                                                 progress=self._tokens() / self.cfg.run.token_budget))
             except _TRANSIENT as err:  # an actor restarting: Ray brings it back, try again next tick
                 _warn_transient(err)
                 time.sleep(0.5)

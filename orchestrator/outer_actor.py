@@ -141,7 +141,8 @@ class _OuterShell:
         none, as every island could build the initial model from the seed, which is what data parallel's workers
         do."""
         versions = await self._core(lambda: list(self.core.versions))
-        updates = [FragmentUpdate(p, v, [self._refs[p]], epoch=self.epoch) for p, v in enumerate(versions)]
+        updates = [FragmentUpdate(p, v, [self._refs[p]], epoch=self.epoch, progress=self._progress())
+                   for p, v in enumerate(versions)]
         if island is not None:
             await self._down(self._region(island), sum(self._fragment_nbytes))
         return updates
@@ -233,7 +234,11 @@ class _OuterShell:
             if 0 <= p < len(self._refs):
                 version, tensors = await self._core(lambda: (self.core.versions[p], self.core.fragment(p)))
                 self._send_down(island, handle, FragmentUpdate(p, version, [self._refs[p]], refused=(refusal.key,),
-                                                               epoch=self.epoch), tensors)
+                                                               epoch=self.epoch, progress=self._progress()), tensors)
+
+    def _progress(self) -> float | None:
+        """The run's tokens processed / token budget as the driver last noted it (None before it did)."""
+        return self.extra.get("progress")
 
     def _region(self, island: int) -> str:
         return self._regions.get(island, self._network.hub)
@@ -374,7 +379,8 @@ class _OuterShell:
                 while len(recent) > _REMEMBERED_VERSIONS:
                     recent.popitem(last=False)
             self._refs[result.fragment] = ref  # dropping the old ref lets the store free it
-            update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged, epoch=self.epoch)
+            update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged, epoch=self.epoch,
+                                    progress=self._progress())
             if not self._finishing:  # after the final flush nobody trains on it any more
                 to = set(result.record.participants) if self.core.settings.publish_to == "participants" else None
                 for island, (_, handle) in list(self._islands.items()):

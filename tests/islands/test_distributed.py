@@ -4,12 +4,13 @@ Golden checks against a single process written here from torch primitives: the a
 of the two workers equals the gradient of the mean loss over both batches concatenated, and one
 data-parallel step equals one AdamW step on that batch (AdamW's first step barely depends on the
 gradient's scale, so the gradient is checked on its own). Then the leader changes a fragment (as an
-adoption would) and the follower must hold the same parameters, bit for bit, after the next step
-and a clean stop.
+adoption would) and hears of later run progress (its cosine learning rate decays), and the follower
+must hold the same parameters, bit for bit, after the next step and a clean stop.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 
 import numpy as np
@@ -23,7 +24,9 @@ from islands.trainer import InnerSettings, InnerTrainer
 from policies.fragments import plan_fragments
 
 SEED, SHARD, SHARDS = 7, 1, 3
-INNER = InnerSettings(lr=1e-2, weight_decay=0.01, warmup_steps=0, grad_clip=1.0, batch_size=4)
+INNER = InnerSettings(lr=1e-2, weight_decay=0.01, warmup_steps=0, grad_clip=1.0, batch_size=4, lr_schedule="cosine",
+                      lr_final_ratio=0.1)  # at progress 0 the cosine is the peak, so step 1's reference is plain AdamW
+PROGRESS = 0.7  # what the leader heard before its second step
 CFG = model_config("nano")
 
 
@@ -67,12 +70,13 @@ def _leader(ports, out) -> None:
     with torch.no_grad():  # an adoption on the leader: fragment 1 changes, the follower must copy it
         for t in fragments[1]:
             t.mul_(0.5)
-    group.lead(fragments, changed=[1], train=True)
+    trainer.progress = PROGRESS  # ... and the adopted version carried the run's progress
+    group.lead(fragments, changed=[1], train=True, progress=trainer.progress)
     trainer.step()
     group.lead(fragments, changed=[], train=False)  # a blocked boundary: no step
     group.lead(fragments, changed=[], train=False, stop=True)
     group.close()
-    out.put(("leader", _numpy(trainer.params), trainer.steps))
+    out.put(("leader", _numpy(trainer.params), trainer.steps, trainer.optimizer.param_groups[0]["lr"]))
 
 
 def _follower(port, out) -> None:
@@ -83,7 +87,8 @@ def _follower(port, out) -> None:
     group.connect()  # early, for the gradient check; run() finds it connected
     out.put(("grads1", _averaged_gradients(follower.trainer, group)))
     follower.run()
-    out.put(("follower", _numpy(follower.parameters()), follower.steps, follower.state))
+    out.put(("follower", _numpy(follower.parameters()), follower.steps, follower.state,
+             follower.trainer.optimizer.param_groups[0]["lr"]))
 
 
 def reference_step() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
@@ -131,9 +136,11 @@ def test_two_workers_step_like_one_process_on_both_batches_and_stay_identical():
         assert not torch.equal(p, init[n].detach()), f"{n} did not move: the check would be vacuous"
         torch.testing.assert_close(torch.from_numpy(params1[n]), p, rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
-    lead_params, lead_steps = got["leader"]
-    foll_params, foll_steps, state = got["follower"]
+    lead_params, lead_steps, lead_lr = got["leader"]
+    foll_params, foll_steps, state, foll_lr = got["follower"]
     assert state == "stopped" and lead_steps == foll_steps == 2
+    # The second step ran at the decayed rate on both workers (a follower at the peak would drift apart).
+    assert lead_lr == foll_lr == pytest.approx(INNER.lr * (0.1 + 0.9 * (1 + math.cos(math.pi * PROGRESS)) / 2))
     for n in lead_params:
         assert np.array_equal(lead_params[n], foll_params[n]), f"{n} differs between the workers"
 
