@@ -20,6 +20,22 @@ def test_shipped_default_yaml_equals_builtin_defaults():
     assert load_config(ROOT / "configs" / "default.yaml") == RunConfig()
 
 
+def test_shipped_default_yaml_writes_out_every_field():
+    # Equality alone passes when a field is missing (it takes its default): the file is the defaults written out.
+    written = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+
+    def missing(model: type, section: dict, prefix: str = "") -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            if name not in section:
+                out.append(prefix + name)
+            elif isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields"):
+                out += missing(field.annotation, section[name] or {}, f"{prefix}{name}.")
+        return out
+
+    assert missing(RunConfig, written) == []
+
+
 def test_sync_diloco_preset_sets_the_degenerate_settings():
     cfg = load_config(ROOT / "configs" / "sync-diloco.yaml")
     o = cfg.outer
