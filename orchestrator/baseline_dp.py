@@ -454,7 +454,7 @@ def _cmd(args: argparse.Namespace) -> int:
     import os
 
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, args.set, also_mode=MODE)  # a DP run dir's own config.yaml too
     except ConfigError as err:
         print(f"diloco baseline-dp: {err}", file=sys.stderr)
         return 2

@@ -496,8 +496,13 @@ def _default_lists() -> dict[str, Any]:
     return {k: v for k, v in RunConfig().model_dump(mode="json").items() if isinstance(v, list)}
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a RunConfig from a YAML file (None = built-in defaults) plus `key=value` overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
+                also_mode: str | None = None) -> RunConfig:
+    """Load a RunConfig from a YAML file (None = built-in defaults) plus `key=value` overrides.
+
+    `also_mode`: a file whose `mode:` is this value loads too, the mode dropped (`diloco baseline-dp`
+    passes "data-parallel", so a data-parallel run's own config.yaml runs it again).
+    """
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -510,6 +515,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level, got {type(loaded).__name__}")
         data = loaded or {}
+        if also_mode is not None and data.get("mode") == also_mode:
+            data = {k: v for k, v in data.items() if k != "mode"}
     if overrides:
         data = apply_overrides(data, overrides)
     return build_config(data)

@@ -36,6 +36,17 @@ def test_shipped_default_yaml_writes_out_every_field():
     assert missing(RunConfig, written) == []
 
 
+def test_a_data_parallel_run_config_loads_again_only_where_that_mode_is_allowed(tmp_path):
+    # `diloco baseline-dp --config RUN_DIR/config.yaml` reruns a data-parallel run; the engine refuses it.
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({**RunConfig().model_dump(mode="json"), "mode": "data-parallel"}))
+    cfg = load_config(path, ["inner.lr=0.004"], also_mode="data-parallel")
+    assert cfg.inner.lr == 0.004 and cfg.mode == "decoupled"
+    with pytest.raises(ConfigError, match="config field 'mode'") as err:
+        load_config(path)
+    assert "\n" not in str(err.value)
+
+
 def test_sync_diloco_preset_sets_the_degenerate_settings():
     cfg = load_config(ROOT / "configs" / "sync-diloco.yaml")
     o = cfg.outer

@@ -38,7 +38,7 @@ def dp_config() -> dict:
         "run": {"token_budget": BUDGET, "seed": 3},
         "model": {"preset": "nano"},
         "data": {"max_bytes": 1_000_000, "batch_size": 8},
-        "inner": {"warmup_steps": 5},
+        "inner": {"warmup_steps": 5, "lr_schedule": "cosine", "lr_final_ratio": 0.2},
         "eval": {"interval_s": 2.0, "batches": 2, "batch_size": 8},
         "network": {"scenario": "wan-4-regions", "local_step_s": LOCAL_STEP_S},
         "pools": [
@@ -49,7 +49,8 @@ def dp_config() -> dict:
 
 
 def reference_loss(cfg, steps: int) -> float:
-    """Single-process synchronous DP written out: mean of the three shards' gradients, clip, AdamW."""
+    """Single-process synchronous DP written out: mean of the three shards' gradients, clip, AdamW, at the
+    warmed-up cosine rate of the step's progress (step / steps)."""
     corpus = load_corpus(cfg)
     mc = model_config(cfg.model.preset)
     model = build_model(mc, seed=cfg.run.seed)
@@ -59,7 +60,8 @@ def reference_loss(cfg, steps: int) -> float:
                              batch_size=cfg.data.batch_size, seed=cfg.run.seed) for w in range(3)]
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = i.lr * min(1.0, (step + 1) / i.warmup_steps)
+            cosine = i.lr_final_ratio + (1 - i.lr_final_ratio) * (1 + math.cos(math.pi * step / steps)) / 2
+            g["lr"] = i.lr * min(1.0, (step + 1) / i.warmup_steps) * cosine
         grads = []
         for s in samplers:
             model.zero_grad(set_to_none=True)
