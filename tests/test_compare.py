@@ -78,6 +78,21 @@ def test_set_all_reaches_every_run_and_set_still_wins_for_decoupled(capsys):
         assert said in capsys.readouterr().err
 
 
+def test_every_run_shares_the_lr_schedule_cosine_unless_told_otherwise():
+    def schedules(argv: list[str]) -> dict[str, str]:
+        args = compare.parse_args(argv)
+        return {name: compare.build_config(compare.deep_merge(compare.base_config(args), extra)).inner.lr_schedule
+                for name, _, extra in compare.methods(args)}
+
+    assert set(schedules([]).values()) == {"cosine"} and len(schedules([])) == 5
+    assert set(schedules(["--lr-schedule", "constant"]).values()) == {"constant"}
+    assert set(schedules(["--scenario", "heterogeneity", "--lr-schedule", "constant"]).values()) == {"constant"}
+    # The older spelling, in dated commands of benchmarks/RESULTS.md, still sets every run.
+    assert set(schedules(["--lr-schedule", "constant", "--set-all", "inner.lr_schedule=cosine"]).values()) == {"cosine"}
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--lr-schedule", "linear"])
+
+
 def test_set_tunes_k1_with_grace_but_cannot_change_what_names_a_heterogeneity_method(capsys):
     het = {n: extra["outer"] for n, _, extra in
            compare.methods(compare.parse_args(["--scenario", "heterogeneity", "--set", "outer.grace_gamma=1.0"]))}
