@@ -52,6 +52,50 @@ def test_a_dp_run_stopped_at_the_target_gives_a_measured_speedup():
     assert row["loss_gap"] == pytest.approx(2.2 / 1.8 - 1)
 
 
+def test_the_loss_gap_uses_the_wide_final_evaluation_when_runs_have_one():
+    dec = run(2.2, BUDGET, [(0, 5.0), (10, 2.2)], tokens_per_step=1, final_loss_wide=2.25)
+    ref = run(2.0, BUDGET, [(0, 5.0), (4, 2.0)], tokens_per_step=10, final_loss_wide=2.2)
+    dp = run(2.1, BUDGET // 4, [(0, 5.0), (300, 2.1)], tokens_per_step=10, allreduce_emulated_s=1.0,
+             final_loss_wide=2.3)
+    res = compare.analyse_wan([{"decoupled": dec, "dp-no-network": ref, "data-parallel": dp}], cap_s=3600, budget=BUDGET)
+    row = res["per_repeat"][0]
+    assert row["loss_gap"] == pytest.approx(2.25 / 2.2 - 1)  # +10% on the runs' own evaluations
+    assert row["target_loss"] == 2.2, "the target and the times to it stay on the runs' own evaluations"
+    assert row["methods"]["decoupled"]["final_loss_own_eval"] == 2.2
+    het = compare.analyse_het([{"K=all": run(2.0, BUDGET, [(1.0, 3.0), (2.0, 2.0)], final_loss_wide=2.1),
+                                "K=1 + grace": run(2.1, BUDGET, [(1.0, 3.0), (2.0, 2.1)], final_loss_wide=2.1)}])
+    assert het["median"]["K=1 + grace"]["gap_to_kall"] == pytest.approx(0.0)
+
+
+def test_score_final_scores_the_newest_checkpoint_on_that_many_held_out_batches(tmp_path):
+    import torch
+    import torch.nn.functional as F
+    import yaml
+
+    from islands.data import heldout_batches
+    from islands.model import build_model, model_config
+    from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri
+    from orchestrator.config import build_config
+    from orchestrator.driver import load_corpus
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = build_config({"model": {"preset": "nano"}, "data": {"max_bytes": 1_000_000}, "eval": {"batches": 2, "batch_size": 8}})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(dict(cfg.model_dump(mode="json"), mode="decoupled"), sort_keys=False))
+    model = build_model(model_config("nano"), seed=3)
+    store = CheckpointStore(run_checkpoint_uri(None, run_dir))
+    store.save(0, {f"param/{n}": torch.zeros_like(p) for n, p in model.named_parameters()}, {"outer": {"versions": [0]}})
+    store.save(7, {f"param/{n}": p.detach() for n, p in model.named_parameters()}, {"outer": {"versions": [7]}})
+    got = compare.score_final(run_dir, 6)
+    with torch.no_grad():  # by hand: the seed-3 model (checkpoint 7, not the zeros of 0) over 6 batches of 8 x 32 bytes
+        batches = heldout_batches(load_corpus(cfg).heldout, seq_len=32, batch_size=8, num_batches=6)
+        want = sum(float(F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))) for x, y in batches) / 6
+    assert got == {"final_loss_wide": pytest.approx(want, rel=1e-6), "final_eval_tokens": 6 * 8 * 32}
+    assert compare.parse_args([]).final_eval_batches == 256 and compare.parse_args(["--quick"]).final_eval_batches == 16
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--final-eval-batches", "-1"])
+
+
 def test_set_reaches_the_decoupled_runs_only_and_a_bad_one_is_a_one_line_error(capsys):
     plan = {n: extra for n, _, extra in compare.methods(compare.parse_args(["--set", "outer.lr=0.35"]))}
     assert plan["decoupled"]["outer"]["lr"] == 0.35 and plan["decoupled"]["outer"]["compression"] == "int4"
