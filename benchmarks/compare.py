@@ -26,7 +26,8 @@ network none unless --network names one, so the runs differ only in the speed ga
 Outputs in --out: results.json (every run and the medians), table.md, loss_vs_wall.png,
 bytes_per_token.png (wan) or quality_goodput.png (heterogeneity), and runs/<method>-r<k>/ (each a
 normal run directory: summary.json, events/, driver.log). Targets are printed next to the measured
-values with PASS/MISS. Target loss: the worst final held-out loss among the runs that finish the
+values with PASS/MISS. Final held-out losses (and the loss targets) score each run's final model on
+--final-eval-batches held-out batches (default 256) after it finishes. Target loss: the worst final held-out loss among the runs that finish the
 budget (so every one of them reaches it); time to it is when the loss reaches it for good
 (the crossing after the last evaluation above it), interpolated between evaluations.
 
