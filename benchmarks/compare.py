@@ -27,9 +27,10 @@ Outputs in --out: results.json (every run and the medians), table.md, loss_vs_wa
 bytes_per_token.png (wan) or quality_goodput.png (heterogeneity), and runs/<method>-r<k>/ (each a
 normal run directory: summary.json, events/, driver.log). Targets are printed next to the measured
 values with PASS/MISS. Final held-out losses (and the loss targets) score each run's final model on
---final-eval-batches held-out batches (default 256) after it finishes. Target loss: the worst final held-out loss among the runs that finish the
-budget (so every one of them reaches it); time to it is when the loss reaches it for good
-(the crossing after the last evaluation above it), interpolated between evaluations.
+--final-eval-batches held-out batches (default 256) after it finishes. Target loss: the worst final
+held-out loss among the runs that finish the budget (so every one of them reaches it); time to it is
+when the loss reaches it for good (the crossing after the last evaluation above it), interpolated
+between evaluations.
 
   python benchmarks/compare.py --quick                        # smoke run, ~3 min on a quiet 2-core box
   python benchmarks/compare.py --repeats 3 --out runs/compare # 3 repeats, DP capped at 600 s (~45 min)

@@ -70,24 +70,20 @@ def test_the_loss_gap_uses_the_wide_final_evaluation_when_runs_have_one():
 def test_score_final_scores_the_newest_checkpoint_on_that_many_held_out_batches(tmp_path):
     import torch
     import torch.nn.functional as F
-    import yaml
 
     from islands.data import heldout_batches
     from islands.model import build_model, model_config
-    from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri
-    from orchestrator.config import build_config
     from orchestrator.driver import load_corpus
+    from orchestrator.trained import read_run_config
+    from tests.engine.test_trained import write_run
 
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    cfg = build_config({"model": {"preset": "nano"}, "data": {"max_bytes": 1_000_000}, "eval": {"batches": 2, "batch_size": 8}})
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(dict(cfg.model_dump(mode="json"), mode="decoupled"), sort_keys=False))
-    model = build_model(model_config("nano"), seed=3)
-    store = CheckpointStore(run_checkpoint_uri(None, run_dir))
-    store.save(0, {f"param/{n}": torch.zeros_like(p) for n, p in model.named_parameters()}, {"outer": {"versions": [0]}})
-    store.save(7, {f"param/{n}": p.detach() for n, p in model.named_parameters()}, {"outer": {"versions": [7]}})
-    got = compare.score_final(run_dir, 6)
-    with torch.no_grad():  # by hand: the seed-3 model (checkpoint 7, not the zeros of 0) over 6 batches of 8 x 32 bytes
+    saved = write_run(tmp_path / "run")  # checkpoints 0 and 4 of a nano run, eval.batch_size 8
+    got = compare.score_final(tmp_path / "run", 6)
+    model = build_model(model_config("nano"), seed=0)
+    with torch.no_grad():  # by hand: checkpoint 4's parameters (not 0's) over 6 batches of 8 x 32 bytes
+        for n, p in model.named_parameters():
+            p.copy_(saved[4][n])
+        cfg, _ = read_run_config(tmp_path / "run")
         batches = heldout_batches(load_corpus(cfg).heldout, seq_len=32, batch_size=8, num_batches=6)
         want = sum(float(F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))) for x, y in batches) / 6
     assert got == {"final_loss_wide": pytest.approx(want, rel=1e-6), "final_eval_tokens": 6 * 8 * 32}
