@@ -57,6 +57,13 @@ def island_device(accelerator: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def describe_device(device: torch.device) -> str:
+    """A device for reports: 'cpu', or 'cuda:0 (NVIDIA H200)' (which card an island actually trained on)."""
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
 def backend_for(accelerator: str) -> str:
     """The collective backend of an island: gloo on CPU, NCCL on GPU."""
     return "gloo" if accelerator == "cpu" else "nccl"

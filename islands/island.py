@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from islands.distributed import WorkerGroup, island_device
+from islands.distributed import WorkerGroup, describe_device, island_device
 from islands.messages import FragmentUpdate, Submission, SubmissionKey
 from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: plain values live in islands.spec
 from islands.trainer import InnerTrainer
@@ -95,6 +95,7 @@ class LearnerIsland:
             raise ValueError(f"a LearnerIsland is rank 0 of its group, got rank {group.rank}; use IslandFollower")
         self._group = group
         self._device = island_device(spec.accelerator)
+        self._device_name = describe_device(self._device)
         self._adoption = parse_adoption(spec.adoption)
         P = spec.plan.num_fragments
         if spec.sync_every_steps % P:
@@ -403,7 +404,7 @@ class LearnerIsland:
                 inflight=taken, cursor=self.trainer.sampler.cursor, submitted_tokens=list(self._submitted),
                 discarded_tokens=list(self._discarded), overwritten_tokens=list(self._overwritten), blocked_s=self._blocked_s, faults=self._faults,
                 error=self._error, shelve_s=self._shelve_s, shelved_bytes=self._shelved_bytes, epochs=list(self._epoch),
-                lr=self.trainer.lr_at(self.trainer.steps),
+                lr=self.trainer.lr_at(self.trainer.steps), device=self._device_name,
             )
 
     def watch(self, timeout_s: float = 5.0) -> str:

@@ -146,5 +146,6 @@ class IslandStatus:
     shelved_bytes: int = 0  # bytes of those snapshots (in-pool traffic, not over the WAN)
     epochs: list[int] = field(default_factory=list)  # per fragment: outer-optimizer epoch that sent the version held
     lr: float | None = None  # the inner learning rate of the next step (policies/lr_schedule.py)
+    device: str = "cpu"  # where the island's leader computes, e.g. 'cpu' or 'cuda:0 (NVIDIA H200)'
     error: str | None = None
     at: float = field(default_factory=time.time)

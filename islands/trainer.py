@@ -109,6 +109,9 @@ class InnerTrainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # Reading the loss waits for the step: on a GPU the calls above only queue kernels, so timing
+        # before it would report launch time as compute (and stretch emulated slowdowns by too little).
+        value = float(mean_loss)
         compute = time.perf_counter() - t0
         self.steps += 1
         stretch = self.settings.emulated_slowdown
@@ -116,7 +119,6 @@ class InnerTrainer:
             stretch *= 1.0 + self._jitter_rng.uniform(-1.0, 1.0) * self.settings.emulated_jitter
         if stretch > 1.0:
             time.sleep(compute * (stretch - 1.0))
-        value = float(mean_loss)
         return StepResult(
             loss=value if math.isfinite(value) else math.nan,
             tokens=int(x.numel()) * self.world,

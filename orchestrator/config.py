@@ -262,6 +262,12 @@ class PoolConfig(_Section):
         if self.accelerator != "cpu" and self.gpus_per_worker <= 0:
             raise ValueError(f"pool {self.name!r}: accelerator {self.accelerator!r} trains on a GPU but gpus_per_worker "
                              f"is 0; set gpus_per_worker (e.g. 1) or accelerator: cpu")
+        # NCCL (2.5 and later) refuses two ranks of one group on one GPU ("Duplicate GPU detected"), and a
+        # fraction lets Ray pack an island's workers onto one card: fail here, not at the island's first start.
+        if self.accelerator != "cpu" and self.workers_per_island > 1 and self.gpus_per_worker < 1:
+            raise ValueError(f"pool {self.name!r}: {self.workers_per_island} workers per island on GPUs need a whole "
+                             f"GPU each (NCCL refuses two ranks on one card), but gpus_per_worker is "
+                             f"{self.gpus_per_worker:g}; set gpus_per_worker: 1 or workers_per_island: 1")
         return self
 
     @property

@@ -591,6 +591,7 @@ class Run:
             "corpus": self.corpus.source,
             "islands": [{"island": s["island"], "pool": s["pool"], "node": s["node"], "incarnation": s["incarnation"],
                          "failures": s["failures"], "restarts": s["restarts"], "state": s["state"],
+                         "device": s["status"].device if s["status"] else None,  # where it trained: cpu, cuda:0 (card)
                          "steps": s["status"].steps if s["status"] else 0,
                          "tokens": (s["status"].tokens if s["status"] else 0) + sum(f.tokens for f in s["finals"])}
                         for s in slots],

@@ -1,0 +1,305 @@
+"""GPU check: the CUDA and NCCL paths this project's CPU-only CI cannot run, in one short script.
+
+Five sections, each reported whatever the others do (a failure is a row, not a crash):
+
+1. ``env``: torch, CUDA, NCCL versions and the cards.
+2. ``cuda_matches_cpu``: an island's inner trainer (islands/trainer.py) takes the same 10 AdamW steps
+   on the same batches on CPU and on the GPU, fp32, from the same initial parameters; per-step losses
+   must agree within 1e-3 (relative) and the whole parameter update within 1% (relative L2; TF32 is
+   off, so only reduction order differs).
+3. ``nccl_two_workers``: two processes form one island's worker group (islands/distributed.py) over
+   NCCL and average a gradient. With two or more GPUs each rank gets its own card and the mean must be
+   exact; with one GPU NCCL must refuse ("Duplicate GPU detected"), which is why the config rejects
+   multi-worker GPU pools with fractional gpus_per_worker (orchestrator/config.py).
+4. ``step_timing``: fp32 inner-step time (forward, backward, clip, AdamW; batch 16) per model preset on
+   the GPU (also with TF32 matmuls, which islands do not use today) and on this machine's CPU cores,
+   medians of several steps, with tokens per second.
+5. ``engine_mixed_pools``: the whole engine through a local Ray: a GPU pool (two islands sharing the
+   card by fractional GPUs) and a CPU pool in one run, real hardware, nothing emulated; every island
+   must train, report the device it used, and the held-out loss must fall. With two or more GPUs a
+   second run trains one two-worker NCCL island.
+
+Run from the repository root on a machine with a GPU, Ray and this project's dependencies::
+
+    python benchmarks/gpu_check.py --out gpu_check.json
+
+Prints a markdown table per section and writes them all as JSON. Exits 1 when a check fails.
+``--device cpu`` runs sections 2 and 5 with the CPU standing in for the GPU (a plumbing smoke test on
+a machine without one; it checks nothing about CUDA and says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from islands.model import model_config  # noqa: E402
+from islands.spec import InnerSettings  # noqa: E402
+from islands.trainer import InnerTrainer  # noqa: E402
+
+
+def _data(n: int = 2_000_000, seed: int = 0) -> np.ndarray:
+    """Byte tokens with some structure (a repeated random text), so the loss falls within a few steps."""
+    rng = np.random.default_rng(seed)
+    block = rng.integers(32, 127, size=4096, dtype=np.uint8)
+    return np.tile(block, n // block.size + 1)[:n]
+
+
+def env_section() -> dict:
+    """Versions and cards."""
+    row = {"python": platform.python_version(), "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+           "cuda": torch.version.cuda, "gpus": torch.cuda.device_count()}
+    if torch.cuda.is_available():
+        row["cards"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            row["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as err:  # noqa: BLE001 - a row, not a crash
+            row["nccl"] = f"unavailable: {err}"
+    return {"ok": True, "rows": [row]}
+
+
+def cuda_matches_cpu(device: str, preset: str = "small", steps: int = 10) -> dict:
+    """Same steps on CPU and `device`; compare per-step losses and final parameters."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = model_config(preset)
+    data = _data()
+    settings = InnerSettings(lr=1e-3, warmup_steps=2, batch_size=8)
+    runs = []
+    for dev in ("cpu", device):
+        t = InnerTrainer(cfg, data, settings=settings, shard_index=0, num_shards=1, seed=0, device=dev)
+        init = {n: p.detach().cpu().clone() for n, p in t.params.items()}
+        losses = [t.step().loss for _ in range(steps)]
+        runs.append((losses, {n: p.detach().cpu() for n, p in t.params.items()}))
+    (cl, cp), (gl, gp) = runs
+    loss_rel = max(abs(a - b) / abs(a) for a, b in zip(cl, gl))
+    # AdamW normalizes each coordinate, so a near-zero gradient's rounding can flip a single update's
+    # sign: judge the whole update (relative L2), and report the worst coordinate only as information.
+    diff = torch.cat([(cp[n] - gp[n]).reshape(-1) for n in cp]).norm()
+    update = torch.cat([(cp[n] - init[n]).reshape(-1) for n in cp]).norm()
+    update_rel = float(diff / update)
+    param_abs = max(float((cp[n] - gp[n]).abs().max()) for n in cp)
+    ok = loss_rel < 1e-3 and update_rel < 1e-2 and cl[-1] < cl[0]
+    return {"ok": ok, "note": "" if device != "cpu" else "SMOKE TEST: --device cpu compares the CPU with itself",
+            "rows": [{"preset": preset, "steps": steps, "loss_first_cpu": cl[0], "loss_last_cpu": cl[-1],
+                      "loss_last_gpu": gl[-1], "max_rel_loss_diff": loss_rel, "loss_bound": 1e-3,
+                      "update_rel_l2_diff": update_rel, "update_bound": 1e-2, "max_abs_param_diff": param_abs}]}
+
+
+def _nccl_worker(rank: int, world: int, gpus: int, port_q, out_q) -> None:
+    """One rank of a two-worker island group over NCCL: join, average a gradient, report."""
+    if gpus >= world:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # what Ray does for a worker holding one whole GPU
+    try:
+        from islands.distributed import WorkerGroup
+
+        if rank == 0:
+            group = WorkerGroup(rank=0, world_size=world, addr="127.0.0.1", backend="nccl", timeout_s=60)
+            for _ in range(world - 1):
+                port_q.put(group.port)
+        else:
+            group = WorkerGroup(rank=rank, world_size=world, addr="127.0.0.1", port=port_q.get(timeout=60),
+                                backend="nccl", timeout_s=60)
+        group.connect()
+        p = torch.nn.Parameter(torch.zeros(1000, device=group.device))
+        p.grad = torch.full_like(p, float(rank + 1))
+        loss = group.average_gradients([p], torch.tensor(float(rank), device=group.device))
+        expected = sum(range(1, world + 1)) / world
+        out_q.put({"rank": rank, "device": str(group.device), "ok": bool((p.grad == expected).all()),
+                   "mean_loss": float(loss), "error": None})
+        group.close()
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        out_q.put({"rank": rank, "device": None, "ok": False, "error": f"{type(err).__name__}: {err}"[:400]})
+
+
+def nccl_two_workers() -> dict:
+    """Two NCCL ranks: exact mean on two GPUs; on one GPU, NCCL's refusal (what config validation assumes)."""
+    if not torch.cuda.is_available():
+        return {"ok": None, "note": "skipped: no CUDA", "rows": []}
+    gpus = torch.cuda.device_count()
+    ctx = mp.get_context("spawn")
+    port_q, out_q = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_nccl_worker, args=(r, 2, gpus, port_q, out_q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = []
+    for _ in procs:
+        try:
+            rows.append(out_q.get(timeout=150))
+        except Exception:  # noqa: BLE001 - a hung rank is a result too
+            rows.append({"rank": None, "ok": False, "error": "no answer within 150 s"})
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    if gpus >= 2:
+        ok = all(r["ok"] for r in rows)
+        note = "two GPUs: one rank per card, gradient mean exact"
+    else:
+        ok = not any(r["ok"] for r in rows) and any("Duplicate GPU" in (r["error"] or "") for r in rows)
+        note = ("one GPU: NCCL must refuse two ranks on one card (config validation rejects such pools); "
+                "the two-worker NCCL island itself needs two GPUs")
+    return {"ok": ok, "note": note, "rows": sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0))}
+
+
+def _time_steps(preset: str, device: str, steps: int, warmup: int) -> float:
+    cfg = model_config(preset)
+    t = InnerTrainer(cfg, _data(), settings=InnerSettings(batch_size=16), shard_index=0, num_shards=1, seed=0,
+                     device=device)
+    for _ in range(warmup):
+        t.step()
+    return statistics.median(t.step().compute_s for _ in range(steps))
+
+
+def step_timing(device: str, presets: list[str]) -> dict:
+    """Median fp32 inner-step time per preset on the GPU and on the CPU (all its cores)."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    rows = []
+    for preset in presets:
+        cfg = model_config(preset)
+        tokens = 16 * cfg.seq_len
+        gpu = _time_steps(preset, device, steps=20, warmup=5) if device != "cpu" else None
+        tf32 = None
+        if device != "cpu":  # what TF32 matmuls would buy (islands train in plain fp32 today)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                tf32 = _time_steps(preset, device, steps=20, warmup=5)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = False
+        cpu = _time_steps(preset, "cpu", steps=3 if preset == "50m" else 8, warmup=1)
+        rows.append({"preset": preset, "seq_len": cfg.seq_len, "tokens_per_step": tokens,
+                     "gpu_step_ms": None if gpu is None else round(gpu * 1e3, 2),
+                     "gpu_step_ms_tf32": None if tf32 is None else round(tf32 * 1e3, 2),
+                     "cpu_step_ms": round(cpu * 1e3, 1), "cpu_threads": torch.get_num_threads(),
+                     "gpu_tokens_per_s": None if gpu is None else round(tokens / gpu),
+                     "cpu_tokens_per_s": round(tokens / cpu),
+                     "gpu_speedup": None if gpu is None else round(cpu / gpu, 1)})
+    return {"ok": True, "rows": rows}
+
+
+def _engine_run(pools: list[dict], budget: int, run_dir: Path) -> dict:
+    from orchestrator.config import build_config
+    from orchestrator.driver import train
+
+    cfg = build_config({
+        "run": {"token_budget": budget, "seed": 0, "placement_timeout_s": 60},
+        "model": {"preset": "tiny"},
+        "eval": {"interval_s": 2.0, "batches": 8},
+        "outer": {"num_fragments": 2, "sync_every_steps": 40},
+        "health": {"warm_spares": 1, "startup_s": 120},
+        "pools": pools,
+    })
+    return train(cfg, run_dir)
+
+
+def engine_mixed_pools(device: str, budget: int, run_root: str | None = None) -> dict:
+    """GPU and CPU islands in one run (real hardware); on two or more GPUs, one two-worker NCCL island too."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    gpu_pool = ({"name": "gpu", "islands": 2, "accelerator": torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0],
+                 "gpus_per_worker": 0.25, "cpus_per_island": 1} if device != "cpu"
+                else {"name": "gpu", "islands": 2, "cpus_per_island": 1})
+    cpu_pool = {"name": "cpu", "islands": 1, "cpus_per_island": 1}
+    rows, ok = [], True
+    runs = [("mixed", [gpu_pool, cpu_pool])]
+    if device != "cpu" and torch.cuda.device_count() >= 2:
+        runs.append(("nccl-island", [{"name": "gpu2", "islands": 1, "workers_per_island": 2, "gpus_per_worker": 1,
+                                      "accelerator": gpu_pool["accelerator"], "cpus_per_island": 1}]))
+    for name, pools in runs:
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            summary = _engine_run(pools, budget, Path(run_root or tmp) / name)
+            wall = time.perf_counter() - t0
+        evals = summary.get("evals") or []
+        first, last = (evals[0]["eval_loss"], evals[-1]["eval_loss"]) if evals else (None, None)
+        for isl in summary["islands"]:
+            want_gpu = isl["pool"] != "cpu" and device != "cpu"
+            dev_ok = ("cuda" in (isl.get("device") or "")) if want_gpu else isl.get("device") == "cpu"
+            trained = isl["tokens"] > 0
+            ok = ok and dev_ok and trained
+            rows.append({"run": name, "island": isl["island"], "pool": isl["pool"], "device": isl.get("device"),
+                         "steps": isl["steps"], "tokens": isl["tokens"], "device_ok": dev_ok})
+        fell = first is not None and last is not None and last < first
+        ok = ok and fell and summary.get("stopped_by") == "token_budget"
+        rows.append({"run": name, "island": "all", "pool": "-", "device": "-", "steps": None,
+                     "tokens": summary.get("tokens_processed"), "device_ok": None,
+                     "eval_loss_first": first, "eval_loss_last": last, "stopped_by": summary.get("stopped_by"),
+                     "wall_s": round(wall, 1)})
+    note = "SMOKE TEST: --device cpu runs the 'gpu' pool on the CPU" if device == "cpu" else \
+        "real hardware, nothing emulated"
+    return {"ok": ok, "note": note, "rows": rows}
+
+
+def _table(name: str, result: dict) -> str:
+    rows = result.get("rows") or []
+    verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[result.get("ok")]
+    head = f"### {name}: {verdict}" + (f" ({result['note']})" if result.get("note") else "")
+    if not rows:
+        return head + "\n"
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if not k.startswith("_")]
+    lines = [head, "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in (r.get(k, "") for k in keys)]
+        lines.append("| " + " | ".join(c if c != "None" else "" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="Write every section's result here as JSON.")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cuda (default); cpu runs the plumbing as a smoke test on a machine without a GPU.")
+    ap.add_argument("--presets", default="tiny,small,50m", help="Model presets to time (comma-separated).")
+    ap.add_argument("--budget", type=int, default=10_000_000, help="Token budget of each engine run.")
+    ap.add_argument("--run-root", default=None, help="Keep the engine runs' directories here (default: a temp dir).")
+    ap.add_argument("--only", default=None, help="Run only these sections (comma-separated names).")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: torch.cuda.is_available() is False here; run on a machine with a GPU, "
+              "or pass --device cpu for a plumbing smoke test", file=sys.stderr)
+        return 2
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    sections = {
+        "env": env_section,
+        "cuda_matches_cpu": lambda: cuda_matches_cpu(device),
+        "nccl_two_workers": nccl_two_workers,
+        "step_timing": lambda: step_timing(device, args.presets.split(",")),
+        "engine_mixed_pools": lambda: engine_mixed_pools(device, args.budget, args.run_root),
+    }
+    only = set(args.only.split(",")) if args.only else set(sections)
+    results = {}
+    for name, fn in sections.items():
+        if name not in only:
+            continue
+        t0 = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception as err:  # noqa: BLE001 - one failed section must not hide the others
+            results[name] = {"ok": False, "note": f"{type(err).__name__}: {err}"[:500],
+                             "traceback": traceback.format_exc()[-3000:], "rows": []}
+        results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(_table(name, results[name]), flush=True)
+        if results[name].get("traceback"):
+            print(results[name]["traceback"], flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    failed = [n for n, r in results.items() if r.get("ok") is False]
+    print("gpu_check:", "FAILED " + ", ".join(failed) if failed else "all checks passed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
