@@ -18,7 +18,8 @@ interface); ranks 1..W-1 are followers (`IslandFollower` here) that mirror it st
   single-process reference.
 
 Torch only: the Ray side (actors, placement) is in orchestrator/actors.py and health_monitor.py.
-The NCCL path is written but has not run on a GPU in this project's tests (CPU-only machine).
+The NCCL path has run only up to NCCL's own refusal of two ranks on one card (one-GPU machine,
+benchmarks/gpu_check.py); a two-worker NCCL island needs two GPUs and has not run.
 """
 
 from __future__ import annotations

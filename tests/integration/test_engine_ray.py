@@ -68,6 +68,7 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
     for isl in summary["islands"]:
         assert labels[isl["node"]]["pool"] == isl["pool"], isl
     assert {isl["pool"] for isl in summary["islands"]} == {"a", "b"}
+    assert {isl["device"] for isl in summary["islands"]} == {"cpu"}, "CPU pools: every island reports it trained on the CPU"
 
     # The run directory holds the event log and the summary.
     rounds = read_events(run_dir, "rounds")
