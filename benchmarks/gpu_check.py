@@ -1,6 +1,6 @@
 """GPU check: the CUDA and NCCL paths this project's CPU-only CI cannot run, in one short script.
 
-Five sections, each reported whatever the others do (a failure is a row, not a crash):
+Six sections, each reported whatever the others do (a failure is a row, not a crash):
 
 1. ``env``: torch, CUDA, NCCL versions and the cards.
 2. ``cuda_matches_cpu``: an island's inner trainer (islands/trainer.py) takes the same 10 AdamW steps
@@ -11,10 +11,12 @@ Five sections, each reported whatever the others do (a failure is a row, not a c
    NCCL and average a gradient. With two or more GPUs each rank gets its own card and the mean must be
    exact; with one GPU NCCL must refuse ("Duplicate GPU detected"), which is why the config rejects
    multi-worker GPU pools with fractional gpus_per_worker (orchestrator/config.py).
-4. ``step_timing``: fp32 inner-step time (forward, backward, clip, AdamW; batch 16) per model preset on
-   the GPU (also with TF32 matmuls, which islands do not use today) and on this machine's CPU cores,
-   medians of several steps, with tokens per second.
-5. ``engine_mixed_pools``: the whole engine through a local Ray: a GPU pool (two islands sharing the
+4. ``step_timing``: inner-step time (forward, backward, clip, AdamW; batch 16) per model preset on the
+   GPU in each ``inner.precision`` (fp32, tf32, bf16) and in fp32 on this machine's CPU cores, medians
+   of several steps, with tokens per second.
+5. ``precision_on_gpu``: 30 steps of the ``small`` preset on the GPU in each precision: tf32 must stay
+   within 0.5% and bf16 within 2% of fp32's per-step losses, and bf16 must differ from fp32 (autocast on).
+6. ``engine_mixed_pools``: the whole engine through a local Ray: a GPU pool (two islands sharing the
    card by fractional GPUs) and a CPU pool in one run, real hardware, nothing emulated; every island
    must train, report the device it used, and the held-out loss must fall. With two or more GPUs a
    second run trains one two-worker NCCL island.
@@ -52,11 +54,16 @@ from islands.spec import InnerSettings  # noqa: E402
 from islands.trainer import InnerTrainer  # noqa: E402
 
 
-def _data(n: int = 2_000_000, seed: int = 0) -> np.ndarray:
-    """Byte tokens with some structure (a repeated random text), so the loss falls within a few steps."""
-    rng = np.random.default_rng(seed)
-    block = rng.integers(32, 127, size=4096, dtype=np.uint8)
-    return np.tile(block, n // block.size + 1)[:n]
+_CORPUS: list[np.ndarray] = []
+
+
+def _data() -> np.ndarray:
+    """4 MB of the default corpus (the standard library's source), loaded once: real text, as runs train on."""
+    if not _CORPUS:
+        from islands.data import load_stdlib_corpus
+
+        _CORPUS.append(load_stdlib_corpus(max_bytes=4_000_000).train)
+    return _CORPUS[0]
 
 
 def env_section() -> dict:
@@ -98,6 +105,28 @@ def cuda_matches_cpu(device: str, preset: str = "small", steps: int = 10) -> dic
             "rows": [{"preset": preset, "steps": steps, "loss_first_cpu": cl[0], "loss_last_cpu": cl[-1],
                       "loss_last_gpu": gl[-1], "max_rel_loss_diff": loss_rel, "loss_bound": 1e-3,
                       "update_rel_l2_diff": update_rel, "update_bound": 1e-2, "max_abs_param_diff": param_abs}]}
+
+
+def precision_on_gpu(device: str, preset: str = "small", steps: int = 30) -> dict:
+    """inner.precision on the GPU: tf32 and bf16 training must track fp32 (and bf16 must not equal it)."""
+    cfg = model_config(preset)
+    data = _data()
+    losses = {}
+    for precision in ("fp32", "tf32", "bf16"):
+        t = InnerTrainer(cfg, data, settings=InnerSettings(lr=1e-3, warmup_steps=2, batch_size=8, precision=precision),
+                         shard_index=0, num_shards=1, seed=0, device=device)
+        losses[precision] = [t.step().loss for _ in range(steps)]
+        assert all(p.dtype == torch.float32 for p in t.params.values()), "weights stay fp32"
+    rows, ok = [], True
+    for precision, bound in (("tf32", 0.005), ("bf16", 0.02)):
+        rel = max(abs(a - b) / b for a, b in zip(losses[precision], losses["fp32"]))
+        engaged = losses[precision] != losses["fp32"] or device == "cpu" or precision == "tf32"
+        ok = ok and rel < bound and engaged
+        rows.append({"precision": precision, "preset": preset, "steps": steps, "loss_last": losses[precision][-1],
+                     "loss_last_fp32": losses["fp32"][-1], "max_rel_loss_diff_vs_fp32": rel, "bound": bound,
+                     "differs_from_fp32": losses[precision] != losses["fp32"]})
+    note = "SMOKE TEST: on CPU tf32 is fp32" if device == "cpu" else ""
+    return {"ok": ok, "note": note, "rows": rows}
 
 
 def _nccl_worker(rank: int, world: int, gpus: int, port_q, out_q) -> None:
@@ -156,10 +185,10 @@ def nccl_two_workers() -> dict:
     return {"ok": ok, "note": note, "rows": sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0))}
 
 
-def _time_steps(preset: str, device: str, steps: int, warmup: int) -> float:
+def _time_steps(preset: str, device: str, steps: int, warmup: int, precision: str = "fp32") -> float:
     cfg = model_config(preset)
-    t = InnerTrainer(cfg, _data(), settings=InnerSettings(batch_size=16), shard_index=0, num_shards=1, seed=0,
-                     device=device)
+    t = InnerTrainer(cfg, _data(), settings=InnerSettings(batch_size=16, precision=precision), shard_index=0,
+                     num_shards=1, seed=0, device=device)
     for _ in range(warmup):
         t.step()
     return statistics.median(t.step().compute_s for _ in range(steps))
@@ -173,17 +202,13 @@ def step_timing(device: str, presets: list[str]) -> dict:
         cfg = model_config(preset)
         tokens = 16 * cfg.seq_len
         gpu = _time_steps(preset, device, steps=20, warmup=5) if device != "cpu" else None
-        tf32 = None
-        if device != "cpu":  # what TF32 matmuls would buy (islands train in plain fp32 today)
-            torch.backends.cuda.matmul.allow_tf32 = True
-            try:
-                tf32 = _time_steps(preset, device, steps=20, warmup=5)
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = False
+        tf32 = _time_steps(preset, device, steps=20, warmup=5, precision="tf32") if device != "cpu" else None
+        bf16 = _time_steps(preset, device, steps=20, warmup=5, precision="bf16") if device != "cpu" else None
         cpu = _time_steps(preset, "cpu", steps=3 if preset == "50m" else 8, warmup=1)
         rows.append({"preset": preset, "seq_len": cfg.seq_len, "tokens_per_step": tokens,
                      "gpu_step_ms": None if gpu is None else round(gpu * 1e3, 2),
                      "gpu_step_ms_tf32": None if tf32 is None else round(tf32 * 1e3, 2),
+                     "gpu_step_ms_bf16": None if bf16 is None else round(bf16 * 1e3, 2),
                      "cpu_step_ms": round(cpu * 1e3, 1), "cpu_threads": torch.get_num_threads(),
                      "gpu_tokens_per_s": None if gpu is None else round(tokens / gpu),
                      "cpu_tokens_per_s": round(tokens / cpu),
@@ -191,13 +216,14 @@ def step_timing(device: str, presets: list[str]) -> dict:
     return {"ok": True, "rows": rows}
 
 
-def _engine_run(pools: list[dict], budget: int, run_dir: Path) -> dict:
+def _engine_run(pools: list[dict], budget: int, run_dir: Path, precision: str = "fp32") -> dict:
     from orchestrator.config import build_config
     from orchestrator.driver import train
 
     cfg = build_config({
         "run": {"token_budget": budget, "seed": 0, "placement_timeout_s": 60},
         "model": {"preset": "tiny"},
+        "inner": {"precision": precision},
         "eval": {"interval_s": 2.0, "batches": 8},
         "outer": {"num_fragments": 2, "sync_every_steps": 40},
         "health": {"warm_spares": 1, "startup_s": 120},
@@ -206,7 +232,7 @@ def _engine_run(pools: list[dict], budget: int, run_dir: Path) -> dict:
     return train(cfg, run_dir)
 
 
-def engine_mixed_pools(device: str, budget: int, run_root: str | None = None) -> dict:
+def engine_mixed_pools(device: str, budget: int, run_root: str | None = None, precision: str = "fp32") -> dict:
     """GPU and CPU islands in one run (real hardware); on two or more GPUs, one two-worker NCCL island too."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     gpu_pool = ({"name": "gpu", "islands": 2, "accelerator": torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0],
@@ -221,7 +247,7 @@ def engine_mixed_pools(device: str, budget: int, run_root: str | None = None) ->
     for name, pools in runs:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            summary = _engine_run(pools, budget, Path(run_root or tmp) / name)
+            summary = _engine_run(pools, budget, Path(run_root or tmp) / name, precision)
             wall = time.perf_counter() - t0
         evals = summary.get("evals") or []
         first, last = (evals[0]["eval_loss"], evals[-1]["eval_loss"]) if evals else (None, None)
@@ -230,11 +256,11 @@ def engine_mixed_pools(device: str, budget: int, run_root: str | None = None) ->
             dev_ok = ("cuda" in (isl.get("device") or "")) if want_gpu else isl.get("device") == "cpu"
             trained = isl["tokens"] > 0
             ok = ok and dev_ok and trained
-            rows.append({"run": name, "island": isl["island"], "pool": isl["pool"], "device": isl.get("device"),
+            rows.append({"run": name, "precision": precision, "island": isl["island"], "pool": isl["pool"], "device": isl.get("device"),
                          "steps": isl["steps"], "tokens": isl["tokens"], "device_ok": dev_ok})
         fell = first is not None and last is not None and last < first
         ok = ok and fell and summary.get("stopped_by") == "token_budget"
-        rows.append({"run": name, "island": "all", "pool": "-", "device": "-", "steps": None,
+        rows.append({"run": name, "precision": precision, "island": "all", "pool": "-", "device": "-", "steps": None,
                      "tokens": summary.get("tokens_processed"), "device_ok": None,
                      "eval_loss_first": first, "eval_loss_last": last, "stopped_by": summary.get("stopped_by"),
                      "wall_s": round(wall, 1)})
@@ -265,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="tiny,small,50m", help="Model presets to time (comma-separated).")
     ap.add_argument("--budget", type=int, default=10_000_000, help="Token budget of each engine run.")
     ap.add_argument("--run-root", default=None, help="Keep the engine runs' directories here (default: a temp dir).")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"],
+                    help="inner.precision of the engine run (the other sections try all three).")
     ap.add_argument("--only", default=None, help="Run only these sections (comma-separated names).")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -277,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_matches_cpu": lambda: cuda_matches_cpu(device),
         "nccl_two_workers": nccl_two_workers,
         "step_timing": lambda: step_timing(device, args.presets.split(",")),
-        "engine_mixed_pools": lambda: engine_mixed_pools(device, args.budget, args.run_root),
+        "precision_on_gpu": lambda: precision_on_gpu(device),
+        "engine_mixed_pools": lambda: engine_mixed_pools(device, args.budget, args.run_root, args.precision),
     }
     only = set(args.only.split(",")) if args.only else set(sections)
     results = {}

@@ -90,6 +90,7 @@ class InnerSettings:
     lr_final_ratio: float = 0.1  # cosine: the rate at the token budget, as a fraction of lr
     grad_clip: float | None = 1.0
     torch_threads: int = 1  # applied to the whole process by the island's actor shell, not here
+    precision: str = "fp32"  # fp32 | tf32 (GPU matmuls) | bf16 (autocast forward); weights and AdamW stay fp32
     batch_size: int = 16
     emulated_slowdown: float = 1.0  # EMULATION: stretch each step to this multiple of its compute time
     emulated_jitter: float = 0.0  # EMULATION: uniform +- fraction on the stretch

@@ -6,9 +6,11 @@ against a bare PyTorch loop with the same model, batch and threads (benchmarks/i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,42 @@ from policies.lr_schedule import lr_factor
 
 if TYPE_CHECKING:
     from islands.distributed import WorkerGroup
+
+
+PRECISIONS = ("fp32", "tf32", "bf16")
+"""Inner-step arithmetic modes (config field inner.precision)."""
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool) -> Iterator[None]:
+    # torch's TF32 switches are process-wide: set them for this step only, so nothing else in the
+    # process (evaluation, another trainer in a test) inherits them.
+    if not enabled:
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, precision: str = "fp32") -> torch.Tensor:
+    """The batch's mean loss, with its gradients accumulated into the (fp32) parameters, in `precision`.
+
+    'fp32': plain. 'tf32': GPU matmuls in TF32 (no effect on CPU). 'bf16': the forward pass under
+    bfloat16 autocast (the loss itself is computed in fp32 by autocast's rules); backward follows the
+    forward's dtypes, and gradients land in the fp32 parameters. Islands and the data-parallel baseline
+    both step through here, so a comparison runs both in the same arithmetic.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; use one of {', '.join(PRECISIONS)}")
+    with _tf32(precision == "tf32" and x.device.type == "cuda"):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model.loss(x, y)
+        loss.backward()
+    return loss
 
 
 @dataclass(frozen=True)
@@ -100,8 +138,7 @@ class InnerTrainer:
         x, y = self._next_batch()  # [B, T], [B, T]
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.steps)
-        loss = self.model.loss(x, y)
-        loss.backward()
+        loss = forward_backward(self.model, x, y, precision=self.settings.precision)
         mean_loss = loss.detach()
         if self.group is not None:  # every worker now holds the island's mean gradient (and loss)
             mean_loss = self.group.average_gradients(self.model.parameters(), mean_loss)

@@ -43,7 +43,7 @@ import yaml
 
 from islands.data import unigram_bits_per_byte
 from islands.model import build_model
-from islands.trainer import InnerTrainer
+from islands.trainer import InnerTrainer, forward_backward
 from orchestrator.checkpoint import PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
 from orchestrator.config import ConfigError, RunConfig, load_config
 from policies.lr_schedule import lr_factor
@@ -199,8 +199,7 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
                                   final_ratio=inner.lr_final_ratio)  # the islands' rule, at DP's exact progress
         for group in opt.param_groups:
             group["lr"] = lr
-        loss = model.loss(x, y)
-        loss.backward()
+        loss = forward_backward(model, x, y, precision=inner.precision)  # the islands' arithmetic
         torch.cat([p.grad.reshape(-1) for p in params], out=flat[:numel])
         if bf16:  # what crosses the emulated wire: the gradient rounded to bf16
             flat[:numel] = flat[:numel].to(torch.bfloat16).to(torch.float32)

@@ -115,6 +115,11 @@ class InnerSection(_Section):
                                   "budget as a fraction of lr.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the gradient norm to this; None disables clipping.")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per island worker.")
+    precision: Literal["fp32", "tf32", "bf16"] = Field(
+        "fp32", description="Arithmetic of the inner steps (islands and data parallel alike): 'fp32'; 'tf32' lets GPU "
+        "matmuls use TF32 (CPU islands stay fp32); 'bf16' runs the forward pass under bfloat16 autocast (on CPUs "
+        "without bf16 units it is slower than fp32). Weights, gradients, AdamW state, what islands send and "
+        "evaluation stay fp32.")
 
 
 class OuterSection(_Section):

@@ -98,6 +98,7 @@ def inner_settings(cfg: RunConfig, pool: PoolConfig | None = None) -> InnerSetti
     return InnerSettings(
         lr=i.lr, weight_decay=i.weight_decay, beta1=i.beta1, beta2=i.beta2, warmup_steps=i.warmup_steps,
         lr_schedule=i.lr_schedule, lr_final_ratio=i.lr_final_ratio, grad_clip=i.grad_clip, torch_threads=i.torch_threads, batch_size=cfg.data.batch_size,
+        precision=i.precision,
         **({"emulated_slowdown": pool.emulated_slowdown, "emulated_jitter": pool.emulated_jitter} if pool else {}),
     )
 

@@ -155,6 +155,7 @@ def test_data_parallel_stops_once_the_held_out_loss_is_at_the_target(ray_cluster
     data = dp_config()
     data["run"].update(token_budget=100_000_000, max_wall_s=120, stop_at_eval_loss=100.0)  # every finite loss meets it
     data["eval"]["interval_s"] = 0.5
+    data["inner"]["precision"] = "bf16"  # and the workers' steps go through bf16 autocast (islands' arithmetic)
     summary = train_data_parallel(build_config(data), tmp_path / "dp-target")
     assert summary["stopped_by"] == "stop_at_eval_loss"
     assert summary["steps"] < steps_for_budget(100_000_000, workers=3, batch_size=8, seq_len=32)
