@@ -1,6 +1,6 @@
 """GPU check: the CUDA and NCCL paths this project's CPU-only CI cannot run, in one short script.
 
-Six sections, each reported whatever the others do (a failure is a row, not a crash):
+Seven sections, each reported whatever the others do (a failure is a row, not a crash):
 
 1. ``env``: torch, CUDA, NCCL versions and the cards.
 2. ``cuda_matches_cpu``: an island's inner trainer (islands/trainer.py) takes the same 10 AdamW steps
@@ -16,7 +16,10 @@ Six sections, each reported whatever the others do (a failure is a row, not a cr
    of several steps, with tokens per second.
 5. ``precision_on_gpu``: 30 steps of the ``small`` preset on the GPU in each precision: tf32 must stay
    within 0.5% and bf16 within 2% of fp32's per-step losses, and bf16 must differ from fp32 (autocast on).
-6. ``engine_mixed_pools``: the whole engine through a local Ray: a GPU pool (two islands sharing the
+6. ``precision_long``: the ``tiny`` preset trained 3000 steps to low losses in fp32, bf16, and bf16 with
+   the output head in bf16 too (the arithmetic before the head was kept in fp32), each scored on 64
+   held-out batches in fp32: bf16 must land within 1% of fp32.
+7. ``engine_mixed_pools``: the whole engine through a local Ray: a GPU pool (two islands sharing the
    card by fractional GPUs) and a CPU pool in one run, real hardware, nothing emulated; every island
    must train, report the device it used, and the held-out loss must fall. With two or more GPUs a
    second run trains one two-worker NCCL island.
@@ -129,6 +132,50 @@ def precision_on_gpu(device: str, preset: str = "small", steps: int = 30) -> dic
     return {"ok": ok, "note": note, "rows": rows}
 
 
+def precision_long(device: str, steps: int = 3000) -> dict:
+    """Longer training in each precision (tiny preset, to low losses), scored on held-out data in fp32.
+
+    'bf16, bf16 head' is the arithmetic before the output head was kept in fp32 (its logits rounded to
+    bf16), reproduced here by patching the head, for the record of why the head stays fp32.
+    """
+    from islands.data import load_stdlib_corpus
+    from orchestrator.evaluation import Evaluator
+
+    corpus = load_stdlib_corpus(max_bytes=20_000_000)
+    cfg = model_config("tiny")
+    evaluator = Evaluator(cfg, corpus.heldout, batches=64, batch_size=16)
+    rows = {}
+    for label, precision, bf16_head in (("fp32", "fp32", False), ("bf16", "bf16", False),
+                                        ("bf16, bf16 head", "bf16", True)):
+        t = InnerTrainer(cfg, corpus.train, settings=InnerSettings(lr=3e-3, warmup_steps=20, batch_size=16,
+                                                                   precision=precision),
+                         shard_index=0, num_shards=1, seed=0, device=device)
+        if bf16_head:
+            model = t.model
+            model.forward = lambda idx, m=model: _forward_bf16_head(m, idx)
+        t0 = time.perf_counter()
+        losses = [t.step().loss for _ in range(steps)]
+        wall = time.perf_counter() - t0
+        held, _ = evaluator.evaluate({n: p.detach().cpu() for n, p in t.params.items()})
+        rows[label] = {"arithmetic": label, "steps": steps, "train_loss_last_200": statistics.mean(losses[-200:]),
+                       "heldout_loss": held, "train_s": round(wall, 1)}
+    base = rows["fp32"]["heldout_loss"]
+    for r in rows.values():
+        r["vs_fp32"] = f"{100 * (r['heldout_loss'] / base - 1):+.2f}%"
+    ok = rows["bf16"]["heldout_loss"] < 1.01 * base
+    return {"ok": ok, "note": "bf16 (output head in fp32) must land within 1% of fp32 on held-out data",
+            "rows": list(rows.values())}
+
+
+def _forward_bf16_head(model, idx: torch.Tensor) -> torch.Tensor:
+    # islands/model.py ByteTransformer.forward as it was: the head under autocast too.
+    T = idx.shape[1]
+    x = model.tok_emb(idx) + model.pos_emb(torch.arange(T, device=idx.device))
+    for block in model.blocks:
+        x = block(x)
+    return model.lm_head(model.ln_f(x))
+
+
 def _nccl_worker(rank: int, world: int, gpus: int, port_q, out_q) -> None:
     """One rank of a two-worker island group over NCCL: join, average a gradient, report."""
     if gpus >= world:
@@ -232,7 +279,8 @@ def _engine_run(pools: list[dict], budget: int, run_dir: Path, precision: str = 
     return train(cfg, run_dir)
 
 
-def engine_mixed_pools(device: str, budget: int, run_root: str | None = None, precision: str = "fp32") -> dict:
+def engine_mixed_pools(device: str, budget: int, run_root: str | None = None, precisions: tuple[str, ...] = ("fp32",),
+                       repeats: int = 1) -> dict:
     """GPU and CPU islands in one run (real hardware); on two or more GPUs, one two-worker NCCL island too."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     gpu_pool = ({"name": "gpu", "islands": 2, "accelerator": torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0],
@@ -240,11 +288,12 @@ def engine_mixed_pools(device: str, budget: int, run_root: str | None = None, pr
                 else {"name": "gpu", "islands": 2, "cpus_per_island": 1})
     cpu_pool = {"name": "cpu", "islands": 1, "cpus_per_island": 1}
     rows, ok = [], True
-    runs = [("mixed", [gpu_pool, cpu_pool])]
+    runs = [(f"mixed-{precision}-r{r + 1}", [gpu_pool, cpu_pool], precision)
+            for r in range(repeats) for precision in precisions]
     if device != "cpu" and torch.cuda.device_count() >= 2:
         runs.append(("nccl-island", [{"name": "gpu2", "islands": 1, "workers_per_island": 2, "gpus_per_worker": 1,
-                                      "accelerator": gpu_pool["accelerator"], "cpus_per_island": 1}]))
-    for name, pools in runs:
+                                      "accelerator": gpu_pool["accelerator"], "cpus_per_island": 1}], precisions[0]))
+    for name, pools, precision in runs:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             summary = _engine_run(pools, budget, Path(run_root or tmp) / name, precision)
@@ -291,8 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="tiny,small,50m", help="Model presets to time (comma-separated).")
     ap.add_argument("--budget", type=int, default=10_000_000, help="Token budget of each engine run.")
     ap.add_argument("--run-root", default=None, help="Keep the engine runs' directories here (default: a temp dir).")
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"],
-                    help="inner.precision of the engine run (the other sections try all three).")
+    ap.add_argument("--precision", default="fp32",
+                    help="inner.precision of the engine runs, comma-separated (e.g. fp32,bf16; the other sections "
+                         "try all three).")
+    ap.add_argument("--engine-repeats", type=int, default=1, help="Engine runs per precision (interleaved).")
+    ap.add_argument("--long-steps", type=int, default=3000, help="Steps per arithmetic in precision_long.")
     ap.add_argument("--only", default=None, help="Run only these sections (comma-separated names).")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -306,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         "nccl_two_workers": nccl_two_workers,
         "step_timing": lambda: step_timing(device, args.presets.split(",")),
         "precision_on_gpu": lambda: precision_on_gpu(device),
-        "engine_mixed_pools": lambda: engine_mixed_pools(device, args.budget, args.run_root, args.precision),
+        "precision_long": lambda: precision_long(device, args.long_steps),
+        "engine_mixed_pools": lambda: engine_mixed_pools(device, args.budget, args.run_root,
+                                                         tuple(args.precision.split(",")), args.engine_repeats),
     }
     only = set(args.only.split(",")) if args.only else set(sections)
     results = {}
@@ -323,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(name, results[name]), flush=True)
         if results[name].get("traceback"):
             print(results[name]["traceback"], flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+        if args.out:  # after every section, so a run cut short keeps what it measured
+            Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     failed = [n for n, r in results.items() if r.get("ok") is False]
     print("gpu_check:", "FAILED " + ", ".join(failed) if failed else "all checks passed", flush=True)
     return 1 if failed else 0
