@@ -22,7 +22,8 @@ Seven sections, each reported whatever the others do (a failure is a row, not a 
 7. ``engine_mixed_pools``: the whole engine through a local Ray: a GPU pool (two islands sharing the
    card by fractional GPUs) and a CPU pool in one run, real hardware, nothing emulated; every island
    must train, report the device it used, and the held-out loss must fall. With two or more GPUs a
-   second run trains one two-worker NCCL island.
+   second run trains one two-worker NCCL island (written, not yet run: the one machine lent so far
+   had one GPU).
 
 Run from the repository root on a machine with a GPU, Ray and this project's dependencies::
 
