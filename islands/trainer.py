@@ -50,8 +50,8 @@ def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *
 
     'fp32': plain. 'tf32': GPU matmuls in TF32 (no effect on CPU). 'bf16': the forward pass under
     bfloat16 autocast, except the output head and the loss, which stay fp32 (islands/model.py);
-    backward follows the forward's dtypes, and gradients land in the fp32 parameters. Islands and the data-parallel baseline
-    both step through here, so a comparison runs both in the same arithmetic.
+    backward follows the forward's dtypes, and gradients land in the fp32 parameters. Islands and
+    the data-parallel baseline both step through here, so a comparison runs both in one arithmetic.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}; use one of {', '.join(PRECISIONS)}")
