@@ -131,14 +131,20 @@ def emulation_note(cfg: RunConfig) -> str | None:
     return f"EMULATION: pool speeds emulated by throttling on one machine ({', '.join(parts)})" if parts else None
 
 
-def step_concurrency(cfg: RunConfig) -> int:
+def step_concurrency(cfg: RunConfig, *, gpu: bool = False) -> int:
     """How many inner steps `measure_step_s` times side by side: `network.step_concurrency`, or by default
     every island worker of the config on a one-node Ray cluster (they share its cores) and 1 on a
-    multi-node cluster (islands on their own machines)."""
+    multi-node cluster (islands on their own machines). Timed on a GPU (`gpu`), only the GPU pools'
+    workers count, spread over this machine's cards (islands that share a card share its time)."""
     if cfg.network.step_concurrency is not None:
         return cfg.network.step_concurrency
     alive = [node for node in ray.nodes() if node.get("Alive")] if ray.is_initialized() else []
-    return 1 if len(alive) > 1 else sum(p.islands * p.workers_per_island for p in cfg.pools)
+    if len(alive) > 1:
+        return 1
+    if gpu:
+        workers = sum(p.islands * p.workers_per_island for p in cfg.pools if p.accelerator != "cpu")
+        return max(1, math.ceil(workers / max(1, torch.cuda.device_count())))
+    return sum(p.islands * p.workers_per_island for p in cfg.pools)
 
 
 def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4, concurrency: int | None = None) -> float:
@@ -150,13 +156,14 @@ def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4, con
     stand in for the island processes because torch releases the GIL inside its ops: on this 2-core
     machine 4 threads measured 0.287 s per step against 0.28 s for 4 processes and 0.12 s for one alone.
     """
-    k = step_concurrency(cfg) if concurrency is None else concurrency
+    device = step_device(cfg)
+    k = step_concurrency(cfg, gpu=device != "cpu") if concurrency is None else concurrency
     inner = inner_settings(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.inner.torch_threads)
     try:
-        trainers = [InnerTrainer(model_cfg, train_data, settings=inner, shard_index=i, num_shards=k, seed=cfg.run.seed)
-                    for i in range(k)]
+        trainers = [InnerTrainer(model_cfg, train_data, settings=inner, shard_index=i, num_shards=k, seed=cfg.run.seed,
+                                 device=device) for i in range(k)]
 
         def run(trainer: InnerTrainer) -> list[float]:
             return [trainer.step().compute_s for _ in range(steps + 2)][2:]
@@ -166,8 +173,26 @@ def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4, con
     finally:
         torch.set_num_threads(threads)
     step_s = sorted(times)[len(times) // 2]
-    log.info("network scaling: inner step %.4f s (median of %d steps, %d stepping side by side)", step_s, len(times), k)
+    log.info("network scaling: inner step %.4f s on %s (median of %d steps, %d stepping side by side)", step_s,
+             device, len(times), k)
     return step_s
+
+
+def step_device(cfg: RunConfig) -> str:
+    """Where `measure_step_s` times the step: a GPU when any pool trains on one (the links are scaled to
+    the fastest islands' step; CPU pools of a mixed run are slower still), else the CPU.
+
+    Raises ConfigError when GPU pools need a measurement this process cannot take (no CUDA here, e.g. a
+    driver on a CPU head node): a CPU step, often 50x longer, would make the emulated links far too fast.
+    """
+    gpu_pools = [p.name for p in cfg.pools if p.accelerator != "cpu"]
+    if not gpu_pools:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ConfigError(f"network.scenario {cfg.network.scenario!r} scales its emulated links to the islands' step "
+                          f"time, but pools {', '.join(gpu_pools)} train on GPUs and this driver has no CUDA to time "
+                          f"their step; set network.local_step_s to their step time in seconds")
+    return "cuda"
 
 
 def with_measured_step(cfg: RunConfig, address: str | None) -> RunConfig:

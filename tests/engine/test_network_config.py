@@ -95,3 +95,28 @@ def test_the_driver_measures_the_step_once_and_keeps_it_in_the_config(monkeypatc
     assert got.network.local_step_s > 0 and cfg.network.local_step_s is None
     # Only that field changed: the run directory's config.yaml records the links a resume will reuse.
     assert got.model_copy(update={"network": cfg.network}) == cfg
+
+
+def test_gpu_pools_scale_the_links_to_a_gpu_step_or_ask_for_it(monkeypatch):
+    """A CPU step of the model can be 50x a GPU step (benchmarks/gpu_check.py on an H200): links scaled to it
+    would be far too fast for GPU islands, so the step is timed on a GPU, or the config must give it."""
+    import torch
+
+    from orchestrator import driver
+    from orchestrator.driver import step_concurrency, step_device, with_measured_step
+
+    monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
+    gpu = "pools=[{name: g, islands: 3, accelerator: H100, gpus_per_worker: 0.25}, {name: c, islands: 2}]"
+    cfg = load_config(None, ["network.scenario=wan-4-regions", "model.preset=nano", gpu])
+    assert step_device(load_config(None, [POOLS])) == "cpu"
+    if not torch.cuda.is_available():  # this project's machines: refused before anything starts, fix named
+        with pytest.raises(ConfigError, match=r"pools g train on GPUs and this driver has no CUDA to time their "
+                                              r"step; set network.local_step_s"):
+            with_measured_step(cfg, None)
+    given = load_config(None, ["network.scenario=wan-4-regions", "network.local_step_s=0.02", gpu])
+    assert with_measured_step(given, None) is given  # the step is given: nothing to time
+    # Timed on GPUs, only the GPU islands step side by side, spread over the cards.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert step_device(cfg) == "cuda"
+    assert step_concurrency(cfg, gpu=True) == 2 and step_concurrency(cfg) == 5
