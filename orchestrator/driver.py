@@ -184,6 +184,7 @@ def step_device(cfg: RunConfig) -> str:
 
     Raises ConfigError when GPU pools need a measurement this process cannot take (no CUDA here, e.g. a
     driver on a CPU head node): a CPU step, often 50x longer, would make the emulated links far too fast.
+    Timing on a GPU leaves this process a CUDA context (a few hundred MB of the card) for the run.
     """
     gpu_pools = [p.name for p in cfg.pools if p.accelerator != "cpu"]
     if not gpu_pools:
