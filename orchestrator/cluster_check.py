@@ -182,6 +182,38 @@ def unmatched_pools(cluster_yaml: dict[str, Any], cfg: RunConfig) -> list[str]:
     return [msg for pool in cfg.pools if (msg := _pool_problem(cluster_yaml, pool)) is not None]
 
 
+def local_problems(cfg: RunConfig, *, labels: dict[str, str], resources: dict[str, float]) -> list[str]:
+    """One line per thing the one-node Ray a driver started for itself can never host (it never grows):
+    a pool selecting labels the node lacks, or a resource the pools ask for (GPUs, custom resources)
+    that the node lacks or holds too little of for every island, worker and warm spare at once (a warm
+    spare reserves its pool's bundle too). CPUs are left out: the driver sizes the local Ray's logical
+    CPUs to the config. Without this, such a run waits for placement forever, warning every
+    placement_timeout_s; on a cluster it may be right to wait (nodes can join), so this is for local runs."""
+    problems: list[str] = []
+    total: dict[str, float] = {}
+    askers: dict[str, list[str]] = {}
+    for pool in cfg.pools:
+        if not label_selector_matches(pool.labels, labels):
+            problems.append(f"pool {pool.name!r} selects nodes labelled {_fmt(pool.labels)}, which the local Ray this "
+                            f"run started is not; drop the pool's labels for a local run, or pass --address of a "
+                            f"cluster that has such nodes")
+            continue
+        bundles = pool.islands * pool.workers_per_island + (cfg.health.warm_spares if pool.workers_per_island == 1 else 0)
+        for key, need in worker_bundle(pool).items():
+            if key != "CPU":
+                total[key] = total.get(key, 0.0) + need * bundles
+                askers.setdefault(key, []).append(pool.name)
+    for key, need in total.items():
+        have = resources.get(key, 0.0)
+        if have + 1e-9 < need:
+            fix = ("lower gpus_per_worker (islands may share a card, e.g. 0.25) or health.warm_spares, set the pools' "
+                   "accelerator: cpu, or pass --address of a cluster with more GPUs") if key == "GPU" else \
+                  "drop it from the pools' resources for a local run, or pass --address of a cluster that has it"
+            problems.append(f"pools {', '.join(askers[key])} need {key} {need:g} at once (every island, worker and "
+                            f"warm spare) but the local Ray this run started has {have:g}; {fix}")
+    return problems
+
+
 # ------------------------------------------------------------------------------------ safety
 
 def _ray_starts(cluster_yaml: dict[str, Any]) -> list[tuple[str, str]]:

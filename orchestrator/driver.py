@@ -248,6 +248,20 @@ def ensure_ray(cfg: RunConfig, address: str | None) -> bool:
     return True
 
 
+def check_local_fit(cfg: RunConfig) -> None:
+    """Raise ConfigError (one line; the local Ray shut down) when the one-node Ray this driver started cannot
+    host every pool (orchestrator.cluster_check.local_problems), instead of waiting for placement forever."""
+    from orchestrator.cluster_check import local_problems
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    problems = local_problems(cfg, labels=dict(nodes[0].get("Labels") or {}) if nodes else {},
+                              resources=ray.cluster_resources())
+    if problems:
+        ray.shutdown()
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise ConfigError(problems[0] + more)
+
+
 def kill_run_actors(run_id: str) -> int:
     """Kill every named actor and placement group of a run (islands are detached: they would outlive a dead driver)."""
     n = 0
@@ -645,6 +659,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     logging.getLogger().addHandler(handler)
     cfg = with_measured_step(cfg, address)
     started = ensure_ray(cfg, address)
+    if started:  # a Ray of our own never grows: what it cannot host now, it never will
+        check_local_fit(cfg)
     ignore_zero_copy_warnings()
     run = Run(cfg, run_dir, progress=progress, resume=resume)
     try:
