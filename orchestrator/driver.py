@@ -659,7 +659,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     logging.getLogger().addHandler(handler)
     cfg = with_measured_step(cfg, address)
     started = ensure_ray(cfg, address)
-    if started:  # a Ray of our own never grows: what it cannot host now, it never will
+    if started and not address:  # a Ray of our own never grows: what it cannot host now, it never will
         check_local_fit(cfg)
     ignore_zero_copy_warnings()
     run = Run(cfg, run_dir, progress=progress, resume=resume)
