@@ -291,6 +291,7 @@ class Run:
         self.events = EventLog(self.run_dir)
         self.outer = self.monitor = self.injector = None
         self.eval_points: list[dict] = []
+        self.before_flush_loss: float | None = None  # held-out loss just before the final flush (summary)
         self.tokens_before = 0
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self._stop_requested = False
@@ -539,6 +540,9 @@ class Run:
         run_end = time.time()
         wall = time.monotonic() - t0
         if flush:
+            # The global model as the last regular round left it, scored on the same held-out batches: what
+            # the final flush changes shows in the summary without another run's noise (RESULTS.md: a lead).
+            self.before_flush_loss, _ = self.evaluator.evaluate(self._get(self.outer.global_parameters.remote()))
             closed = self._get(self.outer.finish.remote(self.cfg.run.call_timeout_s), timeout=self.cfg.run.call_timeout_s + 30)
             log.info("final flush: %d rounds closed with the islands' last progress (%.1fs after stop began)",
                      closed, time.monotonic() - t_stop)
@@ -587,6 +591,7 @@ class Run:
             "mode": self.cfg.mode,
             "emulation": emulation_note(self.cfg),
             "eval_loss": final_eval["eval_loss"],
+            "eval_loss_before_flush": self.before_flush_loss,  # None without run.final_flush
             "eval_bits_per_byte": final_eval["eval_bits_per_byte"],
             "unigram_bits_per_byte": self.unigram_bpb,
             "tokens_processed": self._tokens(),

@@ -61,6 +61,8 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
         assert ledger["lost"][p] == 0, "no failure, no loss"
     assert summary["failures"] == 0 and 0.0 < summary["goodput"] <= 1.0 and summary["uptime"] > 0.0
     assert summary["stopped_by"] == "token_budget"
+    # Scored on the same held-out batches just before the final flush: a real, different number (the flush merged).
+    assert 0 < summary["eval_loss_before_flush"] < 6 and summary["eval_loss_before_flush"] != summary["eval_loss"]
     assert summary["tokens_merged"] > 0 and summary["rounds"] > 0
 
     # Islands land on nodes whose labels their pool selects.
