@@ -356,7 +356,7 @@ class RunSection(_Section):
     call_timeout_s: float = Field(60.0, gt=0, description="Timeout of control-plane calls (status, adopt, stop).")
     max_wall_s: float | None = Field(None, gt=0, description="Hard wall-clock stop in seconds (None = only the token budget).")
     stop_at_eval_loss: float | None = Field(None, gt=0, description="Stop early once the held-out loss (nats/byte) is at or below this at 2 evaluations in a row (None = never); for timing a run to a target loss.")
-    final_flush: bool = Field(True, description="At stop, cut every island's unsubmitted progress into submissions and merge them whatever the quorum (otherwise that work is lost).")
+    final_flush: bool = Field(True, description="At stop, cut every island's unsubmitted progress into submissions and merge them whatever the quorum (otherwise that work is lost), as one step to their weighted mean (no RDA, no momentum).")
 
 
 class RunConfig(_Section):

@@ -199,7 +199,7 @@ class FragmentOuterOptimizer:
                 p.sub_(direction, alpha=s * lr)
 
     def average_step(self, outer_grad: Sequence[Tensor]) -> None:
-        """``params -= outer_grad``: move to the merged islands' position, without lr or momentum.
+        """``params -= outer_grad``: move to the merged islands' position (their weighted mean), without lr or momentum.
 
         The last step of a run (the final flush): with the islands stopped there is no next round
         for momentum to accelerate, so one more Nesterov step would only overshoot by lr * mu^2 * buf.

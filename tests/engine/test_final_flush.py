@@ -115,3 +115,33 @@ def test_a_lone_island_round_under_the_clock_takes_the_partial_momentum():
     assert any(m.abs().max() > 0 for m in moved[None])
     for half, full in zip(moved[0.5], moved[None]):
         torch.testing.assert_close(half, full * factor[0.5] / factor[0.9], rtol=1e-5, atol=1e-7)
+
+
+def test_the_flush_moves_to_the_islands_weighted_mean_not_an_rda_step():
+    """Golden: global after the flush = global before - sum_m w_m * delta_m (w by tokens, equal batches), even
+    under merge_rule rda, whose radial-directional step would be longer (measured to raise the final loss)."""
+    import torch
+
+    from policies.downlink import decode_fragment
+
+    outer, (a, b) = setup(2, OuterSettings(min_quorum=2, grace_gamma=math.inf, grace_cap_s=math.inf, merge_rule="rda"))
+    for _ in range(3):
+        a.step()
+    b.step()  # different progress, different token counts: unequal weights
+    outer.hold()  # as the driver does before the islands' last cuts: no regular round closes on them
+    for island in (a, b):
+        island.stop(flush=True)
+    subs = {0: [], 1: []}
+    for island in (a, b):
+        while (sub := island.next_submission(0)) is not None:
+            subs[sub.fragment].append(sub)
+            assert outer.receive(sub, now=1.0)[1] is None
+    before = [outer.fragment(p) for p in (0, 1)]
+    outer.close_all(now=2.0)
+    for p in (0, 1):
+        tokens = [s.tokens for s in subs[p]]
+        assert len(tokens) == 2 and tokens[0] != tokens[1]
+        deltas = [decode_fragment(s.payload) for s in subs[p]]
+        for t, (old, new) in enumerate(zip(before[p], outer.fragment(p))):
+            mean = sum(w / sum(tokens) * d[t] for w, d in zip(tokens, deltas))
+            torch.testing.assert_close(new, old - mean, rtol=0, atol=1e-6)
