@@ -198,7 +198,7 @@ def local_problems(cfg: RunConfig, *, labels: dict[str, str], resources: dict[st
                             f"run started is not; drop the pool's labels for a local run, or pass --address of a "
                             f"cluster that has such nodes")
             continue
-        bundles = pool.islands * pool.workers_per_island + (cfg.health.warm_spares if pool.workers_per_island == 1 else 0)
+        bundles = pool.reserved_bundles(cfg.health.warm_spares)
         for key, need in worker_bundle(pool).items():
             if key != "CPU":
                 total[key] = total.get(key, 0.0) + need * bundles

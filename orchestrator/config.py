@@ -280,6 +280,11 @@ class PoolConfig(_Section):
         """True when this pool's speed is emulated by throttling (report it as emulation)."""
         return self.emulated_slowdown != 1.0 or self.emulated_jitter > 0
 
+    def reserved_bundles(self, warm_spares: int) -> int:
+        """Worker bundles this pool holds at once: one per worker of every island, plus `warm_spares` when its
+        islands are single workers (pools of several workers per island get no spares)."""
+        return self.islands * self.workers_per_island + (warm_spares if self.workers_per_island == 1 else 0)
+
 
 class EvalSection(_Section):
     """Periodic evaluation of the global parameters on held-out data."""

@@ -141,10 +141,8 @@ def step_concurrency(cfg: RunConfig, *, gpu: bool = False) -> int:
     alive = [node for node in ray.nodes() if node.get("Alive")] if ray.is_initialized() else []
     if len(alive) > 1:
         return 1
-    if gpu:
-        workers = sum(p.islands * p.workers_per_island for p in cfg.pools if p.accelerator != "cpu")
-        return max(1, math.ceil(workers / max(1, torch.cuda.device_count())))
-    return sum(p.islands * p.workers_per_island for p in cfg.pools)
+    workers = sum(p.islands * p.workers_per_island for p in cfg.pools if not gpu or p.accelerator != "cpu")
+    return max(1, math.ceil(workers / max(1, torch.cuda.device_count()))) if gpu else workers
 
 
 def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4, concurrency: int | None = None) -> float:
@@ -238,10 +236,7 @@ def ensure_ray(cfg: RunConfig, address: str | None) -> bool:
         ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING)
         return True
     # Logical CPUs may exceed physical cores: islands are throttled or small; Ray only counts.
-    # Every worker of an island reserves its own bundle; pools of several workers per island get no spares.
-    needed = math.ceil(sum(p.cpus_per_island * (p.islands * p.workers_per_island
-                                                + (cfg.health.warm_spares if p.workers_per_island == 1 else 0))
-                           for p in cfg.pools))
+    needed = math.ceil(sum(p.cpus_per_island * p.reserved_bundles(cfg.health.warm_spares) for p in cfg.pools))
     # address="local": never join some other cluster running on this machine by accident.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
              runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING)
