@@ -21,9 +21,11 @@ Seven sections, each reported whatever the others do (a failure is a row, not a 
    held-out batches in fp32: bf16 must land within 1% of fp32.
 7. ``engine_mixed_pools``: the whole engine through a local Ray: a GPU pool (two islands sharing the
    card by fractional GPUs) and a CPU pool in one run, real hardware, nothing emulated; every island
-   must train, report the device it used, and the held-out loss must fall. With two or more GPUs a
-   second run trains one two-worker NCCL island (written, not yet run: the one machine lent so far
-   had one GPU).
+   must train, report the device it used, and the held-out loss must fall. Variants by precision
+   (``--precision fp32,bf16,bf16:fp32``: the GPU pool's, then the CPU pool's), repeated
+   (``--engine-repeats``), each final model rescored on 256 held-out batches, medians per variant;
+   ``--engine-pools gpu`` leaves the CPU pool out. With two or more GPUs a further run trains one
+   two-worker NCCL island (written, not yet run: the machines lent so far had one GPU).
 
 Run from the repository root on a machine with a GPU, Ray and this project's dependencies::
 
@@ -264,14 +266,13 @@ def step_timing(device: str, presets: list[str]) -> dict:
     return {"ok": True, "rows": rows}
 
 
-def _engine_run(pools: list[dict], budget: int, run_dir: Path, precision: str = "fp32") -> dict:
+def _engine_run(pools: list[dict], budget: int, run_dir: Path) -> dict:
     from orchestrator.config import build_config
     from orchestrator.driver import train
 
     cfg = build_config({
         "run": {"token_budget": budget, "seed": 0, "placement_timeout_s": 60},
         "model": {"preset": "tiny"},
-        "inner": {"precision": precision},
         "eval": {"interval_s": 2.0, "batches": 8},
         "outer": {"num_fragments": 2, "sync_every_steps": 40},
         "health": {"warm_spares": 1, "startup_s": 120},
@@ -280,25 +281,48 @@ def _engine_run(pools: list[dict], budget: int, run_dir: Path, precision: str = 
     return train(cfg, run_dir)
 
 
+def _variant(spec: str) -> tuple[str, str]:
+    """'bf16' -> every pool in bf16; 'bf16:fp32' -> the GPU pool in bf16, the CPU pool in fp32."""
+    gpu, _, cpu = spec.partition(":")
+    return gpu, cpu or gpu
+
+
 def engine_mixed_pools(device: str, budget: int, run_root: str | None = None, precisions: tuple[str, ...] = ("fp32",),
-                       repeats: int = 1) -> dict:
-    """GPU and CPU islands in one run (real hardware); on two or more GPUs, one two-worker NCCL island too."""
+                       repeats: int = 1, pools: str = "mixed", score_batches: int = 256) -> dict:
+    """GPU and CPU islands in one run (real hardware); on two or more GPUs, one two-worker NCCL island too.
+
+    `precisions` are variants, 'GPU[:CPU]' (the GPU pool's precision, then the CPU pool's; one value sets
+    both). `pools` 'gpu' leaves the CPU pool out. Each final model is scored again on `score_batches`
+    held-out batches (a run's own evaluations score 8, which swing about 0.5%), and each variant's
+    median over its repeats closes the table.
+    """
+    from orchestrator.trained import evaluate_trained, load_trained
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     gpu_pool = ({"name": "gpu", "islands": 2, "accelerator": torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0],
                  "gpus_per_worker": 0.25, "cpus_per_island": 1} if device != "cpu"
                 else {"name": "gpu", "islands": 2, "cpus_per_island": 1})
     cpu_pool = {"name": "cpu", "islands": 1, "cpus_per_island": 1}
-    rows, ok = [], True
-    runs = [(f"mixed-{precision}-r{r + 1}", [gpu_pool, cpu_pool], precision)
-            for r in range(repeats) for precision in precisions]
+    rows, ok, scored = [], True, {}
+    runs = []
+    for r in range(repeats):
+        for spec in precisions:
+            gpu_prec, cpu_prec = _variant(spec)
+            run_pools = [{**gpu_pool, "precision": gpu_prec}] + ([{**cpu_pool, "precision": cpu_prec}] if pools == "mixed" else [])
+            runs.append((f"{pools}-{spec.replace(':', '-')}-r{r + 1}", run_pools, spec))
     if device != "cpu" and torch.cuda.device_count() >= 2:
         runs.append(("nccl-island", [{"name": "gpu2", "islands": 1, "workers_per_island": 2, "gpus_per_worker": 1,
                                       "accelerator": gpu_pool["accelerator"], "cpus_per_island": 1}], precisions[0]))
-    for name, pools, precision in runs:
+    for name, run_pools, spec in runs:
         with tempfile.TemporaryDirectory() as tmp:
+            run_dir = Path(run_root or tmp) / name
             t0 = time.perf_counter()
-            summary = _engine_run(pools, budget, Path(run_root or tmp) / name, precision)
+            summary = _engine_run(run_pools, budget, run_dir)
             wall = time.perf_counter() - t0
+            final = evaluate_trained(load_trained(run_dir), [f"eval.batches={score_batches}"])["eval_loss"]
+        scored.setdefault(spec, []).append(final)
+        print(f"engine run {name}: final held-out loss {final:.4f} on {score_batches} batches, "
+              f"{summary.get('tokens_processed')} tokens, {wall:.1f} s", flush=True)  # progress on a long check
         evals = summary.get("evals") or []
         first, last = (evals[0]["eval_loss"], evals[-1]["eval_loss"]) if evals else (None, None)
         for isl in summary["islands"]:
@@ -306,14 +330,17 @@ def engine_mixed_pools(device: str, budget: int, run_root: str | None = None, pr
             dev_ok = ("cuda" in (isl.get("device") or "")) if want_gpu else isl.get("device") == "cpu"
             trained = isl["tokens"] > 0
             ok = ok and dev_ok and trained
-            rows.append({"run": name, "precision": precision, "island": isl["island"], "pool": isl["pool"], "device": isl.get("device"),
-                         "steps": isl["steps"], "tokens": isl["tokens"], "device_ok": dev_ok})
+            rows.append({"run": name, "precision": isl.get("precision"), "island": isl["island"], "pool": isl["pool"],
+                         "device": isl.get("device"), "steps": isl["steps"], "tokens": isl["tokens"], "device_ok": dev_ok})
         fell = first is not None and last is not None and last < first
         ok = ok and fell and summary.get("stopped_by") == "token_budget"
-        rows.append({"run": name, "precision": precision, "island": "all", "pool": "-", "device": "-", "steps": None,
+        rows.append({"run": name, "precision": spec, "island": "all", "pool": "-", "device": "-", "steps": None,
                      "tokens": summary.get("tokens_processed"), "device_ok": None,
-                     "eval_loss_first": first, "eval_loss_last": last, "stopped_by": summary.get("stopped_by"),
-                     "wall_s": round(wall, 1)})
+                     "eval_loss_first": first, "eval_loss_last": last, f"eval_loss_{score_batches}": final,
+                     "stopped_by": summary.get("stopped_by"), "wall_s": round(wall, 1)})
+    for spec, losses in scored.items():
+        rows.append({"run": f"median of {len(losses)}", "precision": spec, "island": "all",
+                     f"eval_loss_{score_batches}": statistics.median(losses)})
     note = "SMOKE TEST: --device cpu runs the 'gpu' pool on the CPU" if device == "cpu" else \
         "real hardware, nothing emulated"
     return {"ok": ok, "note": note, "rows": rows}
@@ -342,9 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=10_000_000, help="Token budget of each engine run.")
     ap.add_argument("--run-root", default=None, help="Keep the engine runs' directories here (default: a temp dir).")
     ap.add_argument("--precision", default="fp32",
-                    help="inner.precision of the engine runs, comma-separated (e.g. fp32,bf16; the other sections "
-                         "try all three).")
+                    help="Precision variants of the engine runs, comma-separated, each GPU[:CPU] (e.g. fp32,bf16,bf16:fp32: "
+                         "the GPU pool's precision, then the CPU pool's; the other sections try all three).")
     ap.add_argument("--engine-repeats", type=int, default=1, help="Engine runs per precision (interleaved).")
+    ap.add_argument("--engine-pools", default="mixed", choices=["mixed", "gpu"],
+                    help="mixed (default): the GPU pool beside a one-island CPU pool; gpu: the GPU pool alone.")
+    ap.add_argument("--score-batches", type=int, default=256,
+                    help="Held-out batches each engine run's final model is scored on (default 256).")
     ap.add_argument("--long-steps", type=int, default=3000, help="Steps per arithmetic in precision_long.")
     ap.add_argument("--only", default=None, help="Run only these sections (comma-separated names).")
     args = ap.parse_args(argv)
@@ -361,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         "precision_on_gpu": lambda: precision_on_gpu(device),
         "precision_long": lambda: precision_long(device, args.long_steps),
         "engine_mixed_pools": lambda: engine_mixed_pools(device, args.budget, args.run_root,
-                                                         tuple(args.precision.split(",")), args.engine_repeats),
+                                                         tuple(args.precision.split(",")), args.engine_repeats,
+                                                         args.engine_pools, args.score_batches),
     }
     only = set(args.only.split(",")) if args.only else set(sections)
     results = {}

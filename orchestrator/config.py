@@ -257,6 +257,9 @@ class PoolConfig(_Section):
     accelerator: str = Field("cpu", description="Hardware kind of this pool's nodes, e.g. 'cpu', 'H100', 'v5p'; islands use CUDA when it is not 'cpu'.")
     workers_per_island: int = Field(1, ge=1, description="Workers per island, data-parallel inside the island (gloo on CPU, NCCL on GPU); one failure domain.")
     gpus_per_worker: float = Field(0.0, ge=0, description="GPUs reserved per worker bundle (0 on CPU pools).")
+    precision: Literal["fp32", "tf32", "bf16"] | None = Field(
+        None, description="This pool's inner-step arithmetic, overriding inner.precision (e.g. bf16 on an H100 pool, "
+        "fp32 on an older generation without bf16 units); None follows inner.precision.")
     emulated_slowdown: float = Field(1.0, ge=1.0, description="EMULATION: stretch each inner step to this multiple of its compute time (sleep).")
     emulated_jitter: float = Field(0.0, ge=0.0, lt=1.0, description="EMULATION: random +- fraction on the stretched step time.")
 

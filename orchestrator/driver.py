@@ -93,12 +93,12 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
 
 
 def inner_settings(cfg: RunConfig, pool: PoolConfig | None = None) -> InnerSettings:
-    """The inner AdamW settings of the config, with `pool`'s speed emulation (none without a pool)."""
+    """The inner AdamW settings of the config, with `pool`'s precision override and speed emulation (none without a pool)."""
     i = cfg.inner
     return InnerSettings(
         lr=i.lr, weight_decay=i.weight_decay, beta1=i.beta1, beta2=i.beta2, warmup_steps=i.warmup_steps,
         lr_schedule=i.lr_schedule, lr_final_ratio=i.lr_final_ratio, grad_clip=i.grad_clip, torch_threads=i.torch_threads, batch_size=cfg.data.batch_size,
-        precision=i.precision,
+        precision=(pool.precision if pool and pool.precision else i.precision),
         **({"emulated_slowdown": pool.emulated_slowdown, "emulated_jitter": pool.emulated_jitter} if pool else {}),
     )
 
@@ -156,7 +156,10 @@ def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4, con
     """
     device = step_device(cfg)
     k = step_concurrency(cfg, gpu=device != "cpu") if concurrency is None else concurrency
-    inner = inner_settings(cfg)
+    # In the timed pools' arithmetic (the first one's, when their precisions differ): a bf16 GPU step is
+    # up to 3x shorter than an fp32 one, and the links follow the step.
+    timed = [p for p in cfg.pools if device == "cpu" or p.accelerator != "cpu"]
+    inner = replace(inner_settings(cfg), precision=inner_settings(cfg, timed[0]).precision)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.inner.torch_threads)
     try:
@@ -579,6 +582,7 @@ class Run:
         P = self.plan.num_fragments
         mean = lambda xs: sum(xs) / P  # noqa: E731 - tokens count once per fragment; report the fragment mean
         slots = self.snapshot["slots"].values()
+        precision = {p.name: inner_settings(self.cfg, p).precision for p in self.cfg.pools}
         detect, rejoin = self.snapshot["detect_s"], self.snapshot["rejoin_s"]
         salvages = self.snapshot.get("salvages", [])
         live, dead = self._statuses()
@@ -633,6 +637,7 @@ class Run:
             "islands": [{"island": s["island"], "pool": s["pool"], "node": s["node"], "incarnation": s["incarnation"],
                          "failures": s["failures"], "restarts": s["restarts"], "state": s["state"],
                          "device": s["status"].device if s["status"] else None,  # where it trained: cpu, cuda:0 (card)
+                         "precision": precision[s["pool"]],  # its inner steps' arithmetic (pool's, else inner.precision)
                          "steps": s["status"].steps if s["status"] else 0,
                          "tokens": (s["status"].tokens if s["status"] else 0) + sum(f.tokens for f in s["finals"])}
                         for s in slots],

@@ -74,6 +74,7 @@ def test_sync_diloco_preset_sets_the_degenerate_settings():
          "pool 'a': 2 workers per island on GPUs need a whole GPU each (NCCL refuses two ranks on one card)"),
         (["network.step_concurrency=0"], "config field 'network.step_concurrency'"),
         (["inner.precision=fp16"], "config field 'inner.precision': Input should be 'fp32', 'tf32' or 'bf16'"),
+        (["pools.0.precision=fp8"], "config field 'pools.0.precision': Input should be 'fp32', 'tf32' or 'bf16'"),
         (["outer.publish_to=some"], "config field 'outer.publish_to': Input should be 'all' or 'participants'"),
         (["pools.2.islands=1"], "pools has 2 entries, so index 2 does not exist; use 0..1 or a name (fast, slow)"),
         (["pools.medium.islands=1"], "pools has no entry named 'medium'; use one of fast, slow or an index 0..1"),

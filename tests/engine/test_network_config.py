@@ -120,3 +120,29 @@ def test_gpu_pools_scale_the_links_to_a_gpu_step_or_ask_for_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert step_device(cfg) == "cuda"
     assert step_concurrency(cfg, gpu=True) == 2 and step_concurrency(cfg) == 5
+
+
+def test_a_pool_precision_overrides_inner_precision_for_its_islands_and_the_timed_step(monkeypatch):
+    # Mixed generations in one run: bf16 on the new pool, the run's fp32 on the old one.
+    from islands.data import load_stdlib_corpus
+    from islands.model import model_config
+    from orchestrator import driver
+
+    cfg = load_config(None, ["inner.precision=fp32", "pools=[{name: new, precision: bf16}, {name: old}]"])
+    new, old = cfg.pools
+    assert driver.inner_settings(cfg, new).precision == "bf16"
+    assert driver.inner_settings(cfg, old).precision == "fp32"
+    assert driver.inner_settings(cfg).precision == "fp32"  # no pool: the run's (data parallel's) arithmetic
+
+    # The links are scaled to a step in the timed pool's arithmetic, not the run's default.
+    seen = []
+
+    class Recording(driver.InnerTrainer):
+        def __init__(self, *args, settings, **kwargs):
+            seen.append(settings.precision)
+            super().__init__(*args, settings=settings, **kwargs)
+
+    monkeypatch.setattr(driver, "InnerTrainer", Recording)
+    corpus = load_stdlib_corpus(max_bytes=200_000, heldout_fraction=0.1)
+    driver.measure_step_s(cfg, model_config("nano"), corpus.train, steps=1, concurrency=2)
+    assert seen == ["bf16", "bf16"]

@@ -29,7 +29,7 @@ def two_pool_config(outer: dict | None = None, islands: int = 2, **run) -> dict:
         "pools": [
             {"name": "a", "islands": islands, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "region": "us-east"},
             {"name": "b", "islands": islands, "labels": {"pool": "b"}, "cpus_per_island": 0.5, "region": "eu-west",
-             "emulated_slowdown": 1.5},
+             "emulated_slowdown": 1.5, "precision": "bf16"},  # mixed arithmetic in one run (pool override)
         ],
     }
 
@@ -71,6 +71,7 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
         assert labels[isl["node"]]["pool"] == isl["pool"], isl
     assert {isl["pool"] for isl in summary["islands"]} == {"a", "b"}
     assert {isl["device"] for isl in summary["islands"]} == {"cpu"}, "CPU pools: every island reports it trained on the CPU"
+    assert {(isl["pool"], isl["precision"]) for isl in summary["islands"]} == {("a", "fp32"), ("b", "bf16")}
 
     # The run directory holds the event log and the summary.
     rounds = read_events(run_dir, "rounds")
