@@ -75,8 +75,11 @@ def format_summary(summary: dict) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for isl in summary["islands"]:
+        # Where and in what arithmetic, when not the plain CPU fp32 of most runs (GPU pools, per-pool precision).
+        device, precision = isl.get("device"), isl.get("precision")
+        where = f", {device or 'cpu'} {precision or 'fp32'}" if device not in (None, "cpu") or precision not in (None, "fp32") else ""
         lines.append(f"{'  island ' + str(isl['island']) + ' (' + isl['pool'] + ')':<{width}}  "
-                     f"{isl['steps']} steps, {isl['tokens']:,} tokens, {isl['state']}")
+                     f"{isl['steps']} steps, {isl['tokens']:,} tokens, {isl['state']}{where}")
     if summary.get("emulation"):
         lines.append(summary["emulation"])
     if summary.get("network_emulated"):
