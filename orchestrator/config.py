@@ -427,6 +427,10 @@ class RunConfig(_Section):
         """Total islands over all pools."""
         return sum(p.islands for p in self.pools)
 
+    def precision_of(self, pool: PoolConfig) -> str:
+        """The inner-step arithmetic of `pool`'s islands: its own `precision`, else inner.precision."""
+        return pool.precision or self.inner.precision
+
     def min_quorum_count(self) -> int:
         """K as a number ('all' resolved to the number of islands)."""
         k = self.outer.min_quorum

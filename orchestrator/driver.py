@@ -98,7 +98,7 @@ def inner_settings(cfg: RunConfig, pool: PoolConfig | None = None) -> InnerSetti
     return InnerSettings(
         lr=i.lr, weight_decay=i.weight_decay, beta1=i.beta1, beta2=i.beta2, warmup_steps=i.warmup_steps,
         lr_schedule=i.lr_schedule, lr_final_ratio=i.lr_final_ratio, grad_clip=i.grad_clip, torch_threads=i.torch_threads, batch_size=cfg.data.batch_size,
-        precision=(pool.precision if pool and pool.precision else i.precision),
+        precision=cfg.precision_of(pool) if pool else i.precision,
         **({"emulated_slowdown": pool.emulated_slowdown, "emulated_jitter": pool.emulated_jitter} if pool else {}),
     )
 
@@ -159,7 +159,7 @@ def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4, con
     # In the timed pools' arithmetic (the first one's, when their precisions differ): a bf16 GPU step is
     # up to 3x shorter than an fp32 one, and the links follow the step.
     timed = [p for p in cfg.pools if device == "cpu" or p.accelerator != "cpu"]
-    inner = replace(inner_settings(cfg), precision=inner_settings(cfg, timed[0]).precision)
+    inner = replace(inner_settings(cfg), precision=cfg.precision_of(timed[0]))
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.inner.torch_threads)
     try:
@@ -582,7 +582,7 @@ class Run:
         P = self.plan.num_fragments
         mean = lambda xs: sum(xs) / P  # noqa: E731 - tokens count once per fragment; report the fragment mean
         slots = self.snapshot["slots"].values()
-        precision = {p.name: inner_settings(self.cfg, p).precision for p in self.cfg.pools}
+        precision = {p.name: self.cfg.precision_of(p) for p in self.cfg.pools}
         detect, rejoin = self.snapshot["detect_s"], self.snapshot["rejoin_s"]
         salvages = self.snapshot.get("salvages", [])
         live, dead = self._statuses()

@@ -41,25 +41,25 @@ def test_bad_network_settings_are_one_line_errors():
         build_run_network(cfg, 4 * 30_000, lambda: 0.1)
 
 
+# The fields format_summary reads, for a run with no islands and no emulation.
+SUMMARY = {"mode": "decoupled", "eval_loss": 2.0, "eval_bits_per_byte": 2.9, "unigram_bits_per_byte": 4.8,
+           "tokens_processed": 1000, "tokens_merged": 900, "tokens_refused": 0, "tokens_in_flight": 100,
+           "rounds": 3, "refusals": 0, "bytes_sent": 2e6, "wall_s": 10.0, "islands": [], "emulation": None}
+
+
 def test_final_table_labels_an_emulated_network():
-    base = {"mode": "decoupled", "eval_loss": 2.0, "eval_bits_per_byte": 2.9, "unigram_bits_per_byte": 4.8,
-            "tokens_processed": 1000, "tokens_merged": 900, "tokens_refused": 0, "tokens_in_flight": 100,
-            "rounds": 3, "refusals": 0, "bytes_sent": 2e6, "wall_s": 10.0, "islands": [], "emulation": None}
     line = "EMULATED network wan-4-regions (hub us-central: us-west 2 Gbps/20 ms), scaled ..."
-    assert line in format_summary({**base, "network": line, "network_emulated": True}).splitlines()
-    assert "EMULATED" not in format_summary({**base, "network": "network none", "network_emulated": False})
+    assert line in format_summary({**SUMMARY, "network": line, "network_emulated": True}).splitlines()
+    assert "EMULATED" not in format_summary({**SUMMARY, "network": "network none", "network_emulated": False})
 
 
 def test_the_summary_names_an_islands_device_and_precision_only_when_not_cpu_fp32():
-    base = {"mode": "decoupled", "eval_loss": 2.0, "eval_bits_per_byte": 2.9, "unigram_bits_per_byte": 4.8,
-            "tokens_processed": 1000, "tokens_merged": 900, "tokens_refused": 0, "tokens_in_flight": 100,
-            "rounds": 3, "refusals": 0, "bytes_sent": 2e6, "wall_s": 10.0, "emulation": None, "network_emulated": False}
     isl = {"pool": "p", "steps": 5, "tokens": 640, "state": "stopped"}
     islands = [{**isl, "island": 0, "device": "cpu", "precision": "fp32"},
                {**isl, "island": 1, "device": "cuda:0 (NVIDIA H200)", "precision": "bf16"},
                {**isl, "island": 2, "device": "cpu", "precision": "bf16"},
                {**isl, "island": 3}]  # a summary from before islands named them
-    lines = [ln.strip() for ln in format_summary({**base, "islands": islands}).splitlines() if "island " in ln]
+    lines = [ln.strip() for ln in format_summary({**SUMMARY, "islands": islands, "network_emulated": False}).splitlines() if "island " in ln]
     assert [ln.split("  ")[-1].strip() for ln in lines] == [
         "5 steps, 640 tokens, stopped", "5 steps, 640 tokens, stopped, cuda:0 (NVIDIA H200) bf16",
         "5 steps, 640 tokens, stopped, cpu bf16", "5 steps, 640 tokens, stopped"]
