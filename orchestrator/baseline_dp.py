@@ -12,7 +12,9 @@ Gradients cross the emulated wire as bf16 by default (rounded locally so the mat
 
 Rank 0 evaluates on the engine's held-out batches before the first step, at the first step boundary
 after each `eval.interval_s` of wall clock, and at the end; the others wait at the next all-reduce
-(reported as `eval_s`, kept in `wall_s`). Run directory: `config.yaml`, `summary.json` (mode
+(reported as `eval_s`, kept in `wall_s`). Under `run.average_window` rank 0 also keeps the engine's
+moving average of the model (policies/averaging.py, one update per step) and evaluates and saves that,
+beside the raw model. Run directory: `config.yaml`, `summary.json` (mode
 "data-parallel"), `driver.log`, the `evals` event-log rows, the final parameters as one checkpoint in the
 engine's format under `checkpoints/` (or `checkpoint.uri`; `diloco sample` and `diloco export` read it),
 Ray Train's storage under `ray_train/`.
@@ -44,8 +46,10 @@ import yaml
 from islands.data import unigram_bits_per_byte
 from islands.model import build_model
 from islands.trainer import InnerTrainer, forward_backward
-from orchestrator.checkpoint import PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
+from orchestrator.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
+from orchestrator.cli import held_out_loss_cell
 from orchestrator.config import ConfigError, RunConfig, load_config
+from policies.averaging import average_weight
 from policies.lr_schedule import lr_factor
 
 log = logging.getLogger(__name__)
@@ -170,11 +174,19 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
 
     evals: list[dict] = []
     eval_s = useful_s = network_s = 0.0
+    # run.average_window: rank 0 serves a moving average of the model, as the engine's outer optimizer does.
+    window = config["average_window"]
+    average = [p.detach().clone() for p in params] if rank == 0 and window is not None else None
+
+    def served() -> dict[str, torch.Tensor]:
+        if average is None:
+            return dict(model.named_parameters())
+        return {n: a for (n, _), a in zip(model.named_parameters(), average)}
 
     def evaluate(step: int, t0: float, train_loss: float | None) -> None:
         nonlocal eval_s
         e0 = time.monotonic()
-        loss, bpb = evaluator.evaluate(dict(model.named_parameters()))
+        loss, bpb = evaluator.evaluate(served())
         eval_s += time.monotonic() - e0
         tokens = step * tokens_per_step
         point = {"wall_s": e0 - t0, "at": time.time(), "tokens_processed": tokens, "tokens_merged": float(tokens),
@@ -235,6 +247,11 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
             network_s += time.perf_counter() - n0
         useful_s += local_s  # the worker's own step (compute + its pool's emulated pace); waits are not useful
         done = step + 1
+        if average is not None:
+            w = average_weight(tokens_per_step, done * tokens_per_step, window)
+            with torch.no_grad():
+                for a, p in zip(average, params):
+                    a.lerp_(p.detach(), w)
         train_loss = float(flat[numel])
         if rank == 0 and time.monotonic() >= next_eval and done < steps:
             evaluate(done, t0, train_loss)
@@ -251,12 +268,14 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if not evals or evals[-1]["versions"] != [done]:  # a stop right after an evaluation has it already
         evaluate(done, t0, train_loss)
+    raw_loss = None if average is None else evaluator.evaluate(dict(model.named_parameters()))[0]
     return {"world_size": world, "backend": dist.get_backend(), "steps": done, "tokens_per_step": tokens_per_step,
-            "train_loss": train_loss, "wall_s": wall_s, "eval_s": eval_s, "evals": evals, "stopped_by": stopped_by,
+            "train_loss": train_loss, "raw_loss": raw_loss, "wall_s": wall_s, "eval_s": eval_s, "evals": evals, "stopped_by": stopped_by,
             "workers": sorted(records, key=lambda r: r["island"]),
             # The final model (every worker holds the same), saved by the driver: `diloco sample` / `export`.
             # As numpy arrays (bit for bit): Ray Train 2.60 refuses torch tensors in a return value.
-            "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()}}
+            "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+            "average": None if average is None else {n: a.numpy().copy() for n, a in served().items()}}
 
 
 # ---------------------------------------------------------------------------- the driver side
@@ -322,7 +341,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
             "train": [ray.put(corpus.train)], "heldout": [ray.put(corpus.heldout)],
             "eval_batches": cfg.eval.batches, "eval_batch_size": cfg.eval.batch_size, "eval_interval_s": cfg.eval.interval_s,
             "steps": steps, "max_wall_s": cfg.run.max_wall_s, "stop_at_eval_loss": cfg.run.stop_at_eval_loss,
-            "allreduce_delay_s": delay_s, "wire": wire,
+            "allreduce_delay_s": delay_s, "wire": wire, "average_window": cfg.run.average_window,
             "torch_threads": cfg.inner.torch_threads, "progress": queue,
         }
         trainer = TorchTrainer(
@@ -347,8 +366,10 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         # The final parameters, in the engine's checkpoint format, so `diloco sample` / `diloco export` read
         # either method's model the same way (orchestrator.trained); after the summary, which a failed save
         # must not cost.
+        average = out.pop("average") or {}  # the served model beside the raw one, as the engine's checkpoints
         CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(
-            out["steps"], {PARAM_PREFIX + n: torch.from_numpy(a) for n, a in out.pop("params").items()},
+            out["steps"], {**{PARAM_PREFIX + n: torch.from_numpy(a) for n, a in out.pop("params").items()},
+                           **{AVERAGE_PREFIX + n: torch.from_numpy(a) for n, a in average.items()}},
             {"mode": MODE, "steps": out["steps"], "tokens_processed": summary["tokens_processed"]})
         log.info("data-parallel done: loss %.4f after %d tokens, %.0f s (+%.0f s Ray Train start-up)",
                  summary["eval_loss"], summary["tokens_processed"], summary["wall_s"], summary["startup_s"])
@@ -405,6 +426,7 @@ def _summary(cfg: RunConfig, out: dict, *, network, wire: str, grad_bytes: int, 
         "backend": out["backend"],
         "emulation": f"EMULATION: pool speeds emulated by throttling on one machine ({', '.join(emulation)})" if emulation else None,
         "eval_loss": final["eval_loss"],
+        "eval_loss_raw": out["raw_loss"],  # the raw model's, on the same batches; None without run.average_window
         "eval_bits_per_byte": final["eval_bits_per_byte"],
         "unigram_bits_per_byte": unigram,
         "train_loss": out["train_loss"],
@@ -474,7 +496,7 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"diloco baseline-dp: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     rows = [("mode", f"{summary['mode']} ({summary['trainer']}, {summary['world_size']} workers, {summary['backend']})"),
-            ("held-out loss (nats/byte)", f"{summary['eval_loss']:.4f}"),
+            ("held-out loss (nats/byte)", held_out_loss_cell(summary)),
             ("held-out bits/byte", f"{summary['eval_bits_per_byte']:.3f}"),
             ("unigram bits/byte (baseline)", f"{summary['unigram_bits_per_byte']:.3f}"),
             ("tokens processed", f"{summary['tokens_processed']:,} ({summary['steps']} steps)"),

@@ -55,6 +55,8 @@ _DTYPES: dict[str, torch.dtype] = {
 # A run's global parameters are stored as PARAM_PREFIX + their model name (other tensors of the outer
 # optimizer's state sit beside them under other prefixes).
 PARAM_PREFIX = "param/"
+# Under run.average_window, the served model (a moving average of the global parameters) beside them.
+AVERAGE_PREFIX = "average/"
 
 
 class CheckpointError(RuntimeError):
@@ -77,6 +79,12 @@ class Checkpoint:
     def parameters(self) -> dict[str, torch.Tensor]:
         """The global parameters by model name: the tensors stored under :data:`PARAM_PREFIX`."""
         return {name[len(PARAM_PREFIX):]: t for name, t in self.tensors.items() if name.startswith(PARAM_PREFIX)}
+
+    def served_parameters(self) -> dict[str, torch.Tensor]:
+        """The run's model by name: the moving average (:data:`AVERAGE_PREFIX`) where the run kept one
+        (`run.average_window`), else the global parameters."""
+        average = {name[len(AVERAGE_PREFIX):]: t for name, t in self.tensors.items() if name.startswith(AVERAGE_PREFIX)}
+        return average or self.parameters()
 
 
 def run_checkpoint_uri(configured: str | None, run_dir: str | os.PathLike) -> str:

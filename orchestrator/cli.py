@@ -59,11 +59,18 @@ class ProgressBar:
             self.stream.write("\n")
 
 
+def held_out_loss_cell(summary: dict) -> str:
+    """The final held-out loss as the summary tables print it: under run.average_window it is the served
+    moving average's, and the raw global model's follows it."""
+    raw = summary.get("eval_loss_raw")
+    return f"{summary['eval_loss']:.4f}" + ("" if raw is None else f" (moving average; raw global model {raw:.4f})")
+
+
 def format_summary(summary: dict) -> str:
     """The short final table printed after `diloco train`."""
     rows = [
         ("mode", summary["mode"]),
-        ("held-out loss (nats/byte)", f"{summary['eval_loss']:.4f}"),
+        ("held-out loss (nats/byte)", held_out_loss_cell(summary)),
         ("held-out bits/byte", f"{summary['eval_bits_per_byte']:.3f}"),
         ("unigram bits/byte (baseline)", f"{summary['unigram_bits_per_byte']:.3f}"),
         ("tokens processed", f"{summary['tokens_processed']:,}"),

@@ -88,7 +88,7 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
         tau_steps=o.effective_tau_steps(), weighting=o.weighting, staleness_discount=o.staleness_discount,
         merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum, partial_momentum=o.partial_momentum, max_staleness=o.max_staleness,
         compression=o.compression, step_scale=o.step_scale, rda_across_rounds=o.rda_across_rounds, downlink=o.downlink, downlink_delta=o.downlink_delta, block_size=o.compression_block_size,
-        topk_density=o.topk_density, publish_to=o.publish_to,
+        topk_density=o.topk_density, publish_to=o.publish_to, average_window=cfg.run.average_window,
     )
 
 
@@ -290,6 +290,7 @@ class Run:
         self.outer = self.monitor = self.injector = None
         self.eval_points: list[dict] = []
         self.before_flush_loss: float | None = None  # held-out loss just before the final flush (summary)
+        self.raw_loss: float | None = None  # final held-out loss of the raw global model, under run.average_window
         self.tokens_before = 0
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self._stop_requested = False
@@ -432,14 +433,15 @@ class Run:
         return self.tokens_before + sum(s.tokens for s in live) + sum(s.tokens for s in dead)
 
     def _evaluate(self, t0: float, start: tuple[dict, list[int]] | None = None) -> dict:
-        """Evaluate the global parameters now, or `start` = (parameters, versions) before anything merged.
+        """Evaluate the run's model now (the global parameters, or their moving average under
+        run.average_window), or `start` = (parameters, versions) before anything merged.
 
         The point's `wall_s`/`at` are when the parameters were read, not when scoring them ended: the
         first evaluation in a process is slow (seconds under load), and the starting point must sort first.
         """
         read_mono, read_at, tokens = time.monotonic(), time.time(), self._tokens()
         if start is None:
-            params = self._get(self.outer.global_parameters.remote())
+            params = self._get(self.outer.served_parameters.remote())
             status = self._get(self.outer.status.remote())
             versions, merged = list(status["versions"]), sum(status["ledger"]["merged"]) / len(status["ledger"]["merged"])
         else:
@@ -540,7 +542,7 @@ class Run:
         if flush:
             # The global model as the last regular round left it, scored on the same held-out batches: what
             # the final flush changes shows in the summary without another run's noise (RESULTS.md: a lead).
-            self.before_flush_loss, _ = self.evaluator.evaluate(self._get(self.outer.global_parameters.remote()))
+            self.before_flush_loss, _ = self.evaluator.evaluate(self._get(self.outer.served_parameters.remote()))
             closed = self._get(self.outer.finish.remote(self.cfg.run.call_timeout_s), timeout=self.cfg.run.call_timeout_s + 30)
             log.info("final flush: %d rounds closed with the islands' last progress (%.1fs after stop began)",
                      closed, time.monotonic() - t_stop)
@@ -554,6 +556,8 @@ class Run:
         faults = self._get(self.injector.report.remote()) if self.injector is not None else []
         self._drain_events()
         final_eval = self._evaluate(t0)
+        if self.cfg.run.average_window is not None:  # the raw global model on the same batches: what averaging gave
+            self.raw_loss, _ = self.evaluator.evaluate(self._get(self.outer.global_parameters.remote()))
         self._report(t0, status)
         live, dead = self._statuses()
         received = {(i, inc): toks for i, inc, toks in acct["received"] if inc >= self.first_inc.get(i, 1)}
@@ -591,6 +595,7 @@ class Run:
             "emulation": emulation_note(self.cfg),
             "eval_loss": final_eval["eval_loss"],
             "eval_loss_before_flush": self.before_flush_loss,  # None without run.final_flush
+            "eval_loss_raw": self.raw_loss,  # the raw global model's; None without run.average_window
             "eval_bits_per_byte": final_eval["eval_bits_per_byte"],
             "unigram_bits_per_byte": self.unigram_bpb,
             "tokens_processed": self._tokens(),

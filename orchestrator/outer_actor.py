@@ -423,6 +423,11 @@ class _OuterShell:
         """Copies of all current global parameters by name (evaluation, checkpoints)."""
         return await self._core(self.core.global_parameters)
 
+    async def served_parameters(self) -> dict:
+        """Copies of the run's model by name (evaluation): the moving average under run.average_window, else
+        the global parameters."""
+        return await self._core(self.core.served_parameters)
+
     async def checkpoint(self) -> dict:
         """Save the core now (snapshot on the core thread, write on the writer thread).
 

@@ -6,7 +6,7 @@ submissions. A round closes on quorum + grace (policies.quorum), merges with tok
 (policies.weighting) and RDA (policies.merge), applies the outer step and yields a `RoundResult`
 for the shell to publish. Bad submissions are refused, counted and logged; they never touch state.
 
-The Ray shell that polls islands and publishes lives in orchestrator/actors.py.
+The Ray shell that polls islands and publishes lives in orchestrator/outer_actor.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from islands.messages import Submission, SubmissionKey
-from orchestrator.checkpoint import PARAM_PREFIX
+from orchestrator.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX
+from policies.averaging import average_weight
 from policies.compression import WIRE_DTYPES, Compressed, decompress
 from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds, join_segments, merge_fragment
@@ -53,6 +54,7 @@ class OuterSettings:
     publish_to: str = "all"  # all | participants: which islands a new version goes to (the actor shell sends it)
     block_size: int = 256  # elements per quantization scale block, both directions
     topk_density: float = 1 / 64  # fraction of each chunk a topk difference keeps (downlink_delta topk)
+    average_window: float | None = None  # served model: moving average over this fraction of merged tokens (None = raw)
 
 
 @dataclass
@@ -134,6 +136,8 @@ class OuterOptimizer:
         tracked = [[settings.merge_rule == "rda" and not emb for emb in mask] for mask in self._embedding_mask]
         self._rda_windows = [RdaAcrossRounds(len(tracked[p]), tracked[p]) if settings.rda_across_rounds else None
                              for p in range(P)]
+        # The served model (run.average_window): a moving average of each fragment's global tensors, or None.
+        self.average = None if settings.average_window is None else [[t.clone() for t in frag] for frag in self.params]
         self.versions = [0] * P
         # Recent versions per fragment: what any accepted submission can have been measured from.
         self._rings: list[VersionRing] = [VersionRing(settings.max_staleness + 1) for _ in range(P)]
@@ -359,6 +363,11 @@ class OuterOptimizer:
             wait_s=now - self._round_open[p], merge_s=merge_s, reason=reason, step_scale=scale, rda_factor=rda_factor,
         )
         self.tokens_merged[p] += record.tokens
+        if self.average is not None:
+            w = average_weight(record.tokens, self.tokens_merged[p], self.settings.average_window)
+            with torch.no_grad():
+                for a, t in zip(self.average[p], self.params[p]):
+                    a.lerp_(t, w)
         self.useful_s += sum(s.compute_s for s in subs) / self.plan.num_fragments
         for s in subs:
             self.resume_cursor[s.island] = max(self.resume_cursor.get(s.island, 0), s.cursor)
@@ -390,6 +399,12 @@ class OuterOptimizer:
         """All current global parameters by name (copies)."""
         return {n: t.clone() for frag_names, frag in zip(self.plan.fragments, self.params) for n, t in zip(frag_names, frag)}
 
+    def served_parameters(self) -> dict[str, torch.Tensor]:
+        """The run's model by name (copies): the moving average under `average_window`, else the global parameters."""
+        if self.average is None:
+            return self.global_parameters()
+        return {n: t.clone() for names, frag in zip(self.plan.fragments, self.average) for n, t in zip(names, frag)}
+
     def pending_tokens(self) -> list[int]:
         """Per fragment: tokens in accepted submissions waiting for their round."""
         return [sum(s.tokens for s, _, _ in pend) for pend in self._pending]
@@ -416,6 +431,9 @@ class OuterOptimizer:
                 buf = state.get(i, {}).get("momentum_buffer")
                 if buf is not None:
                     tensors[f"momentum/{name}"] = buf.clone()
+            if self.average is not None:
+                for name, a in zip(names, self.average[p]):
+                    tensors[AVERAGE_PREFIX + name] = a.clone()
             if windows[p] is not None:
                 for name, v in zip(names, windows[p]["sums"]):
                     if v is not None:
@@ -454,6 +472,8 @@ class OuterOptimizer:
             if self._rda_windows[p] is not None and norms is not None:  # else the window starts empty
                 self._rda_windows[p].load_state_dict(
                     {"norms": norms, "sums": [tensors.get(f"rda_window/{n}") for n in names]})
+            if self.average is not None:  # a checkpoint written without averaging starts it at its global model
+                self.average[p] = [tensors.get(AVERAGE_PREFIX + n, t).clone() for n, t in zip(names, self.params[p])]
             self._rings[p] = VersionRing(self.settings.max_staleness + 1)
             self._rings[p].push(meta["versions"][p], [t.clone() for t in self.params[p]])
             self._pending[p] = []

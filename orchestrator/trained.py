@@ -1,9 +1,10 @@
 """The model a run trained: load it from the run directory, sample from it, export it as a PyTorch file.
 
 A run's global parameters live in its checkpoints (orchestrator.checkpoint; `checkpoint.uri`, default
-RUN_DIR/checkpoints). `diloco train` writes the last one after the final flush, so it holds exactly the
-parameters `summary.json`'s final held-out loss was measured on; `diloco baseline-dp` saves its final
-parameters the same way. :func:`load_trained` rebuilds the model from the run's `config.yaml` and loads
+RUN_DIR/checkpoints), beside their moving average when the run kept one (`run.average_window`). `diloco
+train` writes the last one after the final flush, so it holds exactly the model `summary.json`'s final
+held-out loss was measured on (the average where there is one); `diloco baseline-dp` saves its final
+parameters the same way. `--raw` loads the global parameters instead of the average. :func:`load_trained` rebuilds the model from the run's `config.yaml` and loads
 the newest (or a chosen) checkpoint into it, refusing in one line anything that does not fit.
 
 `diloco sample RUN_DIR --prompt "def "` prints a continuation; `diloco evaluate RUN_DIR` scores the model
@@ -27,7 +28,7 @@ import yaml
 from islands.model import ByteTransformer, ModelConfig, build_model
 from islands.sampling import generate
 from orchestrator.baseline_dp import MODE as DATA_PARALLEL  # the mode `diloco baseline-dp` writes into config.yaml
-from orchestrator.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
+from orchestrator.checkpoint import AVERAGE_PREFIX, CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
 from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config
 
 __all__ = ["EXPORT_FORMAT", "TrainedModel", "TrainedModelError", "evaluate_trained", "export_model", "load_exported",
@@ -58,6 +59,8 @@ class TrainedModel:
     """Each fragment's version at the checkpoint (engine runs); None for data parallel."""
     tokens_processed: int | None
     """Tokens the run had processed when the checkpoint was written, where it recorded them."""
+    averaged: bool = False
+    """True when the parameters are the run's moving average of its global model (run.average_window)."""
 
 
 def read_run_config(run_dir: str | Path) -> tuple[RunConfig, str]:
@@ -84,8 +87,12 @@ def read_run_config(run_dir: str | Path) -> tuple[RunConfig, str]:
     return cfg, mode if mode == DATA_PARALLEL else cfg.mode
 
 
-def load_trained(run_dir: str | Path, *, step: int | None = None) -> TrainedModel:
+def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = False) -> TrainedModel:
     """Rebuild the model of `run_dir` and load checkpoint `step` into it (None = the newest).
+
+    The model is the run's served model: the moving average of its global parameters where the run
+    kept one (`run.average_window`), else the global parameters; `raw=True` loads the global
+    parameters either way.
 
     The checkpoint's payload is verified against its checksum; a checkpoint whose parameters do not
     match the model of the run's config (a missing, extra or reshaped tensor) is refused, naming the
@@ -112,7 +119,8 @@ def load_trained(run_dir: str | Path, *, step: int | None = None) -> TrainedMode
 
     shape = cfg.model.shape()
     model = build_model(shape, seed=cfg.run.seed)
-    params = ckpt.parameters()
+    params = ckpt.parameters() if raw else ckpt.served_parameters()
+    averaged = not raw and any(n.startswith(AVERAGE_PREFIX) for n in ckpt.tensors)
     named = dict(model.named_parameters())
     where = f"checkpoint {checkpoint_dirname(step)} of {run_dir}"
     missing, extra = sorted(set(named) - set(params)), sorted(set(params) - set(named))
@@ -134,7 +142,7 @@ def load_trained(run_dir: str | Path, *, step: int | None = None) -> TrainedMode
     tokens = meta.get("tokens_processed", meta.get("extra", {}).get("tokens_processed"))
     return TrainedModel(model=model, run_config=cfg, mode=mode, step=step, checkpoint=ckpt.path,
                         versions=None if versions is None else list(versions),
-                        tokens_processed=None if tokens is None else int(tokens))
+                        tokens_processed=None if tokens is None else int(tokens), averaged=averaged)
 
 
 def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) -> dict:
@@ -225,12 +233,13 @@ def load_exported(path: str | Path) -> ByteTransformer:
 def _describe(run_dir: str, t: TrainedModel) -> str:
     tokens = f", {t.tokens_processed / 1e6:.2f}M tokens processed" if t.tokens_processed is not None else ""
     versions = f", versions {t.versions}" if t.versions is not None else ""
-    return f"{run_dir}: checkpoint {t.step} ({t.mode}{versions}{tokens})"
+    which = ", moving average" if t.averaged else ""
+    return f"{run_dir}: checkpoint {t.step} ({t.mode}{versions}{tokens}{which})"
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
     try:
-        trained = load_trained(args.run_dir, step=args.step)
+        trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
         prompt = args.prompt.encode("utf-8")
         if not prompt:
             raise TrainedModelError("--prompt is empty; give some text to continue, e.g. --prompt 'def '")
@@ -246,7 +255,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     try:
-        trained = load_trained(args.run_dir, step=args.step)
+        trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
         got = evaluate_trained(trained, args.set)
     except TrainedModelError as err:
         print(f"diloco evaluate: {err}", file=sys.stderr)
@@ -260,7 +269,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     try:
-        trained = load_trained(args.run_dir, step=args.step)
+        trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
         path = export_model(trained, args.out, overwrite=args.force)
     except TrainedModelError as err:
         print(f"diloco export: {err}", file=sys.stderr)
@@ -276,6 +285,8 @@ def _run_dir_command(subparsers, name: str, *, help: str, description: str) -> a
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `diloco train` or `diloco baseline-dp`")
     p.add_argument("--step", type=int, default=None, help="checkpoint number (default: the newest)")
+    p.add_argument("--raw", action="store_true",
+                   help="the raw global model, not the moving average a run with run.average_window serves")
     return p
 
 

@@ -53,6 +53,13 @@ def test_final_table_labels_an_emulated_network():
     assert "EMULATED" not in format_summary({**SUMMARY, "network": "network none", "network_emulated": False})
 
 
+def test_the_summary_names_the_moving_average_and_the_raw_models_loss_when_it_served_one():
+    loss = lambda s: next(ln for ln in format_summary({**s, "network_emulated": False}).splitlines() if ln.startswith("held-out loss"))
+    assert loss(SUMMARY).split() == ["held-out", "loss", "(nats/byte)", "2.0000"]
+    assert loss({**SUMMARY, "eval_loss_raw": 2.03125}).endswith("2.0000 (moving average; raw global model 2.0312)")
+    assert loss({**SUMMARY, "eval_loss_raw": None}).endswith("2.0000"), "a run without averaging"
+
+
 def test_the_summary_names_an_islands_device_and_precision_only_when_not_cpu_fp32():
     isl = {"pool": "p", "steps": 5, "tokens": 640, "state": "stopped"}
     islands = [{**isl, "island": 0, "device": "cpu", "precision": "fp32"},

@@ -28,8 +28,11 @@ def trained_params(seed: int) -> dict[str, torch.Tensor]:
     return {n: p.detach() + 0.01 * (i + 1) for i, (n, p) in enumerate(model.named_parameters())}
 
 
-def write_run(run_dir, *, mode: str = "decoupled", steps=(0, 4), preset: str = "nano", dp: bool = False):
-    """A run directory as `diloco train` (or, with dp, `diloco baseline-dp`) leaves it; returns each step's params."""
+def write_run(run_dir, *, mode: str = "decoupled", steps=(0, 4), preset: str = "nano", dp: bool = False,
+              average: bool = False):
+    """A run directory as `diloco train` (or, with dp, `diloco baseline-dp`) leaves it; returns each step's params.
+
+    With `average`, each checkpoint also holds a served moving average (run.average_window): the params shifted by 0.5."""
     run_dir.mkdir(parents=True)
     cfg = build_config({"model": {"preset": preset}, "run": {"seed": 2}, "data": {"max_bytes": 1_000_000},
                         "eval": {"batches": 4, "batch_size": 8}})
@@ -45,6 +48,8 @@ def write_run(run_dir, *, mode: str = "decoupled", steps=(0, 4), preset: str = "
         tensors = {f"param/{n}": t for n, t in params.items()}
         if not dp:
             tensors.update({f"momentum/{n}": torch.ones_like(t) for n, t in params.items()})
+        if average:
+            tensors.update({f"average/{n}": t + 0.5 for n, t in params.items()})
         store.save(step, tensors, meta)
         saved[step] = params
     return saved
@@ -72,6 +77,28 @@ def test_a_data_parallel_run_loads_the_same_way(tmp_path):
     t = load_trained(tmp_path / "dp")
     assert t.mode == "data-parallel" and t.step == 9 and t.versions is None and t.tokens_processed == 1234
     assert torch.equal(dict(t.model.named_parameters())["blocks.0.mlp.fc.weight"], saved[9]["blocks.0.mlp.fc.weight"])
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_a_run_that_kept_a_moving_average_serves_it_and_raw_loads_the_global_model(tmp_path, capsys, dp):
+    saved = write_run(tmp_path / "run", average=True, dp=dp, steps=(4,))
+    served, raw = load_trained(tmp_path / "run"), load_trained(tmp_path / "run", raw=True)
+    assert served.averaged and not raw.averaged
+    for name, p in saved[4].items():
+        assert torch.equal(dict(served.model.named_parameters())[name], p + 0.5), name
+        assert torch.equal(dict(raw.model.named_parameters())[name], p), name
+    assert evaluate_trained(served)["eval_loss"] != pytest.approx(evaluate_trained(raw)["eval_loss"], rel=1e-3)
+
+    run = str(tmp_path / "run")
+    assert cli.main(["evaluate", run, "--set", "eval.batches=1"]) == 0
+    averaged_out = capsys.readouterr().out
+    assert cli.main(["evaluate", run, "--set", "eval.batches=1", "--raw"]) == 0
+    raw_out = capsys.readouterr().out
+    assert ", moving average)" in averaged_out and "moving average" not in raw_out
+    assert averaged_out.splitlines()[1] != raw_out.splitlines()[1], "two models, two losses"
+    assert cli.main(["export", run, "--out", str(tmp_path / "raw.pt"), "--raw"]) == 0
+    exported = torch.load(tmp_path / "raw.pt", weights_only=True)["state_dict"]
+    assert torch.equal(exported["lm_head.weight"], saved[4]["lm_head.weight"])
 
 
 def test_what_cannot_be_loaded_is_refused_in_one_line(tmp_path):

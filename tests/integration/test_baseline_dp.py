@@ -25,17 +25,18 @@ from orchestrator.config import ConfigError, build_config
 from orchestrator.driver import load_corpus
 from orchestrator.evaluation import Evaluator
 from orchestrator.eventlog import read_events
-from orchestrator.trained import load_trained
+from orchestrator.trained import evaluate_trained, load_trained
 from policies.network import NetworkModel, build_network
 from policies.stopping import target_reached
 
 BUDGET = 15_000
+WINDOW = 0.2  # run.average_window: rank 0 serves a moving average of the model
 LOCAL_STEP_S = 0.0015  # network.local_step_s: scales the EMULATED links so one all-reduce takes ~0.12 s
 
 
 def dp_config() -> dict:
     return {
-        "run": {"token_budget": BUDGET, "seed": 3},
+        "run": {"token_budget": BUDGET, "seed": 3, "average_window": WINDOW},
         "model": {"preset": "nano"},
         "data": {"max_bytes": 1_000_000, "batch_size": 8},
         "inner": {"warmup_steps": 5, "lr_schedule": "cosine", "lr_final_ratio": 0.2},
@@ -48,14 +49,17 @@ def dp_config() -> dict:
     }
 
 
-def reference_loss(cfg, steps: int) -> float:
+def reference_loss(cfg, steps: int) -> tuple[float, float]:
     """Single-process synchronous DP written out: mean of the three shards' gradients, clip, AdamW, at the
-    warmed-up cosine rate of the step's progress (step / steps)."""
+    warmed-up cosine rate of the step's progress (step / steps). Returns the held-out loss of the model and of
+    its moving average, which after step s moves toward the model by min(1, 1 / (WINDOW * s)) (equal tokens
+    per step)."""
     corpus = load_corpus(cfg)
     mc = model_config(cfg.model.preset)
     model = build_model(mc, seed=cfg.run.seed)
     i = cfg.inner
     opt = torch.optim.AdamW(model.parameters(), lr=i.lr, betas=(i.beta1, i.beta2), weight_decay=i.weight_decay)
+    average = [p.detach().clone() for p in model.parameters()]
     samplers = [ShardSampler(corpus.train, shard_index=w, num_shards=3, seq_len=mc.seq_len,
                              batch_size=cfg.data.batch_size, seed=cfg.run.seed) for w in range(3)]
     for step in range(steps):
@@ -71,8 +75,11 @@ def reference_loss(cfg, steps: int) -> float:
             p.grad = sum(gs) / 3
         torch.nn.utils.clip_grad_norm_(model.parameters(), i.grad_clip)
         opt.step()
+        w = min(1.0, 1.0 / (WINDOW * (step + 1)))
+        average = [a + w * (p.detach() - a) for a, p in zip(average, model.parameters())]
     ev = Evaluator(mc, corpus.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
-    return ev.evaluate(dict(model.named_parameters()))[0]
+    names = [n for n, _ in model.named_parameters()]
+    return ev.evaluate(dict(model.named_parameters()))[0], ev.evaluate(dict(zip(names, average)))[0]
 
 
 def test_slot_assignment_follows_node_labels():
@@ -107,7 +114,10 @@ def test_data_parallel_runs_on_ray_train_with_emulated_allreduce(ray_cluster, tm
     # Every worker holds the same parameters, and they are the single-process reference's.
     steps = math.ceil(BUDGET / (3 * 8 * 32))
     assert len(set(summary["parameter_checksums"])) == 1
-    assert summary["eval_loss"] == pytest.approx(reference_loss(cfg, steps), abs=2e-4)
+    raw_loss, averaged_loss = reference_loss(cfg, steps)
+    assert summary["eval_loss_raw"] == pytest.approx(raw_loss, abs=2e-4)
+    assert summary["eval_loss"] == pytest.approx(averaged_loss, abs=2e-4), "evaluations score the moving average"
+    assert abs(raw_loss - averaged_loss) > 1e-3, "the two models differ, so the comparison means something"
     assert summary["evals"][-1]["eval_loss"] < summary["evals"][0]["eval_loss"] - 0.2
 
     # Stop rule: the token budget rounded up to whole synchronous steps.
@@ -138,9 +148,11 @@ def test_data_parallel_runs_on_ray_train_with_emulated_allreduce(ray_cluster, tm
     assert 0.0 < summary["goodput"] < 1.0
 
     # The final model is kept (`diloco sample` / `diloco export` read it): bitwise the workers' parameters.
-    trained = load_trained(run_dir)
+    trained = load_trained(run_dir, raw=True)
     assert trained.mode == "data-parallel" and trained.step == steps and trained.tokens_processed == summary["tokens_processed"]
     assert parameter_checksum(trained.model) == summary["parameter_checksums"][0]
+    served = load_trained(run_dir)  # the moving average, beside it in the checkpoint
+    assert served.averaged and evaluate_trained(served)["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-6)
     # A second run into the same directory would save over this model: refused before anything starts.
     with pytest.raises(ConfigError, match="already holds checkpoints of another run; pick a new --run-dir"):
         train_data_parallel(cfg, run_dir)

@@ -40,7 +40,7 @@ def node_labels() -> dict[str, dict]:
 
 def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    summary = train(build_config(two_pool_config()), run_dir)
+    summary = train(build_config(two_pool_config(average_window=0.1)), run_dir)  # serving a moving average
 
     # Held-out loss falls from the starting point.
     first, last = summary["evals"][0], summary["evals"][-1]
@@ -86,7 +86,10 @@ def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluste
     assert "EMULATION" in on_disk["emulation"]
     # The trained model, as `diloco sample` / `diloco export` load it, is the one the final evaluation scored.
     trained = load_trained(run_dir)
-    assert evaluate_trained(trained)["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-6)
+    assert evaluate_trained(trained)["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-6) and trained.averaged
+    # The raw global model, kept beside the average, is the one summary.json's eval_loss_raw scored.
+    raw = evaluate_trained(load_trained(run_dir, raw=True))["eval_loss"]
+    assert raw == pytest.approx(summary["eval_loss_raw"], rel=1e-6) and raw != pytest.approx(summary["eval_loss"], rel=1e-5)
     assert trained.versions == summary["evals"][-1]["versions"] and trained.mode == "decoupled"
     assert trained.tokens_processed == summary["tokens_processed"]
     # Nothing of the run is left behind on the cluster.
