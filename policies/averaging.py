@@ -2,11 +2,11 @@
 
 The outer optimizer's global parameters jitter from round to round: each round adds a Nesterov step
 built from a few islands' noisy progress, and the outer learning rate does not decay. At 30M tokens
-the held-out loss of the global model swings about 0.5% between evaluations seconds apart, and the
-uniform average of a run's last three checkpoints (its last ~2% of tokens) scored 0.4-1.6% lower than
-its final model in five of six runs (benchmarks/RESULTS.md, Averaging the global model). Islands keep
-training from the raw global model; only what the run evaluates, checkpoints as its model and exports
-is the average.
+the held-out loss of the global model swings about 0.5% between evaluations seconds apart, and with
+a window of 0.04 the average scored about 1% lower than the final global model (benchmarks/RESULTS.md,
+Averaging the global model). Data parallel's model gains as much from the same average, so the
+baseline keeps one too (orchestrator/baseline_dp.py). Islands keep training from the raw global
+model; only what the run evaluates, checkpoints as its model and exports is the average.
 
 The rule is a moving average whose time constant is a fixed fraction ``window`` of the tokens merged
 so far: after a round that merges ``n`` tokens into a total of ``T``, the average moves toward the
