@@ -40,7 +40,9 @@ def node_labels() -> dict[str, dict]:
 
 def test_decoupled_run_learns_accounts_every_token_and_respects_pools(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    summary = train(build_config(two_pool_config(average_window=0.1)), run_dir)  # serving a moving average
+    # Serving a moving average. A wide window: in a run this short the final flush (4 islands' last H/P steps,
+    # ~15% of the tokens) moves an average over 10% of the tokens all the way to the global model.
+    summary = train(build_config(two_pool_config(average_window=0.5)), run_dir)
 
     # Held-out loss falls from the starting point.
     first, last = summary["evals"][0], summary["evals"][-1]
