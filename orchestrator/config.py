@@ -365,7 +365,7 @@ class RunSection(_Section):
     max_wall_s: float | None = Field(None, gt=0, description="Hard wall-clock stop in seconds (None = only the token budget).")
     stop_at_eval_loss: float | None = Field(None, gt=0, description="Stop early once the held-out loss (nats/byte) is at or below this at 2 evaluations in a row (None = never); for timing a run to a target loss.")
     final_flush: bool = Field(True, description="At stop, cut every island's unsubmitted progress into submissions and merge them whatever the quorum (otherwise that work is lost), as one step to their weighted mean (no RDA, no momentum).")
-    average_window: float | None = Field(None, gt=0, le=1, description="Serve a moving average of the global model whose time constant is this fraction of the tokens merged so far (policies/averaging.py): evaluations, the final loss, checkpoints' model and exports use it, while islands keep training from the raw global model. None = serve the raw global model.")
+    average_window: float | None = Field(None, gt=0, le=1, description="Serve a moving average of the global model whose time constant is this fraction of the tokens merged so far (policies/averaging.py): evaluations, the final loss, checkpoints' model and exports use it, while islands keep training from the raw global model; it must span many rounds (a round of more tokens than the window replaces the average). None = serve the raw global model.")
 
 
 class RunConfig(_Section):

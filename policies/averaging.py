@@ -15,7 +15,9 @@ closely; late, it averages over the last ``window`` of the run. In the limit of 
 the power-function EMA of Karras et al. (2024, "Analyzing and Improving the Training Dynamics of
 Diffusion Models", EDM2) with exponent ``1 / window - 1``, whose averaging profile has a standard
 deviation of about ``window`` times the run's length, so one setting suits any token budget and a run
-does not need to know when it will stop.
+does not need to know when it will stop. The window must span many rounds to average anything: a
+round (or the final flush, which merges every island's last steps at once) of at least ``window``
+times the tokens so far replaces the average with the global model.
 """
 
 from __future__ import annotations
