@@ -26,7 +26,7 @@ sys.path.insert(0, _ROOT)
 import torch  # noqa: E402
 
 from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri  # noqa: E402
-from orchestrator.trained import TrainedModelError, evaluate_trained, load_trained  # noqa: E402
+from orchestrator.trained import TrainedModel, TrainedModelError, evaluate_trained, load_trained  # noqa: E402
 from policies.averaging import average_weight  # noqa: E402
 
 
@@ -41,9 +41,9 @@ def fractions(text: str) -> list[float]:
     return out
 
 
-def load_checkpoints(run_dir: str | Path) -> list[tuple[int, float, dict[str, torch.Tensor]]]:
-    """(step, tokens merged, raw global parameters) of every checkpoint held, oldest first."""
-    trained = load_trained(run_dir, raw=True)  # validates the run directory and its newest checkpoint
+def load_checkpoints(run_dir: str | Path, trained: TrainedModel) -> list[tuple[int, float, dict[str, torch.Tensor]]]:
+    """(step, tokens merged, raw global parameters) of every checkpoint `run_dir` holds, oldest first; `trained`
+    is its model as load_trained read it (which validated the directory and its newest checkpoint)."""
     store = CheckpointStore(run_checkpoint_uri(trained.run_config.checkpoint.uri, run_dir))
     out = []
     for step in store.list():
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the scores here")
     args = ap.parse_args(argv)
     try:
-        checkpoints = load_checkpoints(args.run_dir)
         model = load_trained(args.run_dir, raw=True)
+        checkpoints = load_checkpoints(args.run_dir, model)
     except TrainedModelError as err:
         print(f"average_checkpoints: {err}", file=sys.stderr)
         return 2
@@ -102,17 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.run_dir}: {len(checkpoints)} checkpoints over the last {1 - checkpoints[0][1] / end:.1%} of "
           f"{end:,.0f} tokens merged; losses on {args.batches} held-out batches")
     final = score(checkpoints[-1][2])
-    rows = [("final model", final, None)]
+    rows = [("final model", final)]
     for f in args.uniform:
         params, n = uniform_average(checkpoints, f)
-        rows.append((f"uniform, last {f:g} ({n} checkpoints)", score(params), f))
+        rows.append((f"uniform, last {f:g} ({n} checkpoints)", score(params)))
     for w in args.window:
-        rows.append((f"run.average_window={w:g}", score(replayed_average(checkpoints, w)), w))
+        rows.append((f"run.average_window={w:g}", score(replayed_average(checkpoints, w))))
     print("| model | held-out loss | vs final |\n| --- | ---: | ---: |")
-    for name, loss, _ in rows:
+    for name, loss in rows:
         print(f"| {name} | {loss:.4f} | {loss / final - 1:+.2%} |")
     if args.json:
-        Path(args.json).write_text(json.dumps([{"model": n, "eval_loss": v} for n, v, _ in rows], indent=2))
+        Path(args.json).write_text(json.dumps([{"model": n, "eval_loss": v} for n, v in rows], indent=2))
     return 0
 
 

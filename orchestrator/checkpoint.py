@@ -78,13 +78,15 @@ class Checkpoint:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """The global parameters by model name: the tensors stored under :data:`PARAM_PREFIX`."""
-        return {name[len(PARAM_PREFIX):]: t for name, t in self.tensors.items() if name.startswith(PARAM_PREFIX)}
+        return self._by_model_name(PARAM_PREFIX)
 
-    def served_parameters(self) -> dict[str, torch.Tensor]:
-        """The run's model by name: the moving average (:data:`AVERAGE_PREFIX`) where the run kept one
-        (`run.average_window`), else the global parameters."""
-        average = {name[len(AVERAGE_PREFIX):]: t for name, t in self.tensors.items() if name.startswith(AVERAGE_PREFIX)}
-        return average or self.parameters()
+    def average_parameters(self) -> dict[str, torch.Tensor]:
+        """The moving average of the global parameters by model name (:data:`AVERAGE_PREFIX`), empty when
+        the run kept none (`run.average_window`)."""
+        return self._by_model_name(AVERAGE_PREFIX)
+
+    def _by_model_name(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {name[len(prefix):]: t for name, t in self.tensors.items() if name.startswith(prefix)}
 
 
 def run_checkpoint_uri(configured: str | None, run_dir: str | os.PathLike) -> str:

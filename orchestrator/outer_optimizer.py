@@ -397,13 +397,15 @@ class OuterOptimizer:
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """All current global parameters by name (copies)."""
-        return {n: t.clone() for frag_names, frag in zip(self.plan.fragments, self.params) for n, t in zip(frag_names, frag)}
+        return self._by_name(self.params)
 
     def served_parameters(self) -> dict[str, torch.Tensor]:
         """The run's model by name (copies): the moving average under `average_window`, else the global parameters."""
-        if self.average is None:
-            return self.global_parameters()
-        return {n: t.clone() for names, frag in zip(self.plan.fragments, self.average) for n, t in zip(names, frag)}
+        return self._by_name(self.params if self.average is None else self.average)
+
+    def _by_name(self, fragments: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Per-fragment tensor lists (the parameters' or the average's) as copies by parameter name."""
+        return {n: t.clone() for names, frag in zip(self.plan.fragments, fragments) for n, t in zip(names, frag)}
 
     def pending_tokens(self) -> list[int]:
         """Per fragment: tokens in accepted submissions waiting for their round."""

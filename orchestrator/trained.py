@@ -28,7 +28,7 @@ import yaml
 from islands.model import ByteTransformer, ModelConfig, build_model
 from islands.sampling import generate
 from orchestrator.baseline_dp import MODE as DATA_PARALLEL  # the mode `diloco baseline-dp` writes into config.yaml
-from orchestrator.checkpoint import AVERAGE_PREFIX, CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
+from orchestrator.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
 from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config
 
 __all__ = ["EXPORT_FORMAT", "TrainedModel", "TrainedModelError", "evaluate_trained", "export_model", "load_exported",
@@ -119,8 +119,9 @@ def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = Fa
 
     shape = cfg.model.shape()
     model = build_model(shape, seed=cfg.run.seed)
-    params = ckpt.parameters() if raw else ckpt.served_parameters()
-    averaged = not raw and any(n.startswith(AVERAGE_PREFIX) for n in ckpt.tensors)
+    average = {} if raw else ckpt.average_parameters()
+    averaged = bool(average)
+    params = average or ckpt.parameters()
     named = dict(model.named_parameters())
     where = f"checkpoint {checkpoint_dirname(step)} of {run_dir}"
     missing, extra = sorted(set(named) - set(params)), sorted(set(params) - set(named))

@@ -13,6 +13,7 @@ import yaml
 from islands.model import build_model, model_config
 from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.config import build_config
+from orchestrator.trained import load_trained
 
 _spec = importlib.util.spec_from_file_location("average_checkpoints", Path(__file__).parents[1] / "benchmarks" / "average_checkpoints.py")
 bench = importlib.util.module_from_spec(_spec)
@@ -37,7 +38,7 @@ def write_run(run_dir: Path, *, dp: bool = False) -> list[dict[str, torch.Tensor
 
 def test_uniform_and_replayed_averages_of_the_checkpoints(tmp_path):
     saved = write_run(tmp_path / "run")
-    ckpts = bench.load_checkpoints(tmp_path / "run")
+    ckpts = bench.load_checkpoints(tmp_path / "run", load_trained(tmp_path / "run", raw=True))
     assert [t for _, t, _ in ckpts] == TOKENS
     avg, n = bench.uniform_average(ckpts, 0.4)  # tokens >= 1500: the last three
     assert n == 3
