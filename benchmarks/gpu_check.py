@@ -1,6 +1,6 @@
 """GPU check: the CUDA and NCCL paths this project's CPU-only CI cannot run, in one short script.
 
-Seven sections, each reported whatever the others do (a failure is a row, not a crash):
+Eight sections, each reported whatever the others do (a failure is a row, not a crash):
 
 1. ``env``: torch, CUDA, NCCL versions and the cards.
 2. ``cuda_matches_cpu``: an island's inner trainer (islands/trainer.py) takes the same 10 AdamW steps
@@ -26,6 +26,9 @@ Seven sections, each reported whatever the others do (a failure is a row, not a 
    (``--engine-repeats``), each final model rescored on 256 held-out batches, medians per variant;
    ``--engine-pools gpu`` leaves the CPU pool out. With two or more GPUs a further run trains one
    two-worker NCCL island (written, not yet run: the machines lent so far had one GPU).
+8. ``dp_on_gpu``: the data-parallel baseline through Ray Train on GPU workers (NCCL; one worker on
+   one card, two on two or more) in fp32 and bf16, and the same run on a CPU worker (gloo): the GPU
+   runs must report NCCL and a CUDA device, train, and fp32 must end within 2% of the CPU run.
 
 Run from the repository root on a machine with a GPU, Ray and this project's dependencies::
 
@@ -346,6 +349,61 @@ def engine_mixed_pools(device: str, budget: int, run_root: str | None = None, pr
     return {"ok": ok, "note": note, "rows": rows}
 
 
+def dp_on_gpu(device: str, budget: int, run_root: str | None = None) -> dict:
+    """The data-parallel baseline (orchestrator/baseline_dp.py) on the GPU through Ray Train, against the CPU.
+
+    One worker (NCCL needs a card per rank; with two or more GPUs, two workers), the tiny preset, the
+    same seed, data and budget: on the GPU in fp32 and in bf16 (`pools[].precision`), and on the CPU
+    over gloo. The GPU runs must report the NCCL backend and a CUDA device, their loss must fall, and
+    fp32 on the GPU must end within 2% of the CPU run (TF32 off: only reduction order differs, and
+    several hundred AdamW steps let that drift a little).
+    """
+    from orchestrator.baseline_dp import train_data_parallel
+    from orchestrator.config import build_config
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    gpus = torch.cuda.device_count() if device != "cpu" else 0
+    workers = 2 if gpus >= 2 else 1
+    accel = torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0] if gpus else "cpu"
+
+    def config(kind: str, precision: str) -> dict:
+        pool = {"name": kind, "islands": workers, "cpus_per_island": 1, "precision": precision}
+        if kind == "gpu":
+            pool.update(accelerator=accel, gpus_per_worker=1)
+        return build_config({"run": {"token_budget": budget, "seed": 0}, "model": {"preset": "tiny"},
+                             "inner": {"lr": 0.003, "lr_schedule": "cosine"},
+                             "eval": {"interval_s": 5.0, "batches": 16}, "pools": [pool]})
+
+    variants = [("cpu", "fp32")] + ([("gpu", "fp32"), ("gpu", "bf16")] if gpus else [])
+    rows, losses, ok = [], {}, True
+    for kind, precision in variants:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_dir = Path(run_root or tmp) / f"dp-{kind}-{precision}"
+            t0 = time.perf_counter()
+            summary = train_data_parallel(config(kind, precision), run_dir)
+            wall = time.perf_counter() - t0
+        evals = summary["evals"]
+        dev = [w["device"] for w in summary["islands"]]
+        dev_ok = all(("cuda" in d) if kind == "gpu" else d == "cpu" for d in dev)
+        backend_ok = summary["backend"] == ("nccl" if kind == "gpu" else "gloo")
+        fell = evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 1.0
+        ok = ok and dev_ok and backend_ok and fell and summary["stopped_by"] == "token_budget"
+        losses[(kind, precision)] = summary["eval_loss"]
+        rows.append({"workers": f"{kind} x{summary['world_size']}", "precision": precision, "backend": summary["backend"],
+                     "device": ", ".join(sorted(set(dev))), "steps": summary["steps"],
+                     "eval_loss_first": evals[0]["eval_loss"], "eval_loss": summary["eval_loss"],
+                     "train_s": round(summary["wall_s"], 1), "steps_per_s": round(summary["steps"] / summary["wall_s"], 1),
+                     "total_s": round(wall, 1), "device_ok": dev_ok, "backend_ok": backend_ok})
+        print(f"dp_on_gpu {kind} {precision}: loss {summary['eval_loss']:.4f}, {summary['steps']} steps in "
+              f"{summary['wall_s']:.1f} s, {summary['backend']} on {dev}", flush=True)
+    if gpus:
+        rel = losses[("gpu", "fp32")] / losses[("cpu", "fp32")] - 1
+        ok = ok and abs(rel) <= 0.02
+        rows.append({"workers": "gpu fp32 vs cpu fp32", "eval_loss": rel})
+    note = "SMOKE TEST: --device cpu runs only the CPU worker" if not gpus else "real hardware, nothing emulated"
+    return {"ok": ok, "note": note, "rows": rows}
+
+
 def _table(name: str, result: dict) -> str:
     rows = result.get("rows") or []
     verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[result.get("ok")]
@@ -376,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="mixed (default): the GPU pool beside a one-island CPU pool; gpu: the GPU pool alone.")
     ap.add_argument("--score-batches", type=int, default=256,
                     help="Held-out batches each engine run's final model is scored on (default 256).")
+    ap.add_argument("--dp-budget", type=int, default=1_000_000, help="Token budget of each dp_on_gpu run.")
     ap.add_argument("--long-steps", type=int, default=3000, help="Steps per arithmetic in precision_long.")
     ap.add_argument("--only", default=None, help="Run only these sections (comma-separated names).")
     args = ap.parse_args(argv)
@@ -394,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_mixed_pools": lambda: engine_mixed_pools(device, args.budget, args.run_root,
                                                          tuple(args.precision.split(",")), args.engine_repeats,
                                                          args.engine_pools, args.score_batches),
+        "dp_on_gpu": lambda: dp_on_gpu(device, args.dp_budget, args.run_root),
     }
     only = set(args.only.split(",")) if args.only else set(sections)
     results = {}

@@ -3,7 +3,8 @@
 One Ray Train worker per island slot of `cfg.pools` (pinned to its pool's nodes by label selector,
 tagged with its region), the same model and initial parameters, the same inner AdamW (lr, warmup,
 lr schedule at DP's exact progress, clip, betas, weight decay) on every step on the gradient averaged
-over all workers (one gloo `all_reduce` of a flat buffer: DDP with one bucket), the same per-worker
+over all workers (one `all_reduce` of a flat buffer: DDP with one bucket; gloo on CPU pools, NCCL on GPU
+pools, each worker on the card Ray Train gave it), the same per-worker
 batch, disjoint shards (slot i reads shard i of n, as island i does) and the same global token
 budget. After each exchange every worker sleeps the EMULATED ring all-reduce time
 `network.allreduce_s(grad_bytes, regions)`; nothing is subtracted for the real gloo all-reduce
@@ -68,6 +69,7 @@ class WorkerSlot:
     labels: dict[str, str]
     emulated_slowdown: float
     emulated_jitter: float
+    precision: str | None = None  # the pool's inner-step arithmetic; None follows inner.precision
 
 
 def worker_slots(cfg: RunConfig) -> list[WorkerSlot]:
@@ -76,7 +78,7 @@ def worker_slots(cfg: RunConfig) -> list[WorkerSlot]:
     for pool in cfg.pools:
         for _ in range(pool.islands):
             out.append(WorkerSlot(len(out), pool.name, pool.region, dict(pool.labels),
-                                  pool.emulated_slowdown, pool.emulated_jitter))
+                                  pool.emulated_slowdown, pool.emulated_jitter, pool.precision))
     return out
 
 
@@ -114,15 +116,37 @@ def parameter_checksum(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         h.update(name.encode())
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
+def uses_gpus(cfg: RunConfig) -> bool:
+    """True when the workers train on GPUs (every pool's accelerator is not 'cpu'), False on CPUs.
+
+    Raises ConfigError for what one Ray Train worker group cannot run: pools that mix CPU and GPU
+    accelerators (one `use_gpu`, one collective backend), islands of several workers, and several GPU
+    workers at a fraction of a GPU each (Ray packs them onto one card, where NCCL refuses two ranks).
+    """
+    if any(p.workers_per_island != 1 for p in cfg.pools):
+        raise ConfigError("data-parallel: set workers_per_island=1 on every pool (one Ray Train worker per island slot)")
+    kinds = {p.accelerator == "cpu" for p in cfg.pools}
+    if len(kinds) > 1:
+        cpu = ", ".join(p.name for p in cfg.pools if p.accelerator == "cpu")
+        raise ConfigError(f"data-parallel: pools mix CPU ({cpu}) and GPU accelerators, and Ray Train runs one kind of "
+                          "worker; compare on one kind (set the same accelerator on every pool)")
+    gpu = kinds == {False}
+    if gpu and cfg.num_islands > 1 and min(p.gpus_per_worker for p in cfg.pools) < 1:
+        raise ConfigError(f"data-parallel: {cfg.num_islands} GPU workers need a whole GPU each (NCCL refuses two ranks "
+                          "on one card), but a pool sets gpus_per_worker below 1; set gpus_per_worker: 1")
+    return gpu
+
+
 def scaling_config(cfg: RunConfig):
-    """Ray Train's ScalingConfig: one worker per island slot, per-worker label selectors, the pools' CPUs.
+    """Ray Train's ScalingConfig: one worker per island slot, per-worker label selectors, the pools' CPUs and GPUs.
 
     Ray Train takes one `resources_per_worker` for all workers, so pools must agree on custom
-    resources; CPUs are the smallest `cpus_per_island` of the pools (never more than a pool offers).
+    resources; CPUs (and GPUs) are the smallest `cpus_per_island` (`gpus_per_worker`) of the pools
+    (never more than a pool offers).
     """
     from ray.train import ScalingConfig
 
@@ -130,9 +154,12 @@ def scaling_config(cfg: RunConfig):
     if len(custom) > 1:
         raise ConfigError("data-parallel: pools ask for different custom resources, and Ray Train takes one "
                           "resources_per_worker for all workers; pin pools with labels instead of resources")
+    gpu = uses_gpus(cfg)
     slots = worker_slots(cfg)
-    cpus = min(p.cpus_per_island for p in cfg.pools)
-    return ScalingConfig(num_workers=len(slots), use_gpu=False, resources_per_worker={"CPU": cpus, **cfg.pools[0].resources},
+    resources = {"CPU": min(p.cpus_per_island for p in cfg.pools), **cfg.pools[0].resources}
+    if gpu:
+        resources["GPU"] = min(p.gpus_per_worker for p in cfg.pools)
+    return ScalingConfig(num_workers=len(slots), use_gpu=gpu, resources_per_worker=resources,
                          label_selector=[s.labels for s in slots])
 
 
@@ -143,27 +170,36 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     """Ray Train's train function: one data-parallel worker. Rank 0 returns the run's record."""
     import ray
     import ray.train
+    import ray.train.torch
     import torch.distributed as dist
 
     from orchestrator.evaluation import Evaluator
     from policies.stopping import target_reached
 
+    from islands.distributed import describe_device
+
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(config["torch_threads"])
+    # NCCL on GPU pools: the card Ray Train assigned this worker; the buffers below live there.
+    device = ray.train.torch.get_device() if config["gpu"] else torch.device("cpu")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
     slots: list[WorkerSlot] = config["slots"]
     labels = [None] * world
     dist.all_gather_object(labels, dict(ray.get_runtime_context().get_node_labels()))
     slot = slots[assign_slots(slots, labels)[rank]]
 
     model_cfg, inner = config["model_config"], config["inner"]
+    precision = slot.precision or inner.precision  # the pool's arithmetic, as its islands would step
     train = ray.get(config["train"][0])
     trainer = InnerTrainer(model_cfg, np.asarray(train), settings=inner, shard_index=slot.island,
-                           num_shards=world, seed=config["seed"])
+                           num_shards=world, seed=config["seed"], device=device)
     model, opt, sampler = trainer.model, trainer.optimizer, trainer.sampler
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    flat = torch.zeros(numel + 2)  # [gradients..., loss, stop flag]: one all_reduce per step
+    flat = torch.zeros(numel + 2, device=device)  # [gradients..., loss, stop flag]: one all_reduce per step
     jitter_rng = random.Random(config["seed"] * 1_000_003 + slot.island)  # islands/trainer.py's pacing draws
     evaluator = Evaluator(model_cfg, ray.get(config["heldout"][0]), batches=config["eval_batches"],
                           batch_size=config["eval_batch_size"]) if rank == 0 else None
@@ -207,11 +243,13 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     for step in range(steps):
         s0 = time.perf_counter()
         x, y = sampler.next_batch()  # [B, T], [B, T]
+        if cuda:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         lr = inner.lr * lr_factor(inner.lr_schedule, step=step, warmup_steps=inner.warmup_steps, progress=step / steps,
                                   final_ratio=inner.lr_final_ratio)  # the islands' rule, at DP's exact progress
         for group in opt.param_groups:
             group["lr"] = lr
-        loss = forward_backward(model, x, y, precision=inner.precision)  # the islands' arithmetic
+        loss = forward_backward(model, x, y, precision=precision)  # the islands' arithmetic
         torch.cat([p.grad.reshape(-1) for p in params], out=flat[:numel])
         if bf16:  # what crosses the emulated wire: the gradient rounded to bf16
             flat[:numel] = flat[:numel].to(torch.bfloat16).to(torch.float32)
@@ -219,6 +257,8 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         if rank == 0 and stopped_by == "token_budget" and max_wall_s is not None and time.monotonic() - t0 >= max_wall_s:
             stopped_by = "max_wall_s"
         flat[numel + 1] = 1.0 if rank == 0 and stopped_by != "token_budget" else 0.0
+        if cuda:  # the kernels above are only queued: time the step once the card finished it
+            torch.cuda.synchronize(device)
         compute = time.perf_counter() - s0
         stretch = slot.emulated_slowdown  # EMULATION of the pool's speed, as islands/trainer.py
         if slot.emulated_jitter > 0:
@@ -261,7 +301,8 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     wall_s = time.monotonic() - t0
     record = {"rank": rank, "island": slot.island, "pool": slot.pool, "region": slot.region,
               "node": ray.get_runtime_context().get_node_id(), "steps": done, "tokens": done * inner.batch_size * model_cfg.seq_len,
-              "useful_s": useful_s, "network_s": network_s, "checksum": parameter_checksum(model)}
+              "useful_s": useful_s, "network_s": network_s, "checksum": parameter_checksum(model),
+              "device": describe_device(device), "precision": precision}
     records = [None] * world
     dist.all_gather_object(records, record)
     if rank != 0:
@@ -274,8 +315,8 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
             "workers": sorted(records, key=lambda r: r["island"]),
             # The final model (every worker holds the same), saved by the driver: `diloco sample` / `export`.
             # As numpy arrays (bit for bit): Ray Train 2.60 refuses torch tensors in a return value.
-            "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-            "average": None if average is None else {n: a.numpy().copy() for n, a in served().items()}}
+            "params": {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()},
+            "average": None if average is None else {n: a.cpu().numpy().copy() for n, a in served().items()}}
 
 
 # ---------------------------------------------------------------------------- the driver side
@@ -293,7 +334,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     import ray
     from ray.train import FailureConfig
     from ray.train import RunConfig as TrainRunConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Empty, Queue
 
     from orchestrator.driver import (build_run_network, ensure_ray, inner_settings, load_corpus, measure_step_s,
@@ -302,10 +343,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
 
     if wire not in WIRE_BYTES:
         raise ConfigError(f"wire={wire!r}: use one of {', '.join(WIRE_BYTES)}")
-    if any(p.accelerator != "cpu" for p in cfg.pools):
-        raise ConfigError("data-parallel: the baseline runs CPU workers (gloo) only; set accelerator=cpu on every pool")
-    if any(p.workers_per_island != 1 for p in cfg.pools):
-        raise ConfigError("data-parallel: set workers_per_island=1 on every pool (one Ray Train worker per island slot)")
+    gpu = uses_gpus(cfg)
     run_dir = Path(run_dir).resolve()
     ckpt_uri = run_checkpoint_uri(cfg.checkpoint.uri, run_dir)
     if "://" in ckpt_uri or Path(ckpt_uri).is_dir():
@@ -342,10 +380,11 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
             "eval_batches": cfg.eval.batches, "eval_batch_size": cfg.eval.batch_size, "eval_interval_s": cfg.eval.interval_s,
             "steps": steps, "max_wall_s": cfg.run.max_wall_s, "stop_at_eval_loss": cfg.run.stop_at_eval_loss,
             "allreduce_delay_s": delay_s, "wire": wire, "average_window": cfg.run.average_window,
-            "torch_threads": cfg.inner.torch_threads, "progress": queue,
+            "torch_threads": cfg.inner.torch_threads, "progress": queue, "gpu": gpu,
         }
         trainer = TorchTrainer(
             _dp_worker, train_loop_config=loop_config, scaling_config=scaling_config(cfg),
+            torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
             run_config=TrainRunConfig(name="dp", storage_path=str(run_dir / "ray_train"),
                                       failure_config=FailureConfig(max_failures=0)),
         )
@@ -455,7 +494,7 @@ def _summary(cfg: RunConfig, out: dict, *, network, wire: str, grad_bytes: int, 
         "parameter_checksums": [w["checksum"] for w in workers],
         "islands": [{"island": w["island"], "pool": w["pool"], "region": w["region"], "node": w["node"], "rank": w["rank"],
                      "incarnation": 1, "failures": 0, "restarts": 0, "state": "finished", "steps": w["steps"],
-                     "tokens": w["tokens"]} for w in workers],
+                     "tokens": w["tokens"], "device": w["device"], "precision": w["precision"]} for w in workers],
         "failures": 0,
         "restarts": 0,
         "evals": out["evals"],

@@ -19,8 +19,8 @@ import torch
 
 from islands.data import ShardSampler
 from islands.model import build_model, model_config
-from orchestrator.baseline_dp import (WorkerSlot, assign_slots, parameter_checksum, steps_for_budget,
-                                      train_data_parallel)
+from orchestrator.baseline_dp import (WorkerSlot, assign_slots, parameter_checksum, scaling_config, steps_for_budget,
+                                      train_data_parallel, uses_gpus, worker_slots)
 from orchestrator.config import ConfigError, build_config
 from orchestrator.driver import load_corpus
 from orchestrator.evaluation import Evaluator
@@ -91,6 +91,35 @@ def test_slot_assignment_follows_node_labels():
         assign_slots(slots, [{"pool": "a"}] * 3)
     assert steps_for_budget(30_000, workers=3, batch_size=8, seq_len=32) == 40  # ceil(30000 / 768)
     assert steps_for_budget(768 * 40, workers=3, batch_size=8, seq_len=32) == 40
+
+
+def gpu_pools(*gpus: float, cpu_pool: bool = False) -> dict:
+    data = dp_config()
+    data["pools"] = [{"name": f"g{i}", "islands": 1, "accelerator": "H100", "gpus_per_worker": g, "region": "us-east",
+                      "precision": "bf16" if i == 0 else None} for i, g in enumerate(gpus)]
+    if cpu_pool:
+        data["pools"].append({"name": "c", "islands": 1, "region": "us-west"})
+    return data
+
+
+def test_gpu_pools_get_gpu_workers_and_what_one_worker_group_cannot_run_is_refused():
+    # CPU pools: CPU workers over gloo, as before.
+    cpu = scaling_config(build_config(dp_config()))
+    assert not uses_gpus(build_config(dp_config())) and not cpu.use_gpu
+    assert cpu.resources_per_worker == {"CPU": 0.5}
+    # GPU pools: GPU workers (Ray Train picks NCCL), the smallest whole-GPU reservation of the pools,
+    # and each slot keeps its pool's arithmetic.
+    cfg = build_config(gpu_pools(1, 2))
+    sc = scaling_config(cfg)
+    assert uses_gpus(cfg) and sc.use_gpu and sc.num_workers == 2
+    assert sc.resources_per_worker == {"CPU": 1.0, "GPU": 1.0}
+    assert [s.precision for s in worker_slots(cfg)] == ["bf16", None]
+    # One GPU worker may take a fraction of a card: NCCL has no second rank to refuse.
+    assert scaling_config(build_config(gpu_pools(0.25))).resources_per_worker == {"CPU": 1.0, "GPU": 0.25}
+    with pytest.raises(ConfigError, match="pools mix CPU \\(c\\) and GPU accelerators"):
+        uses_gpus(build_config(gpu_pools(1, cpu_pool=True)))
+    with pytest.raises(ConfigError, match="2 GPU workers need a whole GPU each .* set gpus_per_worker: 1"):
+        scaling_config(build_config(gpu_pools(0.5, 1)))
 
 
 @pytest.mark.ray
