@@ -269,6 +269,11 @@ def step_timing(device: str, presets: list[str]) -> dict:
     return {"ok": True, "rows": rows}
 
 
+def _accelerator() -> str:
+    """The first card's kind for a pool's `accelerator`: 'NVIDIA H100 80GB HBM3' -> 'H100'."""
+    return torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0]
+
+
 def _engine_run(pools: list[dict], budget: int, run_dir: Path) -> dict:
     from orchestrator.config import build_config
     from orchestrator.driver import train
@@ -302,7 +307,7 @@ def engine_mixed_pools(device: str, budget: int, run_root: str | None = None, pr
     from orchestrator.trained import evaluate_trained, load_trained
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    gpu_pool = ({"name": "gpu", "islands": 2, "accelerator": torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0],
+    gpu_pool = ({"name": "gpu", "islands": 2, "accelerator": _accelerator(),
                  "gpus_per_worker": 0.25, "cpus_per_island": 1} if device != "cpu"
                 else {"name": "gpu", "islands": 2, "cpus_per_island": 1})
     cpu_pool = {"name": "cpu", "islands": 1, "cpus_per_island": 1}
@@ -364,7 +369,7 @@ def dp_on_gpu(device: str, budget: int, run_root: str | None = None) -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     gpus = torch.cuda.device_count() if device != "cpu" else 0
     workers = 2 if gpus >= 2 else 1
-    accel = torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0] if gpus else "cpu"
+    accel = _accelerator() if gpus else "cpu"
 
     def config(kind: str, precision: str) -> dict:
         pool = {"name": kind, "islands": workers, "cpus_per_island": 1, "precision": precision}

@@ -135,7 +135,7 @@ class InnerTrainer:
     def step(self) -> StepResult:
         """Run one AdamW step on the next batch of this island's shard, then the emulated slowdown."""
         t0 = time.perf_counter()
-        x, y = self._next_batch()  # [B, T], [B, T]
+        x, y = self.next_batch()  # [B, T], [B, T]
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.steps)
         loss = forward_backward(self.model, x, y, precision=self.settings.precision)
@@ -163,7 +163,8 @@ class InnerTrainer:
             wall_s=time.perf_counter() - t0,
         )
 
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This worker's next (inputs, targets) of its shard, [B, T] each, on the trainer's device."""
         if self.world == 1:
             x, y = self.sampler.next_batch()
         else:  # island step c: batches c*W .. c*W+W-1 of the shard, one per worker; the cursor counts island steps

@@ -196,7 +196,7 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     train = ray.get(config["train"][0])
     trainer = InnerTrainer(model_cfg, np.asarray(train), settings=inner, shard_index=slot.island,
                            num_shards=world, seed=config["seed"], device=device)
-    model, opt, sampler = trainer.model, trainer.optimizer, trainer.sampler
+    model, opt = trainer.model, trainer.optimizer
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     flat = torch.zeros(numel + 2, device=device)  # [gradients..., loss, stop flag]: one all_reduce per step
@@ -242,9 +242,7 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     train_loss, done = math.nan, 0
     for step in range(steps):
         s0 = time.perf_counter()
-        x, y = sampler.next_batch()  # [B, T], [B, T]
-        if cuda:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = trainer.next_batch()  # [B, T], [B, T], on the worker's device
         lr = inner.lr * lr_factor(inner.lr_schedule, step=step, warmup_steps=inner.warmup_steps, progress=step / steps,
                                   final_ratio=inner.lr_final_ratio)  # the islands' rule, at DP's exact progress
         for group in opt.param_groups:
