@@ -161,6 +161,25 @@ def test_the_heterogeneity_ab_can_skip_k1_without_grace_and_wan_refuses_the_flag
     assert "--skip-no-grace" in capsys.readouterr().err
 
 
+def test_quorum_gives_the_heterogeneity_runs_another_k_and_the_targets_follow_it(capsys):
+    runs = {n: extra["outer"] for n, _, extra in
+            compare.methods(compare.parse_args(["--scenario", "heterogeneity", "--quorum", "2"]))}
+    assert list(runs) == ["K=all", "K=2, no grace", "K=2 + grace"]
+    assert runs["K=2 + grace"]["min_quorum"] == 2 and runs["K=2, no grace"]["min_quorum"] == 2
+    assert runs["K=2, no grace"]["grace_gamma"] == 0.0 and runs["K=all"]["min_quorum"] == "all"
+    # The default is the K = 1, set explicitly so that a changed engine default cannot move it.
+    default = {n: extra["outer"] for n, _, extra in compare.methods(compare.parse_args(["--scenario", "heterogeneity"]))}
+    assert default["K=1 + grace"]["min_quorum"] == 1
+    res = compare.analyse_het([{"K=all": run(2.0, BUDGET, [(1.0, 3.0), (2.0, 2.0)]),
+                                "K=2 + grace": run(2.1, BUDGET, [(1.0, 3.0), (2.0, 2.1)])}])
+    assert compare.checks_md(res)[0] == "- MISS: K=2 + grace within 2% of K=all in quality: measured +5.00% vs K=all"
+    for argv, needle in ((["--quorum", "2"], "heterogeneity only"), (["--scenario", "heterogeneity", "--quorum", "4"], "got 4"),
+                         (["--scenario", "heterogeneity", "--quorum", "0"], "got 0")):
+        with pytest.raises(SystemExit):
+            compare.parse_args(argv)
+        assert needle in capsys.readouterr().err
+
+
 def test_the_heterogeneity_table_gives_each_repeats_gap_beside_the_median():
     def het(kall: float, k1: float) -> dict[str, dict]:
         return {"K=all": run(kall, BUDGET, [(1.0, 3.0), (2.0, kall)]), "K=1 + grace": run(k1, BUDGET, [(1.0, 3.0), (2.0, k1)])}
