@@ -168,12 +168,44 @@ def methods(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
             ("data-parallel", "dp", {"run": {"max_wall_s": args.dp_cap_s}})]
 
 
-def run_one(name: str, runner: str, data: dict, run_dir: Path, final_eval_batches: int = 0) -> dict:
+class ProgressLine:
+    """A progress callback for either runner that prints at most one line per `every_s` seconds.
+
+    A 30M-token side by side runs over an hour, each run half an hour; without this the log is silent
+    between the runs' last lines. The engine hands a `Progress`, data parallel a dict at each evaluation.
+    """
+
+    def __init__(self, name: str, budget: int, every_s: float):
+        self.name, self.budget, self.every_s = name, budget, every_s
+        self.last = -float("inf")
+
+    def line(self, tokens: float, elapsed_s: float, bpb: float | None) -> str:
+        """The line for one point: tokens against the budget, wall seconds, last held-out bits per byte."""
+        held = "n/a" if bpb is None else f"{bpb:.3f}"
+        return (f"    {self.name}: {tokens / 1e6:.2f}M of {self.budget / 1e6:.2f}M tokens "
+                f"({100 * tokens / self.budget:.0f}%), {elapsed_s:.0f} s, held-out {held} bits/byte")
+
+    def __call__(self, p) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        if isinstance(p, dict):  # data parallel
+            text = self.line(p["tokens_processed"], p["wall_s"], p.get("eval_bits_per_byte"))
+        else:
+            text = self.line(p.tokens, p.elapsed_s, p.eval_bpb)
+        print(text, file=sys.stderr, flush=True)
+
+
+def run_one(name: str, runner: str, data: dict, run_dir: Path, final_eval_batches: int = 0,
+            progress_s: float = 0.0) -> dict:
     """One run in its own run dir; returns its summary.json, with `final_loss_wide` added when
-    `final_eval_batches` > 0 (see score_final)."""
+    `final_eval_batches` > 0 (see score_final). `progress_s` > 0 prints a progress line that often."""
     cfg = build_config(data)
     t0 = time.monotonic()
-    summary = train_data_parallel(cfg, run_dir) if runner == "dp" else train(cfg, run_dir)
+    show = ProgressLine(name, cfg.run.token_budget, progress_s) if progress_s > 0 else None
+    summary = (train_data_parallel(cfg, run_dir, progress=show) if runner == "dp"
+               else train(cfg, run_dir, progress=show))
     wide = ""
     if final_eval_batches:
         summary.update(score_final(run_dir, final_eval_batches))
@@ -468,6 +500,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-no-grace", action="store_true",
                     help="heterogeneity without the K=1, no grace run: K=all against K=1 + grace only (for A/Bs of a "
                          "decoupled setting with --set, a third shorter)")
+    ap.add_argument("--progress-s", type=float, default=60.0,
+                    help="print each run's tokens, wall time and held-out loss at most this often (default 60; 0 = off)")
     ap.add_argument("--quorum", type=int, default=1,
                     help="heterogeneity: the K of the K + grace and K, no grace runs (default 1, the issue's targets; "
                          "2 or 3 measure a larger quorum against K=all under the same slow pool)")
@@ -512,6 +546,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--skip-no-grace applies to --scenario heterogeneity only; for wan-4-regions see --skip-sync-baselines")
     if args.scenario == "heterogeneity" and "min_quorum" in apply_overrides({}, args.overrides).get("outer", {}):
         ap.error("--set outer.min_quorum: the heterogeneity scenario's methods are K = all and K = 1; pick another K with --quorum")
+    if args.progress_s < 0:
+        ap.error(f"--progress-s must be >= 0 (0 turns the progress lines off), got {args.progress_s}")
     if args.quorum != 1 and args.scenario != "heterogeneity":
         ap.error(f"--quorum applies to --scenario heterogeneity only; for wan-4-regions use --set outer.min_quorum={args.quorum}")
     if not 1 <= args.quorum < 4:
@@ -573,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
                     if target is not None:  # it only needs to get there: the rest of its cap adds nothing measured
                         extra = deep_merge(extra, {"run": {"stop_at_eval_loss": target}})
                 rep[name] = run_one(name, runner, deep_merge(base, extra), args.out / "runs" / f"{slug}-r{r + 1}",
-                                    args.final_eval_batches)
+                                    args.final_eval_batches, args.progress_s)
             runs.append(rep)
     finally:
         ray.shutdown()

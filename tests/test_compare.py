@@ -180,6 +180,24 @@ def test_quorum_gives_the_heterogeneity_runs_another_k_and_the_targets_follow_it
         assert needle in capsys.readouterr().err
 
 
+def test_progress_lines_read_either_runner_and_are_throttled(capsys, monkeypatch):
+    from orchestrator.driver import Progress
+
+    clock = iter([100.0, 130.0, 161.0])
+    monkeypatch.setattr(compare.time, "monotonic", lambda: next(clock))
+    show = compare.ProgressLine("decoupled", 30_000_000, every_s=60.0)
+    show(Progress(tokens=12_000_000, budget=30_000_000, versions=[3], rounds=7, train_loss=None, eval_bpb=1.6234,
+                  elapsed_s=780.4))
+    show({"tokens_processed": 13_000_000, "wall_s": 800.0, "eval_bits_per_byte": 1.6})  # 30 s later: dropped
+    show({"tokens_processed": 15_000_000, "wall_s": 841.0, "eval_bits_per_byte": None})
+    assert capsys.readouterr().err.splitlines() == [
+        "    decoupled: 12.00M of 30.00M tokens (40%), 780 s, held-out 1.623 bits/byte",
+        "    decoupled: 15.00M of 30.00M tokens (50%), 841 s, held-out n/a bits/byte"]
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--progress-s", "-1"])
+    assert "--progress-s" in capsys.readouterr().err
+
+
 def test_the_heterogeneity_table_gives_each_repeats_gap_beside_the_median():
     def het(kall: float, k1: float) -> dict[str, dict]:
         return {"K=all": run(kall, BUDGET, [(1.0, 3.0), (2.0, kall)]), "K=1 + grace": run(k1, BUDGET, [(1.0, 3.0), (2.0, k1)])}
