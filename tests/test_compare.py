@@ -52,6 +52,22 @@ def test_a_dp_run_stopped_at_the_target_gives_a_measured_speedup():
     assert row["loss_gap"] == pytest.approx(2.2 / 1.8 - 1)
 
 
+def test_a_dp_run_capped_before_the_target_leaves_the_speedup_undecided_unless_its_bound_passes():
+    dec = run(2.2, BUDGET, [(0, 5.0), (5, 3.0), (10, 2.2)], tokens_per_step=1)
+    ref = run(1.8, BUDGET, [(0, 5.0), (2, 2.6), (4, 1.8)], tokens_per_step=10)
+
+    def capped(wall_s: float) -> dict:  # never below 2.2 within its cap
+        return run(3.0, BUDGET // 100, [(0, 5.0), (wall_s, 3.0)], tokens_per_step=10, allreduce_emulated_s=1.0)
+
+    res = compare.analyse_wan([{"decoupled": dec, "dp-no-network": ref, "data-parallel": capped(30.0)}], cap_s=30, budget=BUDGET)
+    line = compare.checks_md(res)[0]
+    assert line.startswith("- UNDECIDED: decoupled reaches the target loss >= 20x sooner than DP: measured at least 3x "
+                           "(data parallel capped at 30 s before the target); --dp-cap-s 3600 times it; projected ")
+    # A bound already past the target is a pass: data parallel took longer than that.
+    res = compare.analyse_wan([{"decoupled": dec, "dp-no-network": ref, "data-parallel": capped(250.0)}], cap_s=250, budget=BUDGET)
+    assert compare.checks_md(res)[0].startswith("- PASS: decoupled reaches the target loss >= 20x sooner than DP: measured at least 25x")
+
+
 def test_the_loss_gap_uses_the_wide_final_evaluation_when_runs_have_one():
     dec = run(2.2, BUDGET, [(0, 5.0), (10, 2.2)], tokens_per_step=1, final_loss_wide=2.25)
     ref = run(2.0, BUDGET, [(0, 5.0), (4, 2.0)], tokens_per_step=10, final_loss_wide=2.2)
