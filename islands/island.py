@@ -43,6 +43,7 @@ from policies.downlink import apply_delta, decode_fragment
 from policies.error_feedback import ErrorFeedback
 from policies.quorum import MovingAverage
 from policies.salvage import ProgressSnapshot, salvage_due
+from policies.sync_schedule import check_sync_schedule, sync_every_at
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class LearnerIsland:
         P = spec.plan.num_fragments
         if spec.sync_every_steps % P:
             raise ValueError(f"sync_every_steps={spec.sync_every_steps} must be a multiple of num_fragments={P}")
-        self._every = spec.sync_every_steps // P
+        check_sync_schedule(spec.sync_every_schedule, P)
         train = resolve(data[0]) if isinstance(data, list) else data
         self.trainer = InnerTrainer(
             spec.model_config, np.asarray(train), settings=spec.inner,
@@ -194,12 +195,17 @@ class LearnerIsland:
                 self._tokens[p] += result.tokens
                 self._compute[p] += wall
             self._since_cut += 1
-            if self._since_cut == self._every:
+            if self._since_cut >= self.cut_every():  # >=: a schedule may shorten H past the steps already taken
                 self._since_cut = 0
                 self._cut_submission()
         if self._shelve is not None and salvage_due(self.total_steps, self.spec.salvage_every_steps):
             self._shelve_progress()
         return True
+
+    def cut_every(self) -> int:
+        """Inner steps between two cuts (one fragment each, round-robin): H/P, H at the run's progress as last heard."""
+        h = sync_every_at(self.trainer.progress, self.spec.sync_every_schedule, self.spec.sync_every_steps)
+        return int(h) // self.spec.plan.num_fragments
 
     def _inflight_or_outbox(self) -> bool:
         return bool(self._inflight) or bool(self._outbox)

@@ -108,6 +108,7 @@ class IslandSpec:
     plan: FragmentPlan
     inner: InnerSettings
     sync_every_steps: int  # H
+    sync_every_schedule: tuple[tuple[float, int], ...] = ()  # (until progress, H) pairs before H (policies/sync_schedule.py)
     adoption: str = "overwrite"
     compression: str = "none"
     compression_block_size: int = 256

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from islands.spec import ModelConfig, model_config
 from policies.network import SCENARIOS as NETWORK_SCENARIOS
+from policies.sync_schedule import check_sync_schedule
 
 # The merge, adoption and compression policies do tensor math: their names are checked by importing
 # them inside the validators, so that importing this module (the CLI, the health monitor's process)
@@ -127,6 +128,10 @@ class OuterSection(_Section):
 
     num_fragments: int = Field(2, ge=1, description="P: fragments the parameters are split into (size-balanced).")
     sync_every_steps: int = Field(40, ge=1, description="H: inner steps between two submissions of the same fragment.")
+    sync_every_schedule: list[tuple[float, int]] = Field(
+        default_factory=list, description="Optional H over the run (policies/sync_schedule.py): [until_fraction, H] "
+        "pairs, H until the run has processed that fraction of its token budget, sync_every_steps after the last; "
+        "e.g. [[0.1, 40]] syncs every 40 steps over the first 10% of the budget. Empty = sync_every_steps throughout.")
     min_quorum: int | Literal["all"] = Field(1, description="K: submissions a round waits for; 'all' = every island.")
     grace_gamma: float = Field(0.5, ge=0, description="gamma in grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, cap); inf = wait for all live islands.")
     grace_cap_s: float = Field(2.0, ge=0, description="Upper bound of the grace window, seconds (inf allowed).")
@@ -223,6 +228,16 @@ class OuterSection(_Section):
             raise ValueError(f"unknown compression {v!r}; use one of {', '.join(SCHEMES)}")
         return v
 
+    @field_validator("sync_every_schedule", mode="before")
+    @classmethod
+    def _schedule_pairs(cls, v: Any) -> Any:
+        # Before pydantic's tuple check, whose "Field required" would not say what a pair is.
+        for i, entry in enumerate(v if isinstance(v, (list, tuple)) else [v]):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                raise ValueError(f"sync_every_schedule[{i}] is {entry!r}; give [until_fraction, H] pairs, e.g. "
+                                 "[[0.1, 40]] for H = 40 over the first 10% of the token budget")
+        return v
+
     @field_validator("min_quorum")
     @classmethod
     def _quorum(cls, v: int | str) -> int | str:
@@ -238,11 +253,18 @@ class OuterSection(_Section):
                 f"sync_every_steps (H={self.sync_every_steps}) must be a multiple of num_fragments "
                 f"(P={self.num_fragments}); pick H = {self.num_fragments * max(1, self.sync_every_steps // self.num_fragments)}"
             )
+        check_sync_schedule(self.sync_every_schedule, self.num_fragments)
         return self
 
     def effective_tau_steps(self) -> float:
         """tau for the grace window: the configured value, or H/P (the gap until the island's next submission)."""
         return self.tau_steps if self.tau_steps is not None else self.sync_every_steps / self.num_fragments
+
+    def tau_schedule(self) -> tuple[tuple[float, int], ...]:
+        """tau over the run when it follows `sync_every_schedule` (H/P in each phase); empty when tau_steps is set."""
+        if self.tau_steps is not None:
+            return ()
+        return tuple((float(until), h // self.num_fragments) for until, h in self.sync_every_schedule)
 
 
 class PoolConfig(_Section):

@@ -85,7 +85,7 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
     o = cfg.outer
     return OuterSettings(
         min_quorum=cfg.min_quorum_count(), grace_gamma=o.grace_gamma, grace_cap_s=o.grace_cap_s,
-        tau_steps=o.effective_tau_steps(), weighting=o.weighting, staleness_discount=o.staleness_discount,
+        tau_steps=o.effective_tau_steps(), tau_schedule=o.tau_schedule(), weighting=o.weighting, staleness_discount=o.staleness_discount,
         merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum, partial_momentum=o.partial_momentum, max_staleness=o.max_staleness,
         compression=o.compression, step_scale=o.step_scale, rda_across_rounds=o.rda_across_rounds, downlink=o.downlink, downlink_delta=o.downlink_delta, block_size=o.compression_block_size,
         topk_density=o.topk_density, publish_to=o.publish_to, average_window=cfg.run.average_window,
@@ -112,7 +112,8 @@ def island_specs(cfg: RunConfig, model_cfg, plan, run_id: str | None = None) -> 
         for _ in range(pool.islands):
             specs.append(IslandSpec(
                 island=island, incarnation=1, pool=pool.name, num_islands=total, model_config=model_cfg, plan=plan,
-                inner=inner, sync_every_steps=cfg.outer.sync_every_steps, adoption=cfg.outer.adoption,
+                inner=inner, sync_every_steps=cfg.outer.sync_every_steps,
+                sync_every_schedule=tuple(tuple(e) for e in cfg.outer.sync_every_schedule), adoption=cfg.outer.adoption,
                 compression=cfg.outer.compression, compression_block_size=cfg.outer.compression_block_size,
                 topk_density=cfg.outer.topk_density, feedback_decay=cfg.outer.feedback_decay,
                 wait_for_round=cfg.outer.wait_for_round, seed=cfg.run.seed,

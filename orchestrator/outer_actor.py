@@ -73,6 +73,7 @@ class _OuterShell:
         self._last_ckpt = time.monotonic()
         self.epoch = latest.meta.get("epoch", -1) + 1  # the seed checkpoint carries epoch -1
         self.extra: dict = latest.meta.get("extra", {})  # driver metadata saved with each checkpoint
+        self.core.progress = self._progress()
         self._monitor_state: dict | None = None
         # What this incarnation started from, for status(): the checkpoint step and its versions.
         self.restored_from = {"step": latest.step, "versions": list(self.core.versions)}
@@ -445,6 +446,7 @@ class _OuterShell:
     async def note(self, **extra) -> None:
         """Driver metadata to keep with the next checkpoint (tokens processed, run id, ...)."""
         self.extra.update(extra)
+        self.core.progress = self._progress()  # the grace window's tau may follow the run's progress
 
     async def restored_extra(self) -> dict:
         """The driver metadata this incarnation restored from its checkpoint ({} when it started fresh)."""

@@ -27,6 +27,7 @@ from policies.merge import RdaAcrossRounds, join_segments, merge_fragment
 from policies.outer_optimizer import FragmentOuterOptimizer, is_clock_rule, round_step_scale
 from policies.quorum import MovingAverage, decide_round, grace_window_s
 from policies.staleness import VersionRing, check_staleness
+from policies.sync_schedule import sync_every_at
 from policies.weighting import merge_weights
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class OuterSettings:
     grace_gamma: float = 0.5
     grace_cap_s: float = 2.0
     tau_steps: float = 20.0
+    tau_schedule: tuple[tuple[float, float], ...] = ()  # (until progress, tau) pairs; tau_steps after the last
     weighting: str = "tokens"
     staleness_discount: float = 0.0
     merge_rule: str = "rda"
@@ -124,6 +126,7 @@ class OuterOptimizer:
     ) -> None:
         self.plan = plan
         self.settings = settings
+        self.progress: float | None = None  # tokens processed / budget, as the driver last said (tau_schedule)
         P = plan.num_fragments
         self.params = [[initial[n].detach().to(torch.float32).clone() for n in frag] for frag in plan.fragments]
         self._shapes = [[tuple(t.shape) for t in frag] for frag in self.params]
@@ -259,7 +262,8 @@ class OuterOptimizer:
             self._quorum_at[p] = now
             self.quorum_time.update(now - self._round_open[p])
             self._grace[p] = grace_window_s(
-                gamma=self.settings.grace_gamma, tau_steps=self.settings.tau_steps,
+                gamma=self.settings.grace_gamma,
+                tau_steps=sync_every_at(self.progress, self.settings.tau_schedule, self.settings.tau_steps),
                 step_time_s=self.step_time.value, quorum_time_s=self.quorum_time.value,
                 sync_time_s=self.sync_time.value, cap_s=self.settings.grace_cap_s,
             )

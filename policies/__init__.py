@@ -3,8 +3,9 @@
 Among them: fragment planning (``fragments``), round closing with a minimum quorum and an adaptive
 grace window (``quorum``), merge weights (``weighting``), merge rules such as radial-directional
 averaging (``merge``), the per-fragment Nesterov outer step (``outer_optimizer``), how an island
-adopts a published fragment (``adoption``), staleness checks and the version ring (``staleness``)
-and outer-gradient quantization and top-k (``compression``) with error feedback (``error_feedback``).
+adopts a published fragment (``adoption``), staleness checks and the version ring (``staleness``),
+outer-gradient quantization and top-k (``compression``) with error feedback (``error_feedback``)
+and H over the run (``sync_schedule``).
 Every module is plain functions and small classes over tensors and numbers that take time and
 measurements as arguments; nothing here imports Ray, reads the clock or holds global state, so the
 simulator and the unit tests use the same code as the cluster. Import what you need from its module explicitly.

@@ -11,7 +11,7 @@ import yaml
 from islands.data import DataError
 from orchestrator.cli import main
 from orchestrator.config import ConfigError, RunConfig, load_config, resume_conflict
-from orchestrator.driver import load_corpus
+from orchestrator.driver import island_specs, load_corpus, outer_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,6 +80,10 @@ def test_sync_diloco_preset_sets_the_degenerate_settings():
         (["pools.medium.islands=1"], "pools has no entry named 'medium'; use one of fast, slow or an index 0..1"),
         (["pools.slow=1"], "pools.slow is a whole entry of a list; set one of its fields"),
         (["pools.0.islands=-1"], "config field 'pools.0.islands'"),
+        (["outer.sync_every_schedule=[[0.1, 41]]"], "sync_every_schedule[0] has H = 41, not a multiple of num_fragments "
+                                                    "(P=2); pick H = 40"),
+        (["outer.sync_every_schedule=[[0.5, 40], [0.2, 20]]"], "sync_every_schedule[1] ends at 0.2; each until_fraction"),
+        (["outer.sync_every_schedule=[[0.5]]"], "sync_every_schedule[0] is [0.5]; give [until_fraction, H] pairs"),
     ],
 )
 def test_bad_config_gives_one_line_error_naming_field_and_fix(overrides, expected):
@@ -150,3 +154,12 @@ def test_missing_and_empty_parquet_dataset_say_so(tmp_path):
     cfg = load_config(None, ["data.source=parquet", f"data.path={empty}", "data.text_column=text"])
     with pytest.raises(DataError, match="no rows"):
         load_corpus(cfg)
+
+
+def test_sync_every_schedule_reaches_islands_and_the_outer_grace_tau():
+    cfg = load_config(None, ["outer.sync_every_steps=186", "outer.sync_every_schedule=[[0.1, 40], [0.5, 100]]"])
+    assert cfg.outer.sync_every_schedule == [(0.1, 40), (0.5, 100)]
+    assert cfg.outer.tau_schedule() == ((0.1, 20), (0.5, 50))  # H/P per phase, P = 2
+    assert load_config(None, ["outer.sync_every_schedule=[[0.1, 40]]", "outer.tau_steps=7"]).outer.tau_schedule() == ()
+    assert {s.sync_every_schedule for s in island_specs(cfg, None, None)} == {((0.1, 40), (0.5, 100))}
+    assert outer_settings(cfg).tau_schedule == ((0.1, 20), (0.5, 50))

@@ -1,0 +1,67 @@
+"""H over the run: an optional schedule of inner steps between syncs, keyed on the run's progress.
+
+``outer.sync_every_schedule`` is a list of ``(until, H)`` pairs: islands sync every ``H`` inner steps
+until the run has processed the fraction ``until`` of its token budget, then move to the next pair,
+and after the last pair to ``outer.sync_every_steps``. Syncing often early and rarely later is the
+shape of post-local SGD (Lin et al., 2020: synchronous first, local steps after): early training
+moves the parameters fastest, so that is where long stretches between syncs let the islands drift
+furthest apart, while most of the bytes of a long run are spent later. The bytes per token of a run
+are the token-weighted mean of ``1 / H`` over its phases (docs/network.md).
+
+Pure functions: the config validates with :func:`check_sync_schedule`, islands pick their cut
+interval and the outer optimizer its grace tau with :func:`sync_every_at`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["check_sync_schedule", "sync_every_at", "mean_inverse_h"]
+
+
+def check_sync_schedule(schedule: Sequence[tuple[float, int]], num_fragments: int) -> None:
+    """Raise ValueError, in one line, if `schedule` is not a valid ``(until, H)`` list for P = `num_fragments`.
+
+    Valid: each ``until`` in (0, 1], strictly increasing; each ``H`` an integer >= 1 that P divides
+    (fragments are cut round-robin every H/P steps)."""
+    prev = 0.0
+    for i, entry in enumerate(schedule):
+        if len(entry) != 2:
+            raise ValueError(f"sync_every_schedule[{i}] is {list(entry)!r}; give [until_fraction, H] pairs, "
+                             "e.g. [[0.1, 40]] for H = 40 over the first 10% of the token budget")
+        until, h = entry
+        if not isinstance(until, (int, float)) or math.isnan(until) or not prev < until <= 1.0:
+            raise ValueError(f"sync_every_schedule[{i}] ends at {until!r}; each until_fraction must be in (0, 1] "
+                             f"and above the one before ({prev:g})")
+        if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+            raise ValueError(f"sync_every_schedule[{i}] has H = {h!r}; H must be an integer >= 1")
+        if h % num_fragments:
+            raise ValueError(f"sync_every_schedule[{i}] has H = {h}, not a multiple of num_fragments "
+                             f"(P={num_fragments}); pick H = {num_fragments * max(1, h // num_fragments)}")
+        prev = float(until)
+
+
+def sync_every_at(progress: float | None, schedule: Sequence[tuple[float, float]], sync_every_steps: float) -> float:
+    """H at run progress `progress` (tokens processed / token budget).
+
+    The H of the first pair whose ``until`` the run has not reached; `sync_every_steps` once it has
+    passed them all (or with no schedule). Before any progress is known (None) the run is at its start.
+    The outer optimizer reads its grace tau (H/P per phase) from a schedule of the same shape."""
+    p = 0.0 if progress is None else progress
+    for until, h in schedule:
+        if p < until:
+            return h
+    return sync_every_steps
+
+
+def mean_inverse_h(schedule: Sequence[tuple[float, int]], sync_every_steps: int) -> float:
+    """The token-weighted mean of 1/H over a whole run: bytes per token scale with it (docs/network.md).
+
+    A run with a constant H has 1/H; the formula's ratio 3H / (u + M d) takes ``1 / mean_inverse_h``
+    as its H."""
+    total, prev = 0.0, 0.0
+    for until, h in schedule:
+        total += (until - prev) / h
+        prev = until
+    return total + (1.0 - prev) / sync_every_steps
