@@ -42,6 +42,10 @@ between evaluations.
   python benchmarks/compare.py --scenario heterogeneity --skip-no-grace --quorum 2   # K = 2 + grace against K = all
   python benchmarks/compare.py --repeats 1 --skip-sync-baselines --model small --set-all model.seq_len=128 \
       --set-all inner.lr=0.0015                               # another model and inner lr, for every method
+  python benchmarks/compare.py --repeats 1 --skip-sync-baselines --dp-cap-s 30 --budget 30000000 \
+      --set-all data.batch_size=1 --set-all inner.lr=0.0015 --set inner.lr=0.0005 --local-step-s 0.0196 \
+      --compression int2 --downlink-delta int2 --set outer.min_quorum=2 --set outer.sync_every_steps=186 \
+      --set 'outer.sync_every_schedule=[[0.1, 40]]'           # the bytes and loss targets at one point (~70 min)
 """
 
 from __future__ import annotations
