@@ -135,7 +135,7 @@ class OuterSection(_Section):
     min_quorum: int | Literal["all"] = Field(1, description="K: submissions a round waits for; 'all' = every island.")
     grace_gamma: float = Field(0.5, ge=0, description="gamma in grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, cap); inf = wait for all live islands.")
     grace_cap_s: float = Field(2.0, ge=0, description="Upper bound of the grace window, seconds (inf allowed).")
-    tau_steps: float | None = Field(None, gt=0, description="tau: inner steps a submission may be in flight; None = H/P.")
+    tau_steps: float | None = Field(None, gt=0, description="tau: inner steps a submission may be in flight; None = H/P (H as sync_every_schedule has it at the time).")
     weighting: Literal["tokens", "uniform"] = Field("tokens", description="'tokens': w = tokens*tokens/steps; 'uniform'.")
     staleness_discount: float = Field(0.0, ge=0, description="Weight multiplier (1+staleness)^-d; 0 disables.")
     merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings) or 'mean'.")
