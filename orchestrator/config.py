@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from islands.spec import ModelConfig, model_config
 from policies.network import SCENARIOS as NETWORK_SCENARIOS
-from policies.sync_schedule import check_sync_schedule
+from policies.sync_schedule import check_schedule_pairs, check_sync_schedule
 
 # The merge, adoption and compression policies do tensor math: their names are checked by importing
 # them inside the validators, so that importing this module (the CLI, the health monitor's process)
@@ -231,11 +231,7 @@ class OuterSection(_Section):
     @field_validator("sync_every_schedule", mode="before")
     @classmethod
     def _schedule_pairs(cls, v: Any) -> Any:
-        # Before pydantic's tuple check, whose "Field required" would not say what a pair is.
-        for i, entry in enumerate(v if isinstance(v, (list, tuple)) else [v]):
-            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
-                raise ValueError(f"sync_every_schedule[{i}] is {entry!r}; give [until_fraction, H] pairs, e.g. "
-                                 "[[0.1, 40]] for H = 40 over the first 10% of the token budget")
+        check_schedule_pairs(v)  # before pydantic's tuple check, whose "Field required" would not say what a pair is
         return v
 
     @field_validator("min_quorum")

@@ -17,7 +17,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["check_sync_schedule", "sync_every_at", "mean_inverse_h"]
+__all__ = ["check_schedule_pairs", "check_sync_schedule", "sync_every_at", "mean_inverse_h"]
+
+
+def check_schedule_pairs(schedule: object) -> None:
+    """Raise ValueError, in one line, unless `schedule` is a list of two-element ``[until, H]`` entries.
+
+    The shape alone: the config runs it before pydantic's own tuple check, whose "Field required" would
+    not say what a pair is."""
+    for i, entry in enumerate(schedule if isinstance(schedule, (list, tuple)) else [schedule]):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise ValueError(f"sync_every_schedule[{i}] is {entry!r}; give [until_fraction, H] pairs, "
+                             "e.g. [[0.1, 40]] for H = 40 over the first 10% of the token budget")
 
 
 def check_sync_schedule(schedule: Sequence[tuple[float, int]], num_fragments: int) -> None:
@@ -25,12 +36,9 @@ def check_sync_schedule(schedule: Sequence[tuple[float, int]], num_fragments: in
 
     Valid: each ``until`` in (0, 1], strictly increasing; each ``H`` an integer >= 1 that P divides
     (fragments are cut round-robin every H/P steps)."""
+    check_schedule_pairs(schedule)
     prev = 0.0
-    for i, entry in enumerate(schedule):
-        if len(entry) != 2:
-            raise ValueError(f"sync_every_schedule[{i}] is {list(entry)!r}; give [until_fraction, H] pairs, "
-                             "e.g. [[0.1, 40]] for H = 40 over the first 10% of the token budget")
-        until, h = entry
+    for i, (until, h) in enumerate(schedule):
         if not isinstance(until, (int, float)) or math.isnan(until) or not prev < until <= 1.0:
             raise ValueError(f"sync_every_schedule[{i}] ends at {until!r}; each until_fraction must be in (0, 1] "
                              f"and above the one before ({prev:g})")
