@@ -25,8 +25,8 @@ sys.path.insert(0, _ROOT)
 
 import torch  # noqa: E402
 
-from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri  # noqa: E402
-from orchestrator.trained import TrainedModel, TrainedModelError, evaluate_trained, load_trained  # noqa: E402
+from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri  # noqa: E402
+from orchestrator.run.trained import TrainedModel, TrainedModelError, evaluate_trained, load_trained  # noqa: E402
 from policies.averaging import average_weight  # noqa: E402
 
 

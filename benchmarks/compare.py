@@ -11,7 +11,7 @@ compute matches a 12B model on 2-5 Gbps links). Runs, one after another, each in
   streaming-diloco   K = all, mean, P fragments in turn, islands wait for each round
   dp-no-network      data parallel (below) with network none: the same math, so its held-out loss
                      at the full budget is DP's quality at equal tokens; only wall time differs
-  data-parallel      Ray Train TorchTrainer, all-reduce every step (orchestrator/baseline_dp.py),
+  data-parallel      Ray Train TorchTrainer, all-reduce every step (orchestrator/baselines/data_parallel.py),
                      capped at --dp-cap-s of wall clock; it stops once at the target loss (set by the
                      runs before it) for two evaluations in a row (run.stop_at_eval_loss)
 
@@ -72,11 +72,11 @@ os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # a load
 import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (orchestrator/__init__.py)
 import ray  # noqa: E402
 
-from orchestrator.actors import WORKER_ENV, ignore_zero_copy_warnings  # noqa: E402
-from orchestrator.baseline_dp import train_data_parallel  # noqa: E402
+from orchestrator.actors.remote import WORKER_ENV, ignore_zero_copy_warnings  # noqa: E402
+from orchestrator.baselines.data_parallel import train_data_parallel  # noqa: E402
 from orchestrator.config import ConfigError, apply_overrides, build_config, load_config  # noqa: E402
-from orchestrator.driver import load_corpus, measure_step_s, train  # noqa: E402
-from orchestrator.trained import evaluate_trained, load_trained  # noqa: E402
+from orchestrator.run.driver import load_corpus, measure_step_s, train  # noqa: E402
+from orchestrator.run.trained import evaluate_trained, load_trained  # noqa: E402
 from policies.adoption import parse_adoption  # noqa: E402
 from policies.compression import SCHEMES  # noqa: E402
 from policies.downlink import DELTA_SCHEMES  # noqa: E402
@@ -245,7 +245,7 @@ def measure_local_step(args: argparse.Namespace) -> float:
     """The inner-step time every run's network is scaled to, measured once so every method sees the same links.
 
     Every island (and every DP worker: one per island slot) steps at once on this machine, so the step is
-    timed with as many side by side (orchestrator.driver.measure_step_s).
+    timed with as many side by side (orchestrator.run.driver.measure_step_s).
     """
     cfg = build_config(base_config(args))
     return measure_step_s(cfg, cfg.model.shape(), load_corpus(cfg).train, steps=8)  # with any --set-all model.*

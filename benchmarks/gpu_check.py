@@ -145,7 +145,7 @@ def precision_long(device: str, steps: int = 3000) -> dict:
     bf16), reproduced here by patching the head, for the record of why the head stays fp32.
     """
     from islands.data import load_stdlib_corpus
-    from orchestrator.evaluation import Evaluator
+    from orchestrator.core.evaluation import Evaluator
 
     corpus = load_stdlib_corpus(max_bytes=20_000_000)
     cfg = model_config("tiny")
@@ -276,7 +276,7 @@ def _accelerator() -> str:
 
 def _engine_run(pools: list[dict], budget: int, run_dir: Path) -> dict:
     from orchestrator.config import build_config
-    from orchestrator.driver import train
+    from orchestrator.run.driver import train
 
     cfg = build_config({
         "run": {"token_budget": budget, "seed": 0, "placement_timeout_s": 60},
@@ -304,7 +304,7 @@ def engine_mixed_pools(device: str, budget: int, run_root: str | None = None, pr
     held-out batches (a run's own evaluations score 8, which swing about 0.5%), and each variant's
     median over its repeats closes the table.
     """
-    from orchestrator.trained import evaluate_trained, load_trained
+    from orchestrator.run.trained import evaluate_trained, load_trained
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     gpu_pool = ({"name": "gpu", "islands": 2, "accelerator": _accelerator(),
@@ -355,7 +355,7 @@ def engine_mixed_pools(device: str, budget: int, run_root: str | None = None, pr
 
 
 def dp_on_gpu(device: str, budget: int, run_root: str | None = None) -> dict:
-    """The data-parallel baseline (orchestrator/baseline_dp.py) on the GPU through Ray Train, against the CPU.
+    """The data-parallel baseline (orchestrator/baselines/data_parallel.py) on the GPU through Ray Train, against the CPU.
 
     One worker (NCCL needs a card per rank; with two or more GPUs, two workers), the tiny preset, the
     same seed, data and budget: on the GPU in fp32 and in bf16 (`pools[].precision`), and on the CPU
@@ -363,7 +363,7 @@ def dp_on_gpu(device: str, budget: int, run_root: str | None = None) -> dict:
     fp32 on the GPU must end within 2% of the CPU run (TF32 off: only reduction order differs, and
     several hundred AdamW steps let that drift a little).
     """
-    from orchestrator.baseline_dp import train_data_parallel
+    from orchestrator.baselines.data_parallel import train_data_parallel
     from orchestrator.config import build_config
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

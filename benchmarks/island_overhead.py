@@ -56,9 +56,9 @@ from islands.data import ShardSampler, load_stdlib_corpus  # noqa: E402
 from islands.island import IslandSpec  # noqa: E402
 from islands.model import ModelConfig, build_model, model_config  # noqa: E402
 from islands.trainer import InnerSettings  # noqa: E402
-from orchestrator.actors import WORKER_ENV, IslandActor, OuterOptimizerActor  # noqa: E402
-from orchestrator.checkpoint import CheckpointStore  # noqa: E402
-from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings  # noqa: E402
+from orchestrator.actors.remote import WORKER_ENV, IslandActor, OuterOptimizerActor  # noqa: E402
+from orchestrator.core.checkpoint import CheckpointStore  # noqa: E402
+from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings  # noqa: E402
 from policies.fragments import plan_fragments  # noqa: E402
 
 TARGET_RATIO = 0.95

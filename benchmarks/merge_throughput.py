@@ -51,7 +51,7 @@ import torch  # noqa: E402
 
 from islands.messages import Submission  # noqa: E402
 from islands.model import build_model, model_config  # noqa: E402
-from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings  # noqa: E402
+from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings  # noqa: E402
 from policies.compression import compress  # noqa: E402
 from policies.fragments import plan_fragments  # noqa: E402
 

@@ -26,8 +26,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
-from orchestrator.simulate_cli import markdown_table, plot_grid, run_grid  # noqa: E402
-from orchestrator.simulator import SimConfig, simulate  # noqa: E402
+from orchestrator.cli.simulate import markdown_table, plot_grid, run_grid  # noqa: E402
+from orchestrator.simulator.goodput import SimConfig, simulate  # noqa: E402
 
 TARGET_S = 30.0
 

@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from orchestrator.actors import WORKER_ENV
+    from orchestrator.actors.remote import WORKER_ENV
     from orchestrator.config import load_config
-    from orchestrator.driver import emulation_note, train
+    from orchestrator.run.driver import emulation_note, train
 
     n = args.islands_per_pool
     cfg = load_config(None, [

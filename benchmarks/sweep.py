@@ -7,7 +7,7 @@ built-in default config with its pools replaced by `--islands` islands in one po
 slowdown and no network, so the sweep measures the training algorithm, not emulated speed or links.
 `--set` adds overrides to every run.
 
-Data parallel (`dp`: Ray Train TorchTrainer, orchestrator/baseline_dp.py) reads only the run,
+Data parallel (`dp`: Ray Train TorchTrainer, orchestrator/baselines/data_parallel.py) reads only the run,
 model, data, inner, eval, network and pool sections, so grid points that differ only in other keys
 (outer.*, health.*) share one DP run per repeat instead of repeating it.
 
@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from orchestrator.actors import WORKER_ENV
-    from orchestrator.baseline_dp import train_data_parallel
-    from orchestrator.driver import train
+    from orchestrator.actors.remote import WORKER_ENV
+    from orchestrator.baselines.data_parallel import train_data_parallel
+    from orchestrator.run.driver import train
 
     root = args.out or Path(tempfile.mkdtemp(prefix="sweep-"))
     cells: dict[tuple[str, tuple[str, ...]], list[float]] = {}

@@ -17,7 +17,7 @@ interface); ranks 1..W-1 are followers (`IslandFollower` here) that mirror it st
   concatenated (mean loss), which tests/integration/test_multiworker.py checks against a
   single-process reference.
 
-Torch only: the Ray side (actors, placement) is in orchestrator/actors.py and health_monitor.py.
+Torch only: the Ray side (actors, placement) is in orchestrator/actors/remote.py and health_monitor.py.
 The NCCL path has run only up to NCCL's own refusal of two ranks on one card (one-GPU machine,
 benchmarks/gpu_check.py); a two-worker NCCL island needs two GPUs and has not run.
 """
@@ -202,7 +202,7 @@ class WorkerGroup:
 class IslandFollower:
     """Worker rank r >= 1 of an island: a model replica that mirrors the leader step for step.
 
-    A plain class: the Ray shell (orchestrator/actors.py `_IslandWorker`) runs `run` in a thread.
+    A plain class: the Ray shell (orchestrator/actors/remote.py `_IslandWorker`) runs `run` in a thread.
     It starts from the leader's parameters (broadcast once after joining), adopts what the leader
     adopts, and steps when the leader steps; any collective error ends the loop with `state` =
     "failed", which the shell turns into the end of its process (so the leader fails at once too).

@@ -6,7 +6,7 @@ in the fixed order p = k mod P as an outer gradient `base[p] - theta[p]` and lea
 the outer optimizer *calls* `next_submission` to take it, so the outer owns the result. Published
 fragments arrive through `adopt` on another thread and are applied at the next step boundary.
 
-This is a plain class: Ray applies `ray.remote` to it in orchestrator/actors.py and injects
+This is a plain class: Ray applies `ray.remote` to it in orchestrator/actors/remote.py and injects
 `resolve` (ray.get) for list-wrapped refs; tests drive it in process with `step()`.
 
 An island of several workers (`spec.workers` > 1, islands/distributed.py) is data-parallel: this

@@ -5,7 +5,7 @@ built from a few islands' noisy progress, and the outer learning rate does not d
 the held-out loss of the global model swings about 0.5% between evaluations seconds apart, and with
 a window of 0.04 the average scored about 1% lower than the final global model (benchmarks/RESULTS.md,
 Averaging the global model). Data parallel's model gains as much from the same average, so the
-baseline keeps one too (orchestrator/baseline_dp.py). Islands keep training from the raw global
+baseline keeps one too (orchestrator/baselines/data_parallel.py). Islands keep training from the raw global
 model; only what the run evaluates, checkpoints as its model and exports is the average.
 
 The rule is a moving average whose time constant is a fixed fraction ``window`` of the tokens merged

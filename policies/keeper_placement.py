@@ -1,6 +1,6 @@
 """Where a pool's progress keeper goes: inside its pool, on a node that hosts none of its islands.
 
-A keeper (orchestrator/keeper.py) holds the islands' unsubmitted progress so that a dead island's work
+A keeper (orchestrator/actors/keeper.py) holds the islands' unsubmitted progress so that a dead island's work
 is merged instead of lost (policies/salvage.py). On a node that also hosts one of those islands, losing
 that node loses the island and its snapshot together, which is exactly the failure salvage is for. So
 the keeper is steered, in order of preference:
@@ -24,7 +24,7 @@ re-implements Ray's four selector forms only to compare nodes when deciding whet
 The choice is made when the keeper starts, with the islands placed so far. Islands restart and nodes
 come and go afterwards, so the health monitor also checks now and then whether a node of a more
 preferred kind than the keeper's own exists (`should_move`) and, if so, moves the keeper there with
-its snapshots (orchestrator/health_monitor.py).
+its snapshots (orchestrator/actors/health_monitor.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """EMULATED wide-area network: per-region links to the outer optimizer's region ("hub").
 
-Pure: numbers in, numbers out; no clock, no Ray. The outer-optimizer shell (orchestrator/actors.py)
+Pure: numbers in, numbers out; no clock, no Ray. The outer-optimizer shell (orchestrator/actors/remote.py)
 asks a `LinkSchedule` when each transfer would finish and delays delivery until then; the
 data-parallel baseline asks `NetworkModel.allreduce_s` for the time of each gradient all-reduce.
 

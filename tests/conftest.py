@@ -39,7 +39,7 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from orchestrator.actors import WORKER_ENV
+    from orchestrator.actors.remote import WORKER_ENV
 
     if ray.is_initialized():
         ray.shutdown()

@@ -89,8 +89,8 @@ def test_score_final_scores_the_newest_checkpoint_on_that_many_held_out_batches(
 
     from islands.data import heldout_batches
     from islands.model import build_model, model_config
-    from orchestrator.driver import load_corpus
-    from orchestrator.trained import read_run_config
+    from orchestrator.run.driver import load_corpus
+    from orchestrator.run.trained import read_run_config
     from tests.engine.test_trained import write_run
 
     saved = write_run(tmp_path / "run")  # checkpoints 0 and 4 of a nano run, eval.batch_size 8
@@ -197,7 +197,7 @@ def test_quorum_gives_the_heterogeneity_runs_another_k_and_the_targets_follow_it
 
 
 def test_progress_lines_read_either_runner_and_are_throttled(capsys, monkeypatch):
-    from orchestrator.driver import Progress
+    from orchestrator.run.driver import Progress
 
     clock = iter([100.0, 130.0, 161.0])
     monkeypatch.setattr(compare.time, "monotonic", lambda: next(clock))

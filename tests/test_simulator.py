@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from orchestrator import simulate_cli
-from orchestrator.simulator import SimConfig, quorum_met, run_rounds, simulate, straggler_efficiency
+from orchestrator.cli import simulate as simulate_cli
+from orchestrator.simulator.goodput import SimConfig, quorum_met, run_rounds, simulate, straggler_efficiency
 from policies.quorum import decide_round
 
 YEAR_S = 365 * 86400
@@ -186,5 +186,5 @@ def test_bad_salvage_period_is_a_one_line_error(kw, words):
 
 
 def test_simulator_imports_without_ray():
-    code = "import sys; sys.modules['ray'] = None; import orchestrator.simulator, orchestrator.simulate_cli"
+    code = "import sys; sys.modules['ray'] = None; import orchestrator.simulator.goodput, orchestrator.cli.simulate"
     subprocess.run([sys.executable, "-c", code], check=True)

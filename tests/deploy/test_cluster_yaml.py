@@ -15,7 +15,7 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from orchestrator.cluster_check import (
+from orchestrator.deploy.cluster_check import (
     fits_per_node,
     island_demand,
     joined_by_hand,

@@ -3,7 +3,7 @@
 The cluster is this module's own (free ports, its own --temp-dir) and is stopped by terminating the
 `ray start` process we started: never `ray stop`, which would kill every Ray on the machine. The CLI
 runs as a subprocess, as a user would run it. Also checks that the driver's metrics reach the
-head's Prometheus endpoint (orchestrator/metrics.py).
+head's Prometheus endpoint (orchestrator/run/metrics.py).
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def test_submit_runs_on_the_cluster_status_attaches_and_metrics_export(head, tmp
 
 
 def test_plan_job_ships_the_project_and_prints_the_same_submission():
-    from orchestrator.jobs import EXCLUDES, plan_job
+    from orchestrator.deploy.jobs import EXCLUDES, plan_job
 
     plan = plan_job(address="http://h:8265", config=str(ROOT / "configs" / "default.yaml"),
                     overrides=["run.token_budget=1000", "pools=[{name: a, islands: 2}]"], submission_id="sid-1",
@@ -273,7 +273,7 @@ def test_plan_job_ships_the_project_and_prints_the_same_submission():
 ])
 def test_plan_job_refuses_bad_input_in_one_line(kwargs, message):
     from orchestrator.config import ConfigError
-    from orchestrator.jobs import JobError, plan_job
+    from orchestrator.deploy.jobs import JobError, plan_job
 
     args = {"address": "http://h:8265", "config": None, "overrides": [], **kwargs}
     with pytest.raises((ConfigError, JobError)) as err:
@@ -282,7 +282,7 @@ def test_plan_job_refuses_bad_input_in_one_line(kwargs, message):
 
 
 def test_plan_job_refuses_a_config_outside_the_project(tmp_path):
-    from orchestrator.jobs import JobError, plan_job
+    from orchestrator.deploy.jobs import JobError, plan_job
 
     outside = tmp_path / "c.yaml"
     outside.write_text("run: {token_budget: 1000}\n")
@@ -291,7 +291,7 @@ def test_plan_job_refuses_a_config_outside_the_project(tmp_path):
 
 
 def test_pick_run_names_the_fix():
-    from orchestrator.jobs import JobError, pick_run
+    from orchestrator.deploy.jobs import JobError, pick_run
 
     assert pick_run(["r1"], None, "here") == "r1"
     assert pick_run(["r1", "r2"], "r2", "here") == "r2"
@@ -305,7 +305,7 @@ def test_pick_run_names_the_fix():
 def test_status_names_a_stopped_cluster_instead_of_retrying_it(monkeypatch, capsys):
     import ray._private.services as services
 
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     # A port nothing listens on, as Ray's record of the last `ray start` on this machine (the file
     # /tmp/ray/ray_current_cluster is shared with other tests, so the lookup is stood in for).
@@ -336,7 +336,7 @@ def _status(island, tokens, submitted, outbox):
 
 
 def test_goodput_so_far_uses_the_summary_formula_and_clamps_a_torn_read():
-    from orchestrator.metrics import estimated_run_start, goodput_so_far
+    from orchestrator.run.metrics import estimated_run_start, goodput_so_far
 
     # Two islands trained from t=100 and t=102 (the clock starts at 102), one fragment.
     timeline = [(99.0, 0, 1, "restarting"), (99.5, 1, 1, "restarting"), (100.0, 0, 1, "training"), (102.0, 1, 1, "training")]
@@ -360,7 +360,7 @@ def test_goodput_so_far_uses_the_summary_formula_and_clamps_a_torn_read():
 
 
 def test_refusal_kinds_are_a_small_set():
-    from orchestrator.metrics import refusal_kind
+    from orchestrator.run.metrics import refusal_kind
 
     assert refusal_kind("tensor 0: non-finite values (NaN/Inf)") == "non_finite"
     assert refusal_kind("stale incarnation 1 of island 2 (live: 3)") == "stale"

@@ -10,7 +10,7 @@ import numpy as np
 from islands.messages import FragmentUpdate
 from islands.model import build_model, model_config
 from islands.spec import ModelConfig
-from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
 from policies.fragments import FragmentPlan, plan_fragments
 
 

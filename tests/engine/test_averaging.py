@@ -11,7 +11,7 @@ import torch
 from islands.island import IslandSpec, LearnerIsland
 from islands.messages import FragmentUpdate
 from islands.trainer import InnerSettings
-from orchestrator.outer_optimizer import OuterSettings
+from orchestrator.core.outer_optimizer import OuterSettings
 from tests.engine.nano import nano_world
 
 INNER = InnerSettings(lr=3e-3, warmup_steps=0, batch_size=2)

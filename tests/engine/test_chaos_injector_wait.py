@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from orchestrator.chaos_injector import ChaosInjector
+from orchestrator.actors.chaos_injector import ChaosInjector
 from policies.chaos import Fault, FaultTape
 
 

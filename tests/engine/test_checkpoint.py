@@ -11,10 +11,10 @@ import pickle
 import pytest
 import torch
 
-from orchestrator.checkpoint import (MANIFEST_FILE, PAYLOAD_FILE, TMP_SUFFIX, Checkpoint, CheckpointError,
+from orchestrator.core.checkpoint import (MANIFEST_FILE, PAYLOAD_FILE, TMP_SUFFIX, Checkpoint, CheckpointError,
                                      CheckpointStore, checkpoint_dirname)
 
-LOGGER = "orchestrator.checkpoint"
+LOGGER = "orchestrator.core.checkpoint"
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -252,7 +252,7 @@ def test_manifest_cannot_name_a_non_tensor_dtype(tmp_path):
 
 def test_a_run_hands_actors_absolute_checkpoint_paths(tmp_path, monkeypatch):
     # Actors run in the Ray worker's working directory: a relative path would point elsewhere there.
-    from orchestrator.checkpoint import run_checkpoint_uri
+    from orchestrator.core.checkpoint import run_checkpoint_uri
 
     monkeypatch.chdir(tmp_path)
     assert run_checkpoint_uri("runs/x/checkpoints", "elsewhere") == str(tmp_path / "runs" / "x" / "checkpoints")

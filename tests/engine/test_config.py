@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from islands.data import DataError
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from orchestrator.config import ConfigError, RunConfig, load_config, resume_conflict
-from orchestrator.driver import island_specs, load_corpus, outer_settings
+from orchestrator.run.driver import island_specs, load_corpus, outer_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ray.exceptions import ActorUnavailableError
 
 from orchestrator.config import build_config
-from orchestrator.driver import Run
+from orchestrator.run.driver import Run
 
 
 class _Recorder:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchestrator.eventlog import EventLog, read_events
+from orchestrator.core.eventlog import EventLog, read_events
 
 
 @dataclass

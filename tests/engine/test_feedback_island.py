@@ -13,7 +13,7 @@ import torch
 
 from islands.island import IslandSpec, LearnerIsland
 from islands.trainer import InnerSettings
-from orchestrator.outer_optimizer import OuterSettings
+from orchestrator.core.outer_optimizer import OuterSettings
 import pytest
 
 from policies.compression import FEEDBACK_SCHEMES, compress, decompress

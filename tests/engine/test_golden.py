@@ -18,7 +18,7 @@ from islands.island import IslandSpec, LearnerIsland
 from islands.messages import FragmentUpdate
 from islands.model import build_model, model_config
 from islands.trainer import InnerSettings
-from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
 from policies.fragments import plan_fragments
 
 M, H, ROUNDS, SEED = 3, 4, 3, 7

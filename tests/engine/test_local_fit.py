@@ -1,4 +1,4 @@
-"""What a Ray started by the driver itself can never host (orchestrator.cluster_check.local_problems).
+"""What a Ray started by the driver itself can never host (orchestrator.deploy.cluster_check.local_problems).
 
 A local Ray is one node that never grows: a pool it cannot host would wait for placement forever,
 warning every placement_timeout_s. The driver refuses such a run at once, in one line naming the pool,
@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from orchestrator.cluster_check import local_problems
+from orchestrator.deploy.cluster_check import local_problems
 from orchestrator.config import load_config
 
 CPU_NODE = {"CPU": 2.0, "memory": 1e10, "object_store_memory": 1e9}

@@ -14,7 +14,7 @@ import pytest
 
 from islands.island import IslandSpec, LearnerIsland
 from islands.trainer import InnerSettings
-from orchestrator.outer_optimizer import OuterSettings
+from orchestrator.core.outer_optimizer import OuterSettings
 from tests.engine.nano import nano_world
 
 PEAK, FINAL, WARMUP = 1e-2, 0.2, 2

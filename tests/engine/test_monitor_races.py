@@ -16,7 +16,7 @@ import time
 from islands.model import model_config
 from islands.spec import InnerSettings, IslandSpec, IslandStatus
 from orchestrator.config import PoolConfig
-from orchestrator.health_monitor import HealthMonitor
+from orchestrator.actors.health_monitor import HealthMonitor
 from policies.fragments import plan_fragments
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.cli import format_summary
+from orchestrator.cli.main import format_summary
 from orchestrator.config import ConfigError, load_config
-from orchestrator.driver import build_run_network
+from orchestrator.run.driver import build_run_network
 
 POOLS = "pools=[{name: a, islands: 2, region: us-east}, {name: b, islands: 1, region: eu-west}]"
 
@@ -75,7 +75,7 @@ def test_the_summary_names_an_islands_device_and_precision_only_when_not_cpu_fp3
 def test_the_scaling_step_is_timed_with_every_island_stepping(monkeypatch, caplog):
     from islands.data import load_stdlib_corpus
     from islands.model import model_config
-    from orchestrator import driver
+    from orchestrator.run import driver
 
     # Islands on one machine share its cores: by default every island worker steps at once.
     cfg = load_config(None, ["pools=[{name: a, islands: 2, workers_per_island: 2}, {name: b, islands: 1}]"])
@@ -90,15 +90,15 @@ def test_the_scaling_step_is_timed_with_every_island_stepping(monkeypatch, caplo
     assert driver.step_concurrency(cfg) == 5
 
     corpus = load_stdlib_corpus(max_bytes=200_000, heldout_fraction=0.1)
-    with caplog.at_level("INFO", logger="orchestrator.driver"):
+    with caplog.at_level("INFO", logger="orchestrator.run.driver"):
         step_s = driver.measure_step_s(cfg, model_config("nano"), corpus.train, steps=2, concurrency=3)
     assert step_s > 0
     assert "median of 6 steps, 3 stepping side by side" in caplog.text
 
 
 def test_the_driver_measures_the_step_once_and_keeps_it_in_the_config(monkeypatch):
-    from orchestrator import driver
-    from orchestrator.driver import with_measured_step
+    from orchestrator.run import driver
+    from orchestrator.run.driver import with_measured_step
 
     # A driver about to start its own Ray (this test process may have joined the suite's cluster).
     monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
@@ -124,8 +124,8 @@ def test_gpu_pools_scale_the_links_to_a_gpu_step_or_ask_for_it(monkeypatch):
     would be far too fast for GPU islands, so the step is timed on a GPU, or the config must give it."""
     import torch
 
-    from orchestrator import driver
-    from orchestrator.driver import step_concurrency, step_device, with_measured_step
+    from orchestrator.run import driver
+    from orchestrator.run.driver import step_concurrency, step_device, with_measured_step
 
     monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
     gpu = "pools=[{name: g, islands: 3, accelerator: H100, gpus_per_worker: 0.25}, {name: c, islands: 2}]"
@@ -148,7 +148,7 @@ def test_a_pool_precision_overrides_inner_precision_for_its_islands_and_the_time
     # Mixed generations in one run: bf16 on the new pool, the run's fp32 on the old one.
     from islands.data import load_stdlib_corpus
     from islands.model import model_config
-    from orchestrator import driver
+    from orchestrator.run import driver
 
     cfg = load_config(None, ["inner.precision=fp32", "pools=[{name: new, precision: bf16}, {name: old}]"])
     new, old = cfg.pools

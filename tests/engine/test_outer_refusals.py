@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from islands.messages import Submission
-from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
 from policies.compression import Compressed, compress
 from policies.fragments import plan_fragments
 

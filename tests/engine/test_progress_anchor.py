@@ -19,7 +19,7 @@ import torch
 from islands.island import IslandSpec, LearnerIsland
 from islands.messages import FragmentUpdate
 from islands.trainer import InnerSettings
-from orchestrator.outer_optimizer import OuterSettings
+from orchestrator.core.outer_optimizer import OuterSettings
 from policies.compression import decompress
 from tests.engine.nano import nano_world
 

@@ -8,7 +8,7 @@ import math
 import torch
 
 from islands.messages import Submission
-from orchestrator.outer_optimizer import OuterOptimizer
+from orchestrator.core.outer_optimizer import OuterOptimizer
 from policies.compression import compress
 from policies.merge import RdaAcrossRounds
 from policies.outer_optimizer import FragmentOuterOptimizer

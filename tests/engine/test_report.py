@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.eventlog import EventLog
-from orchestrator.report import ReportError, timeline_intervals, write_report
+from orchestrator.cli.main import main
+from orchestrator.core.eventlog import EventLog
+from orchestrator.run.report import ReportError, timeline_intervals, write_report
 
 EMULATION = "EMULATION: pool speeds emulated by throttling on one machine (slow x1.6 ±10%)"
 T0 = 1_700_000_000.0  # epoch seconds of the first timeline event
@@ -135,7 +135,7 @@ def test_run_without_timeline_still_reports(tmp_path):
 
 
 def test_cli_passes_out_dir_and_prints_written_paths(tmp_path, capsys, monkeypatch):
-    import orchestrator.report
+    import orchestrator.run.report
 
     calls = []
 
@@ -143,7 +143,7 @@ def test_cli_passes_out_dir_and_prints_written_paths(tmp_path, capsys, monkeypat
         calls.append((run_dir, out_dir))
         return {"loss": Path(out_dir) / "loss.png", "report": Path(out_dir) / "report.md"}
 
-    monkeypatch.setattr(orchestrator.report, "write_report", fake)
+    monkeypatch.setattr(orchestrator.run.report, "write_report", fake)
     assert main(["report", "runs/x", "--out", str(tmp_path)]) == 0
     assert calls == [("runs/x", str(tmp_path))]
     assert capsys.readouterr().out.split() == [str(tmp_path / "loss.png"), str(tmp_path / "report.md")]
@@ -157,6 +157,6 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch):
 
 
 def test_report_module_imports_neither_ray_nor_matplotlib():
-    code = "import sys, orchestrator.report; sys.exit(bool({'ray', 'matplotlib'} & set(sys.modules)))"
+    code = "import sys, orchestrator.run.report; sys.exit(bool({'ray', 'matplotlib'} & set(sys.modules)))"
     root = Path(__file__).resolve().parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0

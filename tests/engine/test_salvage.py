@@ -12,7 +12,7 @@ import torch
 
 from islands.island import IslandSpec, LearnerIsland
 from islands.trainer import InnerSettings
-from orchestrator.outer_optimizer import OuterSettings
+from orchestrator.core.outer_optimizer import OuterSettings
 from policies.compression import decompress
 from policies.salvage import salvageable
 from tests.engine.nano import nano_world

@@ -12,7 +12,7 @@ import pytest
 
 from islands.island import IslandSpec, LearnerIsland
 from islands.trainer import InnerSettings
-from orchestrator.outer_optimizer import OuterSettings
+from orchestrator.core.outer_optimizer import OuterSettings
 from tests.engine.nano import nano_world
 from tests.engine.test_outer_refusals import good, make_outer
 

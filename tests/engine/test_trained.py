@@ -1,7 +1,7 @@
-"""orchestrator.trained: a run's model from its run directory, `diloco sample` and `diloco export` (no Ray).
+"""orchestrator.run.trained: a run's model from its run directory, `diloco sample` and `diloco export` (no Ray).
 
 The run directories here are written as the driver and `diloco baseline-dp` write them (config.yaml and
-checkpoints in orchestrator.checkpoint's format); tests/integration loads real runs' models.
+checkpoints in orchestrator.core.checkpoint's format); tests/integration loads real runs' models.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import yaml
 
 from islands.model import build_model, model_config
 from islands.sampling import generate
-from orchestrator import cli
-from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri
+from orchestrator.cli import main as cli
+from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.config import build_config
-from orchestrator.trained import (EXPORT_FORMAT, TrainedModelError, evaluate_trained, export_model, load_exported,
+from orchestrator.run.trained import (EXPORT_FORMAT, TrainedModelError, evaluate_trained, export_model, load_exported,
                                   load_trained)
 
 
@@ -201,7 +201,7 @@ def test_diloco_sample_and_export_on_the_command_line(tmp_path, capsys):
 
 def test_evaluate_scores_the_run_held_out_windows_or_another_corpus(tmp_path, capsys):
     from islands.data import heldout_batches
-    from orchestrator.driver import load_corpus
+    from orchestrator.run.driver import load_corpus
 
     write_run(tmp_path / "run")
     t = load_trained(tmp_path / "run")

@@ -1,4 +1,4 @@
-"""The synchronous data-parallel baseline (orchestrator/baseline_dp.py) through Ray Train's TorchTrainer.
+"""The synchronous data-parallel baseline (orchestrator/baselines/data_parallel.py) through Ray Train's TorchTrainer.
 
 One run on the shared labelled cluster checks the wiring (TorchTrainer, one worker per island slot on
 its pool's nodes, gloo), the math (against a single-process reference written here), the stop rule,
@@ -19,13 +19,13 @@ import torch
 
 from islands.data import ShardSampler
 from islands.model import build_model, model_config
-from orchestrator.baseline_dp import (WorkerSlot, assign_slots, parameter_checksum, scaling_config, steps_for_budget,
+from orchestrator.baselines.data_parallel import (WorkerSlot, assign_slots, parameter_checksum, scaling_config, steps_for_budget,
                                       train_data_parallel, uses_gpus, worker_slots)
 from orchestrator.config import ConfigError, build_config
-from orchestrator.driver import load_corpus
-from orchestrator.evaluation import Evaluator
-from orchestrator.eventlog import read_events
-from orchestrator.trained import evaluate_trained, load_trained
+from orchestrator.run.driver import load_corpus
+from orchestrator.core.evaluation import Evaluator
+from orchestrator.core.eventlog import read_events
+from orchestrator.run.trained import evaluate_trained, load_trained
 from policies.network import NetworkModel, build_network
 from policies.stopping import target_reached
 

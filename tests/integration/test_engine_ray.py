@@ -8,9 +8,9 @@ import pytest
 import ray
 
 from orchestrator.config import build_config
-from orchestrator.driver import train
-from orchestrator.eventlog import read_events
-from orchestrator.trained import evaluate_trained, load_trained
+from orchestrator.run.driver import train
+from orchestrator.core.eventlog import read_events
+from orchestrator.run.trained import evaluate_trained, load_trained
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -17,11 +17,11 @@ from islands.island import IslandSpec
 from islands.messages import FragmentUpdate
 from islands.model import build_model, model_config
 from islands.trainer import InnerSettings
-from orchestrator.actors import NAMESPACE, IslandActor, IslandWorkerActor
+from orchestrator.actors.remote import NAMESPACE, IslandActor, IslandWorkerActor
 from orchestrator.config import PoolConfig, build_config
-from orchestrator.driver import Run
-from orchestrator.eventlog import read_events
-from orchestrator.placement import create_island_group, island_scheduling, release_group
+from orchestrator.run.driver import Run
+from orchestrator.core.eventlog import read_events
+from orchestrator.actors.placement import create_island_group, island_scheduling, release_group
 from policies.fragments import plan_fragments
 from tests.integration.test_self_healing import actor, finish, start, wait_for
 

@@ -1,6 +1,6 @@
 """The emulated network in the engine: the real outer-optimizer shell, core and LearnerIslands.
 
-The shell (`orchestrator.actors._OuterShell`, the class the OuterOptimizerActor wraps) runs in this
+The shell (`orchestrator.actors.remote._OuterShell`, the class the OuterOptimizerActor wraps) runs in this
 process on the shared Ray cluster (it puts published fragments in the object store); the two islands
 are real LearnerIslands training in threads here, reached through a small stand-in for the actor
 handle (the only fake: the same two methods, run on executor threads). Links are configured
@@ -22,9 +22,9 @@ import torch
 from islands.island import IslandSpec, LearnerIsland
 from islands.model import build_model, model_config
 from islands.trainer import InnerSettings
-from orchestrator.outer_actor import _OuterShell
-from orchestrator.checkpoint import CheckpointStore
-from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.actors.outer import _OuterShell
+from orchestrator.core.checkpoint import CheckpointStore
+from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
 from policies.fragments import plan_fragments
 from policies.network import Link, NetworkModel
 
@@ -273,7 +273,7 @@ def test_a_salvage_takes_its_islands_uplink_and_merges_after_the_slot_came_back(
     """The shell's salvage path over an EMULATED WAN: island 1 dies with progress in its keeper; a new
     incarnation registers at once (a warm spare); the salvage still arrives, delayed by island 1's
     uplink, is merged, and moves the slot's resume cursor past it."""
-    from orchestrator.keeper import ProgressKeeper
+    from orchestrator.actors.keeper import ProgressKeeper
 
     async def body():
         settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000)

@@ -13,10 +13,10 @@ import pytest
 import ray
 import yaml
 
-from orchestrator.actors import NAMESPACE
-from orchestrator.checkpoint import CheckpointStore
+from orchestrator.actors.remote import NAMESPACE
+from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.config import apply_overrides, build_config
-from orchestrator.driver import Run, resume_config, train
+from orchestrator.run.driver import Run, resume_config, train
 from tests.conftest import add_pool_node
 from tests.integration.test_self_healing import actor, finish, start, wait_for
 

@@ -12,11 +12,11 @@ from typing import Callable
 import pytest
 import ray
 
-from orchestrator.actors import NAMESPACE
-from orchestrator.checkpoint import CheckpointStore
+from orchestrator.actors.remote import NAMESPACE
+from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.config import build_config
-from orchestrator.driver import Run
-from orchestrator.eventlog import read_events
+from orchestrator.run.driver import Run
+from orchestrator.core.eventlog import read_events
 from policies.chaos import Fault, FaultTape
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

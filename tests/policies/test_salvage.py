@@ -1,11 +1,11 @@
-"""Salvage rules (policies/salvage.py) and the keeper's bookkeeping (orchestrator/keeper.py), without Ray."""
+"""Salvage rules (policies/salvage.py) and the keeper's bookkeeping (orchestrator/actors/keeper.py), without Ray."""
 
 from __future__ import annotations
 
 import pytest
 
 from islands.messages import Submission
-from orchestrator.keeper import ProgressKeeper, keeper_name
+from orchestrator.actors.keeper import ProgressKeeper, keeper_name
 from policies.salvage import ProgressSnapshot, salvage_due, salvageable
 
 

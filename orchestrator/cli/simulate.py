@@ -1,8 +1,8 @@
 """``diloco simulate`` and ``diloco simulate-sweep``: the goodput simulator from the command line.
 
 ``register(subparsers)`` adds the two subcommands to the project's ``diloco`` parser; ``main()``
-runs them standalone (``python -m orchestrator.simulate_cli simulate ...``). The model lives in
-:mod:`orchestrator.simulator`; this module parses, validates with one-line errors and prints.
+runs them standalone (``python -m orchestrator.cli.simulate simulate ...``). The model lives in
+:mod:`orchestrator.simulator.goodput`; this module parses, validates with one-line errors and prints.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import sys
 import time
 
-from orchestrator.simulator import METHODS, ConfigError, SimConfig, simulate
+from orchestrator.simulator.goodput import METHODS, ConfigError, SimConfig, simulate
 
 SWEEP_CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 SWEEP_LEARNERS = (2, 4, 8, 16)

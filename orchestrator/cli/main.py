@@ -36,7 +36,7 @@ class ProgressBar:
         if emulation:
             stream.write(f"{emulation}\n")
 
-    def __call__(self, p) -> None:  # p: orchestrator.driver.Progress
+    def __call__(self, p) -> None:  # p: orchestrator.run.driver.Progress
         now = time.monotonic()
         if not self.tty and now - self._last < 10.0 and p.tokens < p.budget:
             return
@@ -95,7 +95,7 @@ def format_summary(summary: dict) -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from orchestrator.driver import emulation_note, resume_config, train  # imports Ray: keep `--help` fast
+    from orchestrator.run.driver import emulation_note, resume_config, train  # imports Ray: keep `--help` fast
     from policies.chaos import parse_chaos_spec
 
     try:
@@ -134,7 +134,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from orchestrator.report import ReportError, write_report  # matplotlib is imported only when plotting
+    from orchestrator.run.report import ReportError, write_report  # matplotlib is imported only when plotting
 
     try:
         paths = write_report(args.run_dir, args.out)
@@ -172,18 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/report)")
     r.set_defaults(func=_cmd_report)
     try:
-        from orchestrator import simulate_cli
+        from orchestrator.cli import simulate as simulate_cli
     except ImportError:  # the simulator is optional at import time only while it is being built
         simulate_cli = None
     if simulate_cli is not None:
         simulate_cli.register(sub)
-    from orchestrator import jobs  # `diloco submit` and `diloco status` (Ray Jobs API, live runs)
+    from orchestrator.deploy import jobs  # `diloco submit` and `diloco status` (Ray Jobs API, live runs)
 
     jobs.register(sub)
-    from orchestrator import baseline_dp  # `diloco baseline-dp` (Ray Train TorchTrainer baseline; Ray imported lazily)
+    from orchestrator.baselines import data_parallel as baseline_dp  # `diloco baseline-dp` (Ray Train TorchTrainer baseline; Ray imported lazily)
 
     baseline_dp.register(sub)
-    from orchestrator import trained  # `diloco sample`, `evaluate`, `export` (a run's trained model)
+    from orchestrator.run import trained  # `diloco sample`, `evaluate`, `export` (a run's trained model)
 
     trained.register(sub)
     return parser

@@ -3,7 +3,7 @@
 `ray up` validates a cluster.yaml against Ray's schema, but it cannot know which node types a
 training config needs. This module can: for every pool it finds the node types whose `labels`
 satisfy the pool's label selector and whose declared `resources` hold a worker bundle of the pool
-(orchestrator.placement.island_bundle; an island is `workers_per_island` such bundles, PACKed onto
+(orchestrator.actors.placement.island_bundle; an island is `workers_per_island` such bundles, PACKed onto
 as few nodes of the pool as possible), and reports each pool that has none, in one line that names
 the pool and the fix. `safety_problems` checks the security defaults (token
 authentication on every `ray start`, no token in the file, dashboard and Jobs API bound to localhost
@@ -12,7 +12,7 @@ unless opted in); `region_problems` checks that only node types of the head's re
 Plain dicts and a RunConfig in, lists of one-line strings out: no cluster, no cloud calls. Run every
 check with
 
-    python -m orchestrator.cluster_check --cluster cluster.yaml --config configs/multi-region.yaml
+    python -m orchestrator.deploy.cluster_check --cluster cluster.yaml --config configs/multi-region.yaml
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from orchestrator.config import ConfigError, PoolConfig, RunConfig, load_config
-from orchestrator.placement import island_bundle
+from orchestrator.actors.placement import island_bundle
 
 LOCAL_DASHBOARD_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_TOKEN_PATH = "~/.ray/auth_token"  # where Ray reads the token when RAY_AUTH_TOKEN(_PATH) is unset
@@ -66,7 +66,7 @@ def ray_schema_problems(cluster_yaml: dict[str, Any]) -> list[str]:
 
 def worker_bundle(pool: PoolConfig) -> dict[str, float]:
     """Resources one worker of an island of `pool` reserves on one node (the placement group's
-    bundle, orchestrator.placement.island_bundle), zero amounts left out."""
+    bundle, orchestrator.actors.placement.island_bundle), zero amounts left out."""
     return {k: v for k, v in island_bundle(pool).items() if v > 0}
 
 
@@ -306,9 +306,9 @@ def check(cluster_yaml: dict[str, Any], cfg: RunConfig, *, allow_public_dashboar
 def main(argv: list[str] | None = None) -> int:
     """CLI: print each problem on one line and exit 1, or print where each pool goes and exit 0."""
     ap = argparse.ArgumentParser(
-        prog="python -m orchestrator.cluster_check",
+        prog="python -m orchestrator.deploy.cluster_check",
         description="Check a cluster.yaml against a training config: Ray's validation, security defaults, pools.",
-        epilog="example: python -m orchestrator.cluster_check --cluster cluster.yaml --config configs/multi-region.yaml",
+        epilog="example: python -m orchestrator.deploy.cluster_check --cluster cluster.yaml --config configs/multi-region.yaml",
     )
     ap.add_argument("--cluster", default="cluster.yaml", help="the cluster.yaml given to `ray up`")
     ap.add_argument("--config", default="configs/multi-region.yaml", help="the training config (RunConfig YAML)")

@@ -31,18 +31,18 @@ from islands.data import Corpus, load_parquet_corpus, load_stdlib_corpus, unigra
 from islands.island import IslandSpec
 from islands.model import build_model
 from islands.trainer import InnerSettings, InnerTrainer
-from orchestrator.accounting import run_goodput, token_fates
-from orchestrator.actors import (NAMESPACE, WORKER_ENV, ChaosInjectorActor, HealthMonitorActor, IslandActor,
+from orchestrator.core.accounting import run_goodput, token_fates
+from orchestrator.actors.remote import (NAMESPACE, WORKER_ENV, ChaosInjectorActor, HealthMonitorActor, IslandActor,
                                  IslandWorkerActor, OuterOptimizerActor, ProgressKeeperActor, ignore_zero_copy_warnings)
-from orchestrator.checkpoint import CheckpointStore, run_checkpoint_uri
+from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config, resume_conflict
-from orchestrator.evaluation import Evaluator
-from orchestrator.eventlog import EventLog
-from orchestrator.keeper import keeper_name
-from orchestrator.metrics import RunMetrics
-from orchestrator.outer_optimizer import OuterOptimizer, OuterSettings
-from orchestrator.placement import remove_run_groups
-from orchestrator.runtime import CONTROL_PLANE_RUNTIME_ENV
+from orchestrator.core.evaluation import Evaluator
+from orchestrator.core.eventlog import EventLog
+from orchestrator.actors.keeper import keeper_name
+from orchestrator.run.metrics import RunMetrics
+from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.actors.placement import remove_run_groups
+from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
 from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
 from policies.network import NetworkModel, build_network
@@ -249,8 +249,8 @@ def ensure_ray(cfg: RunConfig, address: str | None) -> bool:
 
 def check_local_fit(cfg: RunConfig) -> None:
     """Raise ConfigError (one line; the local Ray shut down) when the one-node Ray this driver started cannot
-    host every pool (orchestrator.cluster_check.local_problems), instead of waiting for placement forever."""
-    from orchestrator.cluster_check import local_problems
+    host every pool (orchestrator.deploy.cluster_check.local_problems), instead of waiting for placement forever."""
+    from orchestrator.deploy.cluster_check import local_problems
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     problems = local_problems(cfg, labels=dict(nodes[0].get("Labels") or {}) if nodes else {},
@@ -551,7 +551,7 @@ class Run:
         ledger = self._get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
         acct = self._get(self.outer.accounting.remote())
         status = self._get(self.outer.status.remote())
-        # The last checkpoint holds the final model (orchestrator.trained reads it) and the final token count.
+        # The last checkpoint holds the final model (orchestrator.run.trained reads it) and the final token count.
         self._get(self.outer.note.remote(tokens_processed=self._tokens()))
         self._get(self.outer.checkpoint.remote())
         faults = self._get(self.injector.report.remote()) if self.injector is not None else []

@@ -3,13 +3,13 @@
 - `IslandActor` wraps islands.island.LearnerIsland (threaded: the inner loop runs in its own thread,
   control calls are served concurrently by the actor's thread pool). In an island of several workers
   it is rank 0, the leader; `IslandWorkerActor` wraps islands.distributed.IslandFollower (ranks >= 1).
-  Their shells live in orchestrator/island_actors.py, which imports torch only inside an island's
+  Their shells live in orchestrator/actors/islands.py, which imports torch only inside an island's
   own process, so the health monitor that creates islands runs without torch.
-- `OuterOptimizerActor` wraps orchestrator.outer_optimizer.OuterOptimizer (async: it keeps one
+- `OuterOptimizerActor` wraps orchestrator.core.outer_optimizer.OuterOptimizer (async: it keeps one
   outstanding `next_submission` call per island and takes results as they arrive, so it owns every
   submission ref; core work runs on one executor thread, so the plain class needs no locks). Its
-  shell is in orchestrator/outer_actor.py.
-- `ProgressKeeperActor` wraps orchestrator.keeper.ProgressKeeper: one per pool, it holds the islands'
+  shell is in orchestrator/actors/outer.py.
+- `ProgressKeeperActor` wraps orchestrator.actors.keeper.ProgressKeeper: one per pool, it holds the islands'
   latest progress snapshots outside their failure domain (policies/salvage.py).
 
 No module of a shell imports torch at import time: Ray imports an actor's class module in every
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import ray
 
-from orchestrator.chaos_injector import ChaosInjector
-from orchestrator.health_monitor import HealthMonitor
-from orchestrator.island_actors import _IslandShell, _IslandWorker
-from orchestrator.keeper import ProgressKeeper
-from orchestrator.outer_actor import _OuterShell
-from orchestrator.runtime import NAMESPACE, WORKER_ENV, ignore_zero_copy_warnings
+from orchestrator.actors.chaos_injector import ChaosInjector
+from orchestrator.actors.health_monitor import HealthMonitor
+from orchestrator.actors.islands import _IslandShell, _IslandWorker
+from orchestrator.actors.keeper import ProgressKeeper
+from orchestrator.actors.outer import _OuterShell
+from orchestrator.actors.runtime import NAMESPACE, WORKER_ENV, ignore_zero_copy_warnings
 
 __all__ = ["NAMESPACE", "WORKER_ENV", "ignore_zero_copy_warnings", "IslandActor", "IslandWorkerActor",
            "OuterOptimizerActor", "HealthMonitorActor", "ChaosInjectorActor", "ProgressKeeperActor"]

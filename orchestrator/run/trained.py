@@ -1,6 +1,6 @@
 """The model a run trained: load it from the run directory, sample from it, export it as a PyTorch file.
 
-A run's global parameters live in its checkpoints (orchestrator.checkpoint; `checkpoint.uri`, default
+A run's global parameters live in its checkpoints (orchestrator.core.checkpoint; `checkpoint.uri`, default
 RUN_DIR/checkpoints), beside their moving average when the run kept one (`run.average_window`). `diloco
 train` writes the last one after the final flush, so it holds exactly the model `summary.json`'s final
 held-out loss was measured on (the average where there is one); `diloco baseline-dp` saves its final
@@ -27,8 +27,8 @@ import yaml
 
 from islands.model import ByteTransformer, ModelConfig, build_model
 from islands.sampling import generate
-from orchestrator.baseline_dp import MODE as DATA_PARALLEL  # the mode `diloco baseline-dp` writes into config.yaml
-from orchestrator.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
+from orchestrator.baselines.data_parallel import MODE as DATA_PARALLEL  # the mode `diloco baseline-dp` writes into config.yaml
+from orchestrator.core.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
 from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config
 
 __all__ = ["EXPORT_FORMAT", "TrainedModel", "TrainedModelError", "evaluate_trained", "export_model", "load_exported",
@@ -151,12 +151,12 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) 
 
     `overrides` are `data.*` and `eval.*` fields (`--set` syntax) applied to the run's config: another
     corpus (`data.source=parquet`, `data.path=...`), more or fewer windows (`eval.batches`). The
-    windows are the ones a run's own evaluations score (orchestrator.evaluation). Returns
+    windows are the ones a run's own evaluations score (orchestrator.core.evaluation). Returns
     {"eval_loss" (nats per token), "eval_bits_per_token", "unigram_bits_per_token", "tokens", "source"}.
     """
     from islands.data import DataError, unigram_bits_per_byte
-    from orchestrator.driver import load_corpus  # imports Ray; only evaluation needs the corpus loader
-    from orchestrator.evaluation import Evaluator
+    from orchestrator.run.driver import load_corpus  # imports Ray; only evaluation needs the corpus loader
+    from orchestrator.core.evaluation import Evaluator
 
     overrides = list(overrides or [])
     for item in overrides:
@@ -316,7 +316,7 @@ def register(subparsers) -> None:
         subparsers, "export", help="write a run's trained model as a PyTorch file",
         description="Write the model of RUN_DIR's newest checkpoint (or --step) as a PyTorch file: a dict with its "
                     "shape and state dict, read back by torch.load(path, weights_only=True) or "
-                    "orchestrator.trained.load_exported(path).\n\nExample:\n  diloco export runs/demo --out demo.pt")
+                    "orchestrator.run.trained.load_exported(path).\n\nExample:\n  diloco export runs/demo --out demo.pt")
     e.add_argument("--out", required=True, metavar="FILE", help="where to write the model (e.g. model.pt)")
     e.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     e.set_defaults(func=_cmd_export)

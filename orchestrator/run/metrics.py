@@ -2,7 +2,7 @@
 
 Ray exports every metric on each node's `--metrics-export-port` at `/metrics` with a `ray_` prefix
 (`diloco_rounds` is scraped as `ray_diloco_rounds_total`: counters get `_total`) and shows them in
-the dashboard's Grafana panels. The driver records them (orchestrator/driver.py): round and refusal
+the dashboard's Grafana panels. The driver records them (orchestrator/run/driver.py): round and refusal
 events each time it drains them from the outer optimizer, versions, bytes, tokens and island states
 every tick, goodput at each flush and at the end. Every metric is listed in docs/metrics.md.
 
@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from orchestrator.accounting import run_goodput, token_fates
+from orchestrator.core.accounting import run_goodput, token_fates
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class RunMetrics:
         return {"run_id": self.run_id, **{k: str(v) for k, v in more.items()}}
 
     def record_events(self, rounds: Iterable[Any], refusals: Iterable[Any], snapshot: dict) -> None:
-        """Rounds (orchestrator.outer_optimizer.RoundRecord) and refusals (Refusal) drained from the outer optimizer."""
+        """Rounds (orchestrator.core.outer_optimizer.RoundRecord) and refusals (Refusal) drained from the outer optimizer."""
         pools = {int(i): s["pool"] for i, s in snapshot.get("slots", {}).items()}
         for r in rounds:
             tags = self._tags(fragment=r.fragment)

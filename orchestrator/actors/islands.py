@@ -4,7 +4,7 @@ Torch and the island code are imported when such a process is constructed, not w
 imported: the health monitor creates islands from these classes and must be able to unpickle them
 without importing torch (a process that imports torch costs ~3 s of CPU to start on a 2-core
 machine, and the monitor is restarted on the critical path of recovery). `ray.remote` is applied in
-orchestrator/actors.py.
+orchestrator/actors/remote.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from orchestrator.runtime import placement_group_id, quiet_worker
+from orchestrator.actors.runtime import placement_group_id, quiet_worker
 
 if TYPE_CHECKING:
     from islands.distributed import WorkerGroup
@@ -44,7 +44,7 @@ def _warm_up() -> None:
 
 
 class _Shelver:
-    """Hands an island's progress snapshots to its pool's keeper (orchestrator/keeper.py), fire and forget.
+    """Hands an island's progress snapshots to its pool's keeper (orchestrator/actors/keeper.py), fire and forget.
 
     The keeper is looked up by name on first use and again after a call to it failed, so a keeper the
     health monitor replaced is found; until one exists (it starts once its pool's islands are placed,

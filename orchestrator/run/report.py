@@ -1,6 +1,6 @@
 """`diloco report RUN_DIR`: plots and a markdown summary of a finished run, from its files alone.
 
-Reads `summary.json` and the Parquet event log (:mod:`orchestrator.eventlog`) and writes, into
+Reads `summary.json` and the Parquet event log (:mod:`orchestrator.core.eventlog`) and writes, into
 `RUN_DIR/report/` by default:
 
 - `loss.png`: held-out loss (nats/byte) and bits/byte over wall time and over tokens processed,
@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from orchestrator.eventlog import read_events
+from orchestrator.core.eventlog import read_events
 from policies.goodput import TIMELINE_STATES, Interval, merge_timeline
 
 __all__ = ["ReportError", "write_report", "timeline_intervals"]

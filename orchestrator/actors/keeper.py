@@ -9,7 +9,7 @@ it. What is salvageable is decided there (policies/salvage.py).
 
 A keeper that dies (its node failed) loses its snapshots: the islands' unsubmitted progress is then
 lost as it would be without salvage, and the monitor (which pings keepers every second) starts a new
-one. `ray.remote` is applied in orchestrator/actors.py.
+one. `ray.remote` is applied in orchestrator/actors/remote.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The outer optimizer's actor shell (`OuterOptimizerActor`, built in orchestrator/actors.py).
+"""The outer optimizer's actor shell (`OuterOptimizerActor`, built in orchestrator/actors/remote.py).
 
 Its heavy dependencies (the tensor core, checkpoints) are imported when the actor is constructed, not
 when this module is: Ray imports an actor's class module in every process that gets a handle to the
@@ -19,11 +19,11 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from islands.messages import FragmentUpdate, Submission
-from orchestrator.runtime import quiet_worker
+from orchestrator.actors.runtime import quiet_worker
 from policies.network import LinkSchedule, NetworkModel
 
 if TYPE_CHECKING:
-    from orchestrator.outer_optimizer import OuterSettings, RoundResult
+    from orchestrator.core.outer_optimizer import OuterSettings, RoundResult
     from policies.fragments import FragmentPlan
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,8 @@ class _OuterShell:
                  checkpoint_uri: str, checkpoint_every_s: float = 30.0, checkpoint_keep: int = 3,
                  network: NetworkModel | None = None, island_regions: dict[int, str] | None = None) -> None:
         quiet_worker()
-        from orchestrator.checkpoint import CheckpointStore
-        from orchestrator.outer_optimizer import OuterOptimizer
+        from orchestrator.core.checkpoint import CheckpointStore
+        from orchestrator.core.outer_optimizer import OuterOptimizer
         from policies.downlink import DownlinkCopies, decode_fragment
 
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-core")

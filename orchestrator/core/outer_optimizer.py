@@ -6,7 +6,7 @@ submissions. A round closes on quorum + grace (policies.quorum), merges with tok
 (policies.weighting) and RDA (policies.merge), applies the outer step and yields a `RoundResult`
 for the shell to publish. Bad submissions are refused, counted and logged; they never touch state.
 
-The Ray shell that polls islands and publishes lives in orchestrator/outer_actor.py.
+The Ray shell that polls islands and publishes lives in orchestrator/actors/outer.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from islands.messages import Submission, SubmissionKey
-from orchestrator.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX
+from orchestrator.core.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX
 from policies.averaging import average_weight
 from policies.compression import WIRE_DTYPES, Compressed, decompress
 from policies.fragments import FragmentPlan

@@ -4,14 +4,14 @@
   job's `working_dir` and runs `python -m orchestrator.cli train` as the job's entrypoint. The job
   supervisor sets RAY_ADDRESS for the entrypoint (ray/dashboard/modules/job/job_supervisor.py,
   `_get_driver_env_vars`), and `diloco train` connects to $RAY_ADDRESS when it has no --address
-  (orchestrator/driver.py::ensure_ray), so the job's driver joins the job's cluster. The driver adds
+  (orchestrator/run/driver.py::ensure_ray), so the job's driver joins the job's cluster. The driver adds
   WORKER_ENV to the job's runtime environment itself (ensure_ray's `ray.init(runtime_env=...)`); the
   job must not set the same variables, or Ray refuses to merge the two environments.
 - `status` joins the cluster as a short-lived driver, finds the run's named actors (namespace
   `diloco`: `outer-<run_id>` and `monitor-<run_id>`) and prints versions, islands, rounds, tokens and
-  goodput so far (orchestrator/metrics.py::goodput_so_far, the same formulas as the final summary).
+  goodput so far (orchestrator/run/metrics.py::goodput_so_far, the same formulas as the final summary).
 
-`register(subparsers)` adds both subcommands to the `diloco` parser (orchestrator/cli.py).
+`register(subparsers)` adds both subcommands to the `diloco` parser (orchestrator/cli/main.py).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class JobPlan:
 
 def project_root() -> Path:
     """The source checkout this package runs from (what a job ships as its working_dir)."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def _shell_path(path: str) -> str:
@@ -94,8 +94,8 @@ def plan_job(*, address: str, config: str | None, overrides: list[str], run_dir:
              submission_id: str | None = None) -> JobPlan:
     """Validate the run config here and build the submission. Raises ConfigError or JobError (one line)."""
     root = Path(working_dir or project_root()).resolve()
-    if not (root / "orchestrator" / "cli.py").is_file():
-        raise JobError(f"{root} is not a decoupled-diloco source checkout (no orchestrator/cli.py); "
+    if not (root / "orchestrator" / "cli" / "main.py").is_file():
+        raise JobError(f"{root} is not a decoupled-diloco source checkout (no orchestrator/cli/main.py); "
                        "pass --working-dir with the project root")
     load_config(config, overrides)  # a wrong field fails here, before anything is sent
     sid = submission_id or f"diloco-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -226,7 +226,7 @@ def live_runs() -> list[str]:
     """Run ids of every live run on the connected cluster (those whose outer optimizer actor is alive)."""
     import ray
 
-    from orchestrator.runtime import NAMESPACE
+    from orchestrator.actors.runtime import NAMESPACE
 
     names = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e.get("namespace") == NAMESPACE}
     return sorted(n[len("outer-"):] for n in names if n.startswith("outer-") and f"monitor-{n[len('outer-'):]}" in names)
@@ -250,8 +250,8 @@ def run_view(run_id: str, *, timeout_s: float = 60.0) -> dict:
     """Everything `diloco status` prints, read from the run's actors (no driver involved)."""
     import ray
 
-    from orchestrator.runtime import NAMESPACE
-    from orchestrator.metrics import estimated_run_start, goodput_so_far
+    from orchestrator.actors.runtime import NAMESPACE
+    from orchestrator.run.metrics import estimated_run_start, goodput_so_far
 
     outer = ray.get_actor(f"outer-{run_id}", namespace=NAMESPACE)
     monitor = ray.get_actor(f"monitor-{run_id}", namespace=NAMESPACE)

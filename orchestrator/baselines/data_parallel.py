@@ -47,8 +47,8 @@ import yaml
 from islands.data import unigram_bits_per_byte
 from islands.model import build_model
 from islands.trainer import InnerTrainer, forward_backward
-from orchestrator.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
-from orchestrator.cli import held_out_loss_cell
+from orchestrator.core.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
+from orchestrator.cli.main import held_out_loss_cell
 from orchestrator.config import ConfigError, RunConfig, load_config
 from policies.averaging import average_weight
 from policies.lr_schedule import lr_factor
@@ -173,7 +173,7 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     import ray.train.torch
     import torch.distributed as dist
 
-    from orchestrator.evaluation import Evaluator
+    from orchestrator.core.evaluation import Evaluator
     from policies.stopping import target_reached
 
     from islands.distributed import describe_device
@@ -335,9 +335,9 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Empty, Queue
 
-    from orchestrator.driver import (build_run_network, ensure_ray, inner_settings, load_corpus, measure_step_s,
+    from orchestrator.run.driver import (build_run_network, ensure_ray, inner_settings, load_corpus, measure_step_s,
                                      with_measured_step)
-    from orchestrator.eventlog import EventLog
+    from orchestrator.core.eventlog import EventLog
 
     if wire not in WIRE_BYTES:
         raise ConfigError(f"wire={wire!r}: use one of {', '.join(WIRE_BYTES)}")
@@ -401,7 +401,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         events.flush()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         # The final parameters, in the engine's checkpoint format, so `diloco sample` / `diloco export` read
-        # either method's model the same way (orchestrator.trained); after the summary, which a failed save
+        # either method's model the same way (orchestrator.run.trained); after the summary, which a failed save
         # must not cost.
         average = out.pop("average") or {}  # the served model beside the raw one, as the engine's checkpoints
         CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(
@@ -504,7 +504,7 @@ def _summary(cfg: RunConfig, out: dict, *, network, wire: str, grad_bytes: int, 
 EXAMPLES = """examples:
   diloco baseline-dp --run-dir runs/dp --set run.token_budget=1000000
   diloco baseline-dp --config configs/default.yaml --set network.scenario=wan-4-regions --set run.max_wall_s=120
-  python -m orchestrator.baseline_dp --set run.token_budget=200000 --wire fp32
+  python -m orchestrator.baselines.data_parallel --set run.token_budget=200000 --wire fp32
 """
 
 
@@ -549,7 +549,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `diloco baseline-dp` (also `python -m orchestrator.baseline_dp`)."""
+    """The options of `diloco baseline-dp` (also `python -m orchestrator.baselines.data_parallel`)."""
     p.add_argument("--config", help="YAML run config (default: built-in defaults); pools, model, data, inner, eval, run and network apply")
     p.add_argument("--run-dir", help="where to write summary.json and the event log (default: runs/dp-<timestamp>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)")
@@ -570,9 +570,9 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m orchestrator.baseline_dp ...`: the same as `diloco baseline-dp ...`."""
+    """`python -m orchestrator.baselines.data_parallel ...`: the same as `diloco baseline-dp ...`."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.baseline_dp", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.baselines.data_parallel", description=__doc__.splitlines()[0],
                                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)

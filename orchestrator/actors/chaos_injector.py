@@ -22,7 +22,7 @@ KILL_KINDS = ("kill_island", "kill_node")
 
 
 class ChaosInjector:
-    """Plain class with an asyncio loop; `ray.remote` is applied in orchestrator/actors.py."""
+    """Plain class with an asyncio loop; `ray.remote` is applied in orchestrator/actors/remote.py."""
 
     def __init__(self, tape: FaultTape, *, namespace: str, monitor_name: str, run_start: float,
                  protected_node: str | None = None, tick_s: float = 0.1) -> None:

@@ -33,8 +33,8 @@ from ray.util.placement_group import get_placement_group, placement_group_table
 
 from islands.spec import IslandSpec
 from orchestrator.config import PoolConfig
-from orchestrator.placement import create_island_group, island_scheduling, release_group
-from orchestrator.runtime import DATA_PLANE_RUNTIME_ENV
+from orchestrator.actors.placement import create_island_group, island_scheduling, release_group
+from orchestrator.actors.runtime import DATA_PLANE_RUNTIME_ENV
 from policies.health import assess_island
 from policies.keeper_placement import NODE_ID_LABEL, keeper_selectors, should_move
 from policies.restart import RestartBudget
@@ -72,7 +72,7 @@ def island_name(run_id: str, island: int, incarnation: int) -> str:
 
 
 class HealthMonitor:
-    """Plain class driven by an asyncio loop; `ray.remote` is applied in orchestrator/actors.py."""
+    """Plain class driven by an asyncio loop; `ray.remote` is applied in orchestrator/actors/remote.py."""
 
     def __init__(self, *, run_id: str, namespace: str, pools: list[PoolConfig], specs: list[IslandSpec],
                  data: list[Any] | None = None, outer_name: str, island_cls: Any, placement_timeout_s: float,
@@ -84,13 +84,13 @@ class HealthMonitor:
         multi = [p.name for p in pools if p.workers_per_island > 1]
         if multi and worker_cls is None:
             raise ValueError(f"pools {multi} have workers_per_island > 1 but no worker_cls was given; pass "
-                             "orchestrator.actors.IslandWorkerActor")
+                             "orchestrator.actors.remote.IslandWorkerActor")
         self.worker_cls = worker_cls
         # Pools whose islands leave progress snapshots with a keeper (IslandSpec.keeper): pool -> (namespace, name).
         self.keeper_names = {s.pool: s.keeper for s in specs if s.keeper is not None}
         if self.keeper_names and keeper_cls is None:
             raise ValueError("island specs name progress keepers but no keeper_cls was given; pass "
-                             "orchestrator.actors.ProgressKeeperActor (or set health.salvage_every_steps=0)")
+                             "orchestrator.actors.remote.ProgressKeeperActor (or set health.salvage_every_steps=0)")
         self.keeper_cls = keeper_cls
         self.keepers: dict[str, Any] = {}  # pool -> keeper handle
         self.keeper_restarts: dict[str, int] = {}  # pool -> keepers replaced after they died

@@ -1,0 +1,1 @@
+"""Baselines in the same harness: synchronous data parallel on Ray Train."""
