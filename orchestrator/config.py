@@ -2,6 +2,7 @@
 
 Policies never see these models; the driver and the actors unpack them into plain arguments.
 Every field says what it means and its unit; errors name the field and the fix in one line.
+The reference, with the reasoning and measurements behind the settings, is docs/config.md.
 """
 
 from __future__ import annotations
@@ -109,98 +110,75 @@ class InnerSection(_Section):
     beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
     warmup_steps: int = Field(20, ge=0, description="Linear learning-rate warmup, in inner steps.")
     lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="After warmup: 'constant' keeps lr; 'cosine' decays it to lr * lr_final_ratio over the "
-        "run's token budget, following the run's global progress (tokens processed / budget), which every published "
-        "fragment carries to the islands (policies/lr_schedule.py). Data parallel follows the same schedule.")
+        "constant", description="After warmup: 'constant' keeps lr; 'cosine' decays it to lr * lr_final_ratio at the "
+        "token budget, following the run's global progress (policies/lr_schedule.py).")
     lr_final_ratio: float = Field(0.1, ge=0, le=1, description="Under lr_schedule 'cosine': the rate at the token "
                                   "budget as a fraction of lr.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the gradient norm to this; None disables clipping.")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per island worker.")
     precision: Literal["fp32", "tf32", "bf16"] = Field(
-        "fp32", description="Arithmetic of the inner steps (islands and data parallel alike): 'fp32'; 'tf32' lets GPU "
-        "matmuls use TF32 (CPU islands stay fp32); 'bf16' runs the forward pass under bfloat16 autocast (on CPUs "
-        "without bf16 units it is slower than fp32). Weights, gradients, AdamW state, what islands send and "
-        "evaluation stay fp32.")
+        "fp32", description="Inner-step arithmetic (islands and data parallel): 'fp32'; 'tf32' = TF32 GPU matmuls; "
+        "'bf16' = forward pass under bfloat16 autocast. Weights, optimizer state and what islands send stay fp32.")
 
 
 class OuterSection(_Section):
-    """The outer optimizer: quorum, grace, weighting, merge, outer step, staleness, adoption, wire format."""
+    """The outer optimizer: quorum, grace, weighting, merge, outer step, staleness, adoption, wire format.
+
+    Fields come in groups: the settings every run sets first, then the tuning of rounds that merge fewer
+    than all islands (on by default), the wire format, and the experiments (off by default).
+    Why each is so, and what it measured: docs/config.md.
+    """
 
     num_fragments: int = Field(2, ge=1, description="P: fragments the parameters are split into (size-balanced).")
     sync_every_steps: int = Field(40, ge=1, description="H: inner steps between two submissions of the same fragment.")
-    sync_every_schedule: list[tuple[float, int]] = Field(
-        default_factory=list, description="Optional H over the run (policies/sync_schedule.py): [until_fraction, H] "
-        "pairs, H until the run has processed that fraction of its token budget, sync_every_steps after the last; "
-        "e.g. [[0.1, 40]] syncs every 40 steps over the first 10% of the budget. Empty = sync_every_steps throughout.")
     min_quorum: int | Literal["all"] = Field(1, description="K: submissions a round waits for; 'all' = every island.")
     grace_gamma: float = Field(0.5, ge=0, description="gamma in grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, cap); inf = wait for all live islands.")
     grace_cap_s: float = Field(2.0, ge=0, description="Upper bound of the grace window, seconds (inf allowed).")
     tau_steps: float | None = Field(None, gt=0, description="tau: inner steps a submission may be in flight; None = H/P (H as sync_every_schedule has it at the time).")
     weighting: Literal["tokens", "uniform"] = Field("tokens", description="'tokens': w = tokens*tokens/steps; 'uniform'.")
-    staleness_discount: float = Field(0.0, ge=0, description="Weight multiplier (1+staleness)^-d; 0 disables.")
     merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings) or 'mean'.")
     lr: float = Field(0.7, gt=0, description="Outer SGD learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain SGD.")
+    max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old.")
+    adoption: str = Field("rebase", description="How islands adopt a new fragment: 'rebase' keeps their progress not yet "
+                          "merged; 'overwrite' replaces it (the paper); 'mix(alpha)' keeps alpha of it.")
+    wait_for_round: bool = Field(False, description="Islands block after each submission until its round is adopted (synchronous DiLoCo).")
+
+    # Rounds that merge fewer than all live islands (K < all): on by default, measured (docs/config.md).
+    step_scale: Literal["clock", "participation", "none"] = Field(
+        "clock", description="How a round merging a share s < 1 of the live islands counts: 'clock' = s of a full "
+        "round in time; 'participation' = its outer gradient scaled by s; 'none' = unscaled.")
     partial_momentum: float | None = Field(
         0.7, ge=0, lt=1, description="Outer momentum of rounds that merge fewer than all live islands, under "
-        "step_scale 'clock'; capped at momentum; None = momentum. Those rounds apply outer gradients measured from "
-        "versions other islands have since moved, which carries momentum of its own (asynchronous SGD behaves like "
-        "momentum SGD), so they take less explicit momentum than full rounds (benchmarks/RESULTS.md).")
-    step_scale: Literal["clock", "participation", "none"] = Field(
-        "clock", description="How a round with fewer than all live islands counts, by its share s = distinct "
-        "islands merged / live islands (1 when K = all): 'clock' = s of a full round in time (the outer gradient "
-        "enters momentum scaled by s, the buffer decays by momentum**s, the step is s times a full one), so K < all "
-        "rounds add up to one synchronous step per H and the momentum buffer remembers the same number of inner "
-        "steps at any K; 'participation' = the outer gradient scaled by s only (the buffer still decays once per "
-        "round); 'none' = the unscaled rule (policies.outer_optimizer.round_step_scale).")
+        "step_scale 'clock'; capped at momentum; None = momentum.")
     rda_across_rounds: bool = Field(
-        True, description="Apply RDA's norm rule across a fragment's recent rounds: a round that merges fewer than "
-        "all live islands (share s < 1 under step_scale 'clock' or 'participation') has its merged outer gradient "
-        "lengthened, per tensor RDA merges, by the ratio of the recent rounds' mean norm to the norm of their sum, "
-        "capped at 1/sqrt(s), as RDA lengthens a full round's mean of misaligned island deltas. Full rounds are "
-        "unchanged, and so is everything under step_scale 'none' or merge_rule 'mean'. Holds one float32 copy of the "
-        "model on the outer optimizer once a partial round happens (policies.merge.RdaAcrossRounds; benchmarks/RESULTS.md).")
-    max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old.")
-    adoption: str = Field("rebase", description="How islands adopt a new fragment: rebase (keep the progress not yet merged) | overwrite (the paper: replace it) | mix(alpha). With K < all every round goes to every island, and overwrite then discards most of each island's progress (the overwritten token fate).")
-    compression: str = Field("none", description="Outer-gradient wire format: none | bf16 | int8 | int4 | int2 | sign | "
-        "topk. int2 (2 bits an element, 0.27 bytes a parameter) and sign (1 bit, 0.14) scale each block by its spread "
-        "and clip; topk "
-        "sends the largest `topk_density` of each 4,096-element chunk in int4 (two bytes an entry) and keeps the "
-        "rest on the island, owed to its next submission of the fragment. Under int2, sign and topk an island keeps what "
-        "a submission did not carry and owes it to the next one (error feedback, policies/error_feedback.py; "
-        "benchmarks/RESULTS.md).")
+        True, description="Lengthen a partial round's merged outer gradient by RDA's norm rule over the fragment's "
+        "recent rounds, capped at 1/sqrt(s); no effect under merge_rule 'mean' or step_scale 'none'.")
+
+    # Wire format: how outer gradients go up and published fragments come down (docs/config.md).
+    compression: str = Field("none", description="Outer-gradient (uplink) wire format: none (float32) | bf16 | int8 | "
+                             "int4 | int2 | sign | topk; int2, sign and topk owe what they leave out to the next submission.")
     compression_block_size: int = Field(256, gt=0, description="Elements per quantization scale block (uplink and downlink; "
         "topk uses chunks of 4,096).")
     topk_density: float = Field(1 / 64, gt=0, le=1, description="Fraction of each 4,096-element chunk that topk keeps, "
         "uplink (outer.compression) and downlink (outer.downlink_delta) alike: about 2 x density bytes per parameter.")
-    feedback_decay: float = Field(1.0, ge=0, le=1, description="Under int2, sign and topk, the factor on what an island's earlier "
-        "submissions did not carry each time new progress is added to it: 1 keeps all of it owed; below 1 lets old "
-        "progress fade, as SparseLoCo's accumulator does in place of outer momentum.")
     downlink: Literal["none", "bf16", "int8"] = Field(
-        "none", description="Wire format of published fragments (global parameters going down to islands): "
-        "none = float32; bf16 halves the bytes, int8 quarters them (per-block scales). Islands train from the "
-        "decoded copy; the outer optimizer keeps float32. With K = 1 every round goes to every island, so "
-        "this is most of a run's bytes.")
+        "none", description="Wire format of published fragments going down to islands: none (float32) | bf16 | int8 "
+        "(per-block scales); the outer optimizer keeps float32.")
     downlink_delta: Literal["bf16", "int8", "int4", "int2", "sign", "topk"] | None = Field(
-        None, description="Send each island a new version of a fragment as its difference from the copy that "
-        "island already holds, in this format (per-block scales), instead of whole. Consecutive versions differ "
-        "by one outer step: where that is r times smaller than the weights, int8 differences are ~r times more "
-        "precise than int8 weights at the same bytes, and int4 halves the bytes; int2 and sign (2 bits, 1 bit) "
-        "halve and quarter it again; topk sends the largest "
-        "`topk_density` of each chunk of the difference. Rounding error does not "
-        "accumulate (each difference is taken from what the island decoded, so what a coarse format rounds off or topk leaves out goes with the next). The first send of a fragment to an island "
-        "incarnation goes whole, in the `downlink` format. null = every version whole. Costs the outer "
-        "optimizer one float32 copy of the model per island (policies/downlink.py).")
+        None, description="Send a new version of a fragment as its difference from the island's copy, in this format; "
+        "a first send goes whole in `downlink`. null = every version whole.")
+
+    # Experimental: off by default (docs/config.md).
+    sync_every_schedule: list[tuple[float, int]] = Field(
+        default_factory=list, description="Experimental: H over the run as [until_fraction, H] pairs of the token "
+        "budget, sync_every_steps after the last, e.g. [[0.1, 40]]. Empty = sync_every_steps throughout.")
     publish_to: Literal["all", "participants"] = Field(
-        "all", description="Which islands a new version of a fragment goes to. all: every live island adopts "
-        "it at its next step boundary (DESIGN.md section 3). participants: only the islands whose submissions "
-        "the round merged (a refused island is resynced either way), so each island receives a fragment once "
-        "per its own sync of it, as in Streaming DiLoCo: with K = 1 the downlink carries about M times less, "
-        "and an island's unsubmitted progress is not overwritten by other islands' rounds. An island then "
-        "misses about M - 1 versions between its syncs: keep max_staleness >= the number of islands. "
-        "Identical to all when every round merges every island (K = all). Measured in wan-4-regions: half "
-        "the bytes and a 13.6% worse loss than all (docs/network.md).")
-    wait_for_round: bool = Field(False, description="Islands block after each submission until its round is adopted (synchronous DiLoCo).")
+        "all", description="Experimental: which islands a new fragment version goes to: 'all' live islands, or only "
+        "the round's 'participants' (then keep max_staleness >= the number of islands).")
+    feedback_decay: float = Field(1.0, ge=0, le=1, description="Experimental: under int2, sign and topk, the factor on "
+        "what an island still owes each time new progress is added; 1 keeps all of it owed.")
+    staleness_discount: float = Field(0.0, ge=0, description="Experimental: weight multiplier (1+staleness)^-d; 0 disables.")
 
     @field_validator("merge_rule")
     @classmethod
@@ -363,7 +341,7 @@ class NetworkSection(_Section):
     scenario: str = Field("none", description="none (no delay) | lan | wan-4-regions | wan-8-regions; pool regions must be in the scenario.")
     hub_region: str | None = Field(None, description="Region of the outer optimizer (the star's hub); None = the scenario's (us-central for the WANs, the first pool's region otherwise).")
     local_step_s: float | None = Field(None, gt=0, description="Inner-step compute time in seconds used for the scaling; None = measure a few inner steps of the model at setup.")
-    step_concurrency: int | None = Field(None, ge=1, description="How many inner steps to time side by side when measuring local_step_s: the run's islands share this machine's cores, so one step alone is faster than theirs and would make every link too fast for them; None = every island worker of the config on a one-node Ray cluster, 1 on a multi-node one.")
+    step_concurrency: int | None = Field(None, ge=1, description="Inner steps timed side by side when measuring local_step_s; None = every island worker of the config on a one-node Ray cluster, 1 on a multi-node one.")
 
     @field_validator("scenario")
     @classmethod
@@ -377,13 +355,16 @@ class RunSection(_Section):
     """Run-level settings: stop rule, seeds, timeouts."""
 
     token_budget: int = Field(3_000_000, gt=0, description="Stop when the islands together have processed this many tokens.")
-    seed: int = Field(0, description="Seed for model init, data order and emulation jitter.")
-    placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for an island's placement group.")
-    call_timeout_s: float = Field(60.0, gt=0, description="Timeout of control-plane calls (status, adopt, stop).")
     max_wall_s: float | None = Field(None, gt=0, description="Hard wall-clock stop in seconds (None = only the token budget).")
     stop_at_eval_loss: float | None = Field(None, gt=0, description="Stop early once the held-out loss (nats/byte) is at or below this at 2 evaluations in a row (None = never); for timing a run to a target loss.")
+    seed: int = Field(0, description="Seed for model init, data order and emulation jitter.")
     final_flush: bool = Field(True, description="At stop, cut every island's unsubmitted progress into submissions and merge them whatever the quorum (otherwise that work is lost), as one step to their weighted mean (no RDA, no momentum).")
-    average_window: float | None = Field(None, gt=0, le=1, description="Serve a moving average of the global model whose time constant is this fraction of the tokens merged so far (policies/averaging.py): evaluations, the final loss, checkpoints' model and exports use it, while islands keep training from the raw global model; it must span many rounds (a round of more tokens than the window replaces the average). None = serve the raw global model.")
+    placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for an island's placement group.")
+    call_timeout_s: float = Field(60.0, gt=0, description="Timeout of control-plane calls (status, adopt, stop).")
+
+    # Experimental: off by default (docs/config.md).
+    average_window: float | None = Field(None, gt=0, le=1, description="Experimental: serve a moving average of the "
+        "global model over this fraction of the tokens merged so far (policies/averaging.py); islands train on the raw one. None = off.")
 
 
 class RunConfig(_Section):
