@@ -378,6 +378,7 @@ def fmt(v: float | None, spec: str) -> str:
 
 
 def table_wan(res: dict, notes: list[str]) -> str:
+    """Markdown for wan-4-regions: the target loss, one row per method, the checks and the notes."""
     med, cap = res["median"], res["cap_s"]
     dp = med["data-parallel"]
     rule = ("the worst final loss among the runs that finish the budget; every one of them reaches it"
@@ -399,6 +400,7 @@ def table_wan(res: dict, notes: list[str]) -> str:
 
 
 def table_het(res: dict, notes: list[str]) -> str:
+    """Markdown for heterogeneity: one row per method against K=all, the checks and the notes."""
     at = res.get("merged_checkpoint_tokens")
     at_txt = f"vs K=all at {at / 1e6:.2f}M tokens merged" if at else "vs K=all at equal tokens merged"
     lines = [f"| method | final held-out loss | vs K=all | vs K=all per repeat | {at_txt} | goodput | tokens | wall s |",
@@ -471,7 +473,9 @@ def plot(out: Path, scenario: str, first: dict[str, dict], res: dict, note: str)
 # ---------------------------------------------------------------------------- main
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """Every option of the benchmark, with its help text."""
+    # Long: a flat list of options reads best in one place, in the order --help shows them.
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", choices=("wan-4-regions", "heterogeneity"), default="wan-4-regions",
                     help="wan-4-regions: decoupled vs sync/streaming DiLoCo vs data parallel; heterogeneity: K=all vs K=1 vs K=1+grace")
@@ -537,7 +541,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "loss targets (default 256, about the whole stdlib held-out set; --quick 16; 0: use the "
                          "run's own last evaluation, eval.batches = 8 batches, which swings about 0.5%%)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, in one line each and before any run, options that are out of range or do not fit together."""
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: pass 1 or more")
     if args.final_eval_batches is not None and args.final_eval_batches < 0:
@@ -569,6 +577,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 1 <= args.quorum < islands:
         ap.error(f"--quorum must be 1 to {islands - 1} (the scenario has {islands} islands; K = {islands} is its K=all run), "
                  f"got {args.quorum}")
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    """The defaults that follow the scenario or --quick, set on `args` in place."""
     args.budget = args.budget or (200_000 if args.quick else 3_000_000)
     if args.network is None:
         args.network = "none" if args.scenario == "heterogeneity" else "wan-4-regions"
@@ -584,6 +596,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.eval_batches = 4 if args.quick else 8
     args.run_cap_s = 45.0 if args.quick else None  # synchronous methods wait ~90 step times per round in wan-4-regions
     args.sync_every_steps = 10 if args.quick else None  # the default H=40 would give no round at all in 200k tokens
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked and with its scenario's defaults filled in."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    fill_defaults(args)
     args.out = args.out or Path(f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.out.is_dir() and any(args.out.iterdir()):  # now, not when the first run refuses its directory minutes in
         ap.error(f"--out {args.out} is not empty; pick a new directory (each run needs a fresh run directory)")
@@ -591,6 +611,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run every method of the scenario, write table.md, results.json and the plots, print the table."""
     args = parse_args(argv)
     # Every run's driver.log gets INFO (the driver adds its file handler to the root logger); the console warnings only.
     console = logging.StreamHandler(sys.stderr)

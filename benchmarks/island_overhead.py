@@ -302,6 +302,7 @@ def machine() -> str:
 
 
 def variants(args) -> list[Variant]:
+    """The rows to measure: the main one and, unless --main-only, P=1 and int8 (any not already the main row)."""
     main = Variant(f"P={args.num_fragments}, none", args.num_fragments, "none")
     if args.main_only:
         return [main]
@@ -310,6 +311,7 @@ def variants(args) -> list[Variant]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked; --quick sets a smoke run."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="examples:\n" + __doc__.split("::\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -348,20 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    cfg = model_config(args.preset)
-    inner = InnerSettings(batch_size=args.batch_size, torch_threads=args.torch_threads)
-    corpus = load_stdlib_corpus(max_bytes=args.max_bytes)
-    print(f"machine: {machine()}")
-    print(f"date: {started.isoformat(timespec='seconds')}, load average at start: {os.getloadavg()}")
-    print(METHOD_NOTE)
-    print(f"model {args.preset} ({sum(p.numel() for p in build_model(cfg, seed=0).parameters()):,} params), "
-          f"batch {args.batch_size}, torch threads {args.torch_threads}, H={args.sync_every_steps}, "
-          f"{args.repeats} repeats x {args.pairs} pairs of {args.slice_s:g} s slices "
-          f"(after {args.warmup_steps} warm-up steps each)\n", flush=True)
-
+def run_all(args: argparse.Namespace, cfg: ModelConfig, inner: InnerSettings, corpus) -> list[dict]:
+    """Every variant's repeats, in one fresh local Ray session; a line per repeat as it ends."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # address="local": always a fresh private instance, never a cluster someone else started on this machine.
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV})
@@ -379,7 +369,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"(pairs {ratios[0]:.3f}-{ratios[-1]:.3f}, {got['rounds']} rounds)", flush=True)
     finally:
         ray.shutdown()
+    return rows
 
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per variant: medians over its repeats, quartiles over every pair of every repeat."""
     summary = []
     for label in dict.fromkeys(r["config"] for r in rows):
         mine = [r for r in rows if r["config"] == label]
@@ -400,7 +394,11 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": len(mine),
             "pairs": len(every),
         })
+    return summary
 
+
+def print_tables(rows: list[dict], summary: list[dict]) -> None:
+    """The per-repeat table and the table of medians against the target, in markdown."""
     print("\nper repeat (ratio: median over its pairs of island / baseline steps/s in adjacent slices; "
           "CPU ms/step: process CPU time over the slices / steps):\n")
     print("| config | repeat | baseline steps/s | island steps/s | ratio | pair ratios min-max | "
@@ -422,6 +420,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {s['config']} | {s['baseline_steps_per_s']:.2f} | {s['island_steps_per_s']:.2f} | "
               f"{s['ratio']:.3f} | {met} | {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} | {s['baseline_cpu_ms_per_step']:.1f} | "
               f"{s['island_cpu_ms_per_step']:.1f} | {s['outer_cpu_ms_per_step']:.1f} | {s['refusals']} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure every variant, print the tables, write the JSON."""
+    args = parse_args(argv)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    cfg = model_config(args.preset)
+    inner = InnerSettings(batch_size=args.batch_size, torch_threads=args.torch_threads)
+    corpus = load_stdlib_corpus(max_bytes=args.max_bytes)
+    print(f"machine: {machine()}")
+    print(f"date: {started.isoformat(timespec='seconds')}, load average at start: {os.getloadavg()}")
+    print(METHOD_NOTE)
+    print(f"model {args.preset} ({sum(p.numel() for p in build_model(cfg, seed=0).parameters()):,} params), "
+          f"batch {args.batch_size}, torch threads {args.torch_threads}, H={args.sync_every_steps}, "
+          f"{args.repeats} repeats x {args.pairs} pairs of {args.slice_s:g} s slices "
+          f"(after {args.warmup_steps} warm-up steps each)\n", flush=True)
+
+    rows = run_all(args, cfg, inner, corpus)
+    summary = summarise(rows)
+    print_tables(rows, summary)
     print(f"\n{METHOD_NOTE}")
     if args.quick:
         print("(--quick: a smoke run, not a measurement)")

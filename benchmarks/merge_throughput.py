@@ -40,6 +40,7 @@ import resource
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 # Runnable from a checkout without `pip install -e .`: the driver imports the project from here, and the
 # Ray workers a local ray.init starts inherit PYTHONPATH.
@@ -50,7 +51,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("
 import torch  # noqa: E402
 
 from islands.messages import Submission  # noqa: E402
-from islands.model import build_model, model_config  # noqa: E402
+from islands.model import ModelConfig, build_model, model_config  # noqa: E402
 from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings  # noqa: E402
 from policies.compression import compress  # noqa: E402
 from policies.fragments import plan_fragments  # noqa: E402
@@ -198,6 +199,7 @@ def machine() -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked; --quick fills in what was not given."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="examples:\n" + __doc__.split("::\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -231,71 +233,103 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.torch_threads)
-    started = datetime.datetime.now(datetime.timezone.utc)
+class Model(NamedTuple):
+    """The model whose rounds are closed: its initial parameters, embedding names and size."""
+
+    # A NamedTuple, not a dataclass: tests load benchmarks by file path, without the sys.modules entry a dataclass needs.
+    cfg: ModelConfig
+    initial: dict[str, torch.Tensor]
+    embedding_names: list[str]
+    model_bytes: int  # fp32 bytes of the whole model
+    n_params: int
+
+
+class Subject(NamedTuple):
+    """The model and the inputs every configuration shares."""
+
+    model: Model
+    deltas: list[dict[str, torch.Tensor]]  # a random outer gradient per island, max(K) of them
+    dst: dict[str, torch.Tensor]  # the plain copy's preallocated, touched buffers
+    plans: dict  # P -> fragment plan
+
+
+def load_model(args: argparse.Namespace) -> Model:
+    """The preset's model, built from the seed."""
     cfg = model_config(args.preset)
     model = build_model(cfg, seed=args.seed)
     initial = {n: p.detach() for n, p in model.named_parameters()}
-    embedding_names = model.embedding_parameter_names()
-    model_bytes = sum(t.numel() * t.element_size() for t in initial.values())
-    n_params = sum(t.numel() for t in initial.values())
-    print(f"machine: {machine()}")
-    print(f"date: {started.isoformat(timespec='seconds')}, load average at start: {os.getloadavg()}")
-    print(SHARED_NOTE)
-    print(f"model {args.preset}: {n_params:,} params, {model_bytes / 1e6:.1f} MB fp32 in {len(initial)} tensors; "
-          f"torch threads {torch.get_num_threads()}; {args.repeats} repeats\n", flush=True)
+    return Model(cfg=cfg, initial=initial, embedding_names=model.embedding_parameter_names(),
+                 model_bytes=sum(t.numel() * t.element_size() for t in initial.values()),
+                 n_params=sum(t.numel() for t in initial.values()))
 
-    k_max = max(args.islands)
-    deltas = random_deltas({n: t.shape for n, t in initial.items()}, k_max, args.seed + 1)
-    dst = {n: torch.zeros_like(t) for n, t in initial.items()}  # preallocated and touched
-    plans = {P: plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], P)
-             for P in args.fragments}
 
-    compress_rows, rows = [], []
-    for scheme in args.schemes:
-        seconds = time_compress(deltas[0], scheme, args.repeats)
-        payloads = [{n: compress(d, scheme) for n, d in island.items()} for island in deltas]
-        wire = sum(c.nbytes for c in payloads[0].values())
-        compress_rows.append({"scheme": scheme, "seconds": seconds, "gb_per_s": model_bytes / seconds / 1e9,
-                              "wire_mb_per_island": wire / 1e6})
-        print(f"  compress {scheme}: {seconds:.3f} s per island ({model_bytes / seconds / 1e9:.2f} GB/s), "
-              f"{wire / 1e6:.1f} MB on the wire", flush=True)
-        for P in args.fragments:
-            subs_all = build_submissions(payloads, plans[P], sync_every_steps=args.sync_every_steps,
-                                         tokens_per_step=16 * cfg.seq_len)
-            for K in args.islands:
-                settings = OuterSettings(min_quorum=K, compression=scheme)  # closes when all K are in
-                merged_bytes = K * model_bytes
-                reps = []
-                for r in range(args.repeats):
-                    order = ("copy", "merge") if r % 2 == 0 else ("merge", "copy")
-                    got = {}
-                    for side in order:
-                        got[side] = (plain_copy(deltas[:K], dst) if side == "copy"
-                                     else merge_rounds(initial, plans[P], settings, embedding_names, subs_all[:K]))
-                    reps.append({"repeat": r, "order": "/".join(order), "copy_s": got["copy"],
-                                 **{f"merge_{k}": v for k, v in got["merge"].items()}})
-                copy_s = statistics.median(x["copy_s"] for x in reps)
-                merge_s = statistics.median(x["merge_seconds"] for x in reps)
-                peak = merge_rounds(initial, plans[P], settings, embedding_names, subs_all[:K], peak_rss=True)
-                row = {
-                    "scheme": scheme, "P": P, "K": K, "merged_bytes": merged_bytes,
-                    "wire_bytes": K * wire, "merge_s": merge_s, "copy_s": copy_s,
-                    "merge_gb_per_s": merged_bytes / merge_s / 1e9, "copy_gb_per_s": merged_bytes / copy_s / 1e9,
-                    "ratio": statistics.median(x["copy_s"] / x["merge_seconds"] for x in reps),
-                    "round_merge_s": statistics.median(x["merge_merge_s"] for x in reps),
-                    "peak_rss_mb": peak["peak_rss_mb"],
-                    "repeats": reps,
-                }
-                rows.append(row)
-                print(f"  {scheme} P={P} K={K}: merge {merge_s:.3f} s ({row['merge_gb_per_s']:.2f} GB/s), "
-                      f"copy {copy_s:.3f} s ({row['copy_gb_per_s']:.2f} GB/s), ratio {row['ratio']:.3f}", flush=True)
-            del subs_all
-        del payloads
-        gc.collect()
+def build_subject(args: argparse.Namespace, model: Model) -> Subject:
+    """`model` with its random outer gradients, the copy buffers and a fragment plan per P."""
+    initial = model.initial
+    return Subject(
+        model=model,
+        deltas=random_deltas({n: t.shape for n, t in initial.items()}, max(args.islands), args.seed + 1),
+        dst={n: torch.zeros_like(t) for n, t in initial.items()},  # preallocated and touched
+        plans={P: plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], P)
+               for P in args.fragments})
 
+
+def measure_round(args: argparse.Namespace, sub: Subject, scheme: str, P: int, K: int, wire: int,
+                  subs_all: list[list[Submission]]) -> dict:
+    """One row: `--repeats` merges and plain copies of K submissions (order alternating), then the peak RSS."""
+    settings = OuterSettings(min_quorum=K, compression=scheme)  # closes when all K are in
+    merged_bytes = K * sub.model.model_bytes
+    reps = []
+    for r in range(args.repeats):
+        order = ("copy", "merge") if r % 2 == 0 else ("merge", "copy")
+        got = {}
+        for side in order:
+            got[side] = (plain_copy(sub.deltas[:K], sub.dst) if side == "copy"
+                         else merge_rounds(sub.model.initial, sub.plans[P], settings, sub.model.embedding_names, subs_all[:K]))
+        reps.append({"repeat": r, "order": "/".join(order), "copy_s": got["copy"],
+                     **{f"merge_{k}": v for k, v in got["merge"].items()}})
+    copy_s = statistics.median(x["copy_s"] for x in reps)
+    merge_s = statistics.median(x["merge_seconds"] for x in reps)
+    peak = merge_rounds(sub.model.initial, sub.plans[P], settings, sub.model.embedding_names, subs_all[:K],
+                        peak_rss=True)
+    row = {
+        "scheme": scheme, "P": P, "K": K, "merged_bytes": merged_bytes,
+        "wire_bytes": K * wire, "merge_s": merge_s, "copy_s": copy_s,
+        "merge_gb_per_s": merged_bytes / merge_s / 1e9, "copy_gb_per_s": merged_bytes / copy_s / 1e9,
+        "ratio": statistics.median(x["copy_s"] / x["merge_seconds"] for x in reps),
+        "round_merge_s": statistics.median(x["merge_merge_s"] for x in reps),
+        "peak_rss_mb": peak["peak_rss_mb"],
+        "repeats": reps,
+    }
+    print(f"  {scheme} P={P} K={K}: merge {merge_s:.3f} s ({row['merge_gb_per_s']:.2f} GB/s), "
+          f"copy {copy_s:.3f} s ({row['copy_gb_per_s']:.2f} GB/s), ratio {row['ratio']:.3f}", flush=True)
+    return row
+
+
+def measure_scheme(args: argparse.Namespace, sub: Subject, scheme: str) -> tuple[dict, list[dict]]:
+    """The compress cost of `scheme` and a round-close row for every P and K."""
+    seconds = time_compress(sub.deltas[0], scheme, args.repeats)
+    payloads = [{n: compress(d, scheme) for n, d in island.items()} for island in sub.deltas]
+    wire = sum(c.nbytes for c in payloads[0].values())
+    model_bytes = sub.model.model_bytes
+    compress_row = {"scheme": scheme, "seconds": seconds, "gb_per_s": model_bytes / seconds / 1e9,
+                    "wire_mb_per_island": wire / 1e6}
+    print(f"  compress {scheme}: {seconds:.3f} s per island ({model_bytes / seconds / 1e9:.2f} GB/s), "
+          f"{wire / 1e6:.1f} MB on the wire", flush=True)
+    rows = []
+    for P in args.fragments:
+        subs_all = build_submissions(payloads, sub.plans[P], sync_every_steps=args.sync_every_steps,
+                                     tokens_per_step=16 * sub.model.cfg.seq_len)
+        for K in args.islands:
+            rows.append(measure_round(args, sub, scheme, P, K, wire, subs_all))
+        del subs_all
+    del payloads
+    gc.collect()
+    return compress_row, rows
+
+
+def print_tables(args: argparse.Namespace, model_bytes: int, compress_rows: list[dict], rows: list[dict]) -> None:
+    """The compress-cost table and the round-close table, in markdown."""
     print("\ncompress cost per island (whole model, paid by islands, not in the merge time):\n")
     print("| scheme | s per island | GB/s of fp32 input | MB on the wire |")
     print("| --- | ---: | ---: | ---: |")
@@ -309,6 +343,28 @@ def main(argv: list[str] | None = None) -> int:
         peak = f"{r['peak_rss_mb']:.0f}" if r["peak_rss_mb"] is not None else "n/a"
         print(f"| {r['scheme']} | {r['P']} | {r['K']} | {r['merged_bytes'] / 1e6:.0f} | {r['merge_s']:.3f} | "
               f"{r['merge_gb_per_s']:.2f} | {r['copy_s']:.3f} | {r['copy_gb_per_s']:.2f} | {r['ratio']:.3f} | {peak} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure every scheme, P and K; print the tables; write the JSON."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    model = load_model(args)
+    print(f"machine: {machine()}")
+    print(f"date: {started.isoformat(timespec='seconds')}, load average at start: {os.getloadavg()}")
+    print(SHARED_NOTE)
+    print(f"model {args.preset}: {model.n_params:,} params, {model.model_bytes / 1e6:.1f} MB fp32 in {len(model.initial)} tensors; "
+          f"torch threads {torch.get_num_threads()}; {args.repeats} repeats\n", flush=True)
+
+    sub = build_subject(args, model)
+    compress_rows, rows = [], []
+    for scheme in args.schemes:
+        compress_row, scheme_rows = measure_scheme(args, sub, scheme)
+        compress_rows.append(compress_row)
+        rows.extend(scheme_rows)
+
+    print_tables(args, model.model_bytes, compress_rows, rows)
     print(f"\n{SHARED_NOTE}")
     if args.quick:
         print("(--quick: a smoke run, not a measurement)")
@@ -317,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "merge_throughput", "date": started.isoformat(timespec="seconds"),
                        "machine": machine(), "note": SHARED_NOTE, "args": vars(args),
-                       "model": {"preset": args.preset, "params": n_params, "fp32_bytes": model_bytes},
+                       "model": {"preset": args.preset, "params": model.n_params, "fp32_bytes": model.model_bytes},
                        "torch_threads": torch.get_num_threads(), "compress": compress_rows, "rounds": rows},
                       f, indent=2)
         print(f"wrote {args.json}")

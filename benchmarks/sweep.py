@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 # Runnable from a checkout without `pip install -e .`: the driver imports the project from here, and the
 # Ray workers a local ray.init starts inherit PYTHONPATH.
@@ -108,7 +109,17 @@ def table(summary: dict, cells: dict, methods: list[str], points: list[tuple[str
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+class SweepPlan(NamedTuple):
+    """The checked command line: the methods, the grid points and every run's config, built before any run."""
+
+    # A NamedTuple, not a dataclass: tests load benchmarks by file path, without the sys.modules entry a dataclass needs.
+    methods: list[str]
+    points: list[tuple[str, ...]]
+    configs: dict  # (method, point) -> RunConfig
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SweepPlan]:
+    """The options and the plan; a bad option, grid or override fails here, in one line, before Ray starts."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                     help="a config key and its values (repeatable: the grid is their cartesian product)")
@@ -139,14 +150,19 @@ def main(argv: list[str] | None = None) -> int:
                    for p in points for m in methods}
     except (ValueError, ConfigError) as err:
         ap.error(str(err))
+    return args, SweepPlan(methods=methods, points=points, configs=configs)
 
+
+def run_sweep(args: argparse.Namespace, plan: SweepPlan, root: Path) -> tuple[dict, list[dict]]:
+    """Every run, repeats interleaved, in one local Ray session; returns the losses per cell and a record per run."""
+    # Ray and the trainers are imported here, not at the top, so option errors come back at once.
     import ray
 
     from orchestrator.actors.remote import WORKER_ENV
     from orchestrator.baselines.data_parallel import train_data_parallel
     from orchestrator.run.driver import train
 
-    root = args.out or Path(tempfile.mkdtemp(prefix="sweep-"))
+    methods, points = plan.methods, plan.points
     cells: dict[tuple[str, tuple[str, ...]], list[float]] = {}
     runs = []
     n_runs = args.repeats * (sum(m != "dp" for m in methods) * len(points)
@@ -166,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     run_dir = root / f"r{r}" / f"p{i}-{m}"
                     t0 = time.monotonic()
-                    cfg = configs[(m, p)]
+                    cfg = plan.configs[(m, p)]
                     s = train_data_parallel(cfg, run_dir) if m == "dp" else train(cfg, run_dir)
                     done += 1
                     loss = s["eval_loss"]
@@ -179,8 +195,16 @@ def main(argv: list[str] | None = None) -> int:
                           f"{s['tokens_processed']:,} tokens ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
-    summary = summarise(cells, methods, points)
-    print(table(summary, cells, methods, points))
+    return cells, runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the grid, print the table and the settings, write the JSON."""
+    args, plan = parse_args(argv)
+    root = args.out or Path(tempfile.mkdtemp(prefix="sweep-"))
+    cells, runs = run_sweep(args, plan, root)
+    summary = summarise(cells, plan.methods, plan.points)
+    print(table(summary, cells, plan.methods, plan.points))
     print(f"\n{args.islands} islands (DP: workers) in one pool, no EMULATED slowdown, no network; "
           f"{args.budget:,} tokens per run; overrides for every run: {' '.join(args.overrides) or 'none'}; "
           f"median of {args.repeats} repeat(s) per cell")

@@ -307,6 +307,7 @@ def decompress(c: Compressed) -> Tensor:
 
 def _scaled(levels: Tensor, c: Compressed) -> Tensor:
     """``c``'s tensor from its ``numel`` decoded levels (float32, flat): each times its block's scale."""
+    assert c.scales is not None, "only scaled schemes reach here"
     num_blocks = c.scales.numel()
     pad = num_blocks * c.block_size - c.numel
     if pad:

@@ -146,18 +146,19 @@ class GoodputReport:
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by the union of [lo, hi] spans."""
+    if not spans:
+        return 0.0
+    ordered = sorted(spans)
     total = 0.0
-    cur_lo = cur_hi = None
-    for lo, hi in sorted(spans):
-        if cur_hi is None or lo > cur_hi:
-            if cur_hi is not None:
-                total += cur_hi - cur_lo
+    cur_lo, cur_hi = ordered[0]
+    for lo, hi in ordered[1:]:
+        if lo > cur_hi:
+            total += cur_hi - cur_lo
             cur_lo, cur_hi = lo, hi
         else:
             cur_hi = max(cur_hi, hi)
-    if cur_hi is not None:
-        total += cur_hi - cur_lo
-    return total
+    return total + (cur_hi - cur_lo)
 
 
 def uptime_fraction(
@@ -210,41 +211,10 @@ def goodput_report(
         ValueError: ``run_end <= run_start``, ``islands < 1``, negative times or tokens, an
             unknown state, an island whose intervals overlap, or ``useful_s > allocated_s``.
     """
-    if not run_end > run_start:
-        raise ValueError(f"run_end must be > run_start, got run_start={run_start}, run_end={run_end}")
-    if isinstance(islands, bool) or not isinstance(islands, int) or islands < 1:
-        raise ValueError(f"islands must be an int >= 1, got {islands!r}; count every island slot of the run")
-    allocated = islands * (run_end - run_start)
-    if math.isnan(useful_s) or useful_s < 0:
-        raise ValueError(f"useful_s must be >= 0, got {useful_s}")
-    if useful_s > allocated + _TOL:
-        raise ValueError(
-            f"useful_s {useful_s} exceeds allocated_s {allocated} ({islands} islands x {run_end - run_start}s); "
-            "useful time counts island compute that reached the global parameters, at most the allocated time"
-        )
-    tokens = {"merged": tokens_merged, "lost": tokens_lost, "refused": tokens_refused, "in_flight": tokens_in_flight,
-              "overwritten": tokens_overwritten}
-    for fate, n in tokens.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"tokens_{fate} must be an int >= 0, got {n!r}")
-    tokens["processed"] = sum(tokens.values())
-
-    by_state = {s: 0.0 for s in TIMELINE_STATES}
-    per_island: dict[int, list[Interval]] = defaultdict(list)
-    for i, iv in enumerate(intervals):
-        _check_state(iv.state, f"intervals[{i}]")
-        if not iv.end >= iv.start:
-            raise ValueError(f"intervals[{i}] ends before it starts: start={iv.start}, end={iv.end}")
-        per_island[iv.island].append(iv)
-        by_state[iv.state] += max(0.0, min(iv.end, run_end) - max(iv.start, run_start))
-    for island, ivs in per_island.items():
-        ivs.sort(key=lambda iv: iv.start)
-        for a, b in zip(ivs, ivs[1:]):
-            if b.start < a.end - _TOL:
-                raise ValueError(
-                    f"island {island}: intervals overlap ({a.state} until {a.end}, {b.state} from {b.start}); "
-                    "one island slot is in one state at a time, build intervals with merge_timeline()"
-                )
+    allocated = _check_allocation(run_start=run_start, run_end=run_end, islands=islands, useful_s=useful_s)
+    tokens = _token_fates(merged=tokens_merged, lost=tokens_lost, refused=tokens_refused, in_flight=tokens_in_flight,
+                          overwritten=tokens_overwritten)
+    by_state = _time_by_state(intervals, run_start=run_start, run_end=run_end)
 
     # The uptime clock starts at the first advance (module docstring: the fill is not a stall).
     until = run_end if uptime_until is None else uptime_until
@@ -265,6 +235,54 @@ def goodput_report(
         by_state_s=by_state,
         tokens=tokens,
     )
+
+
+def _check_allocation(*, run_start: float, run_end: float, islands: int, useful_s: float) -> float:
+    """The allocated island time (islands x wall time), after checking the arguments it is made of."""
+    if not run_end > run_start:
+        raise ValueError(f"run_end must be > run_start, got run_start={run_start}, run_end={run_end}")
+    if isinstance(islands, bool) or not isinstance(islands, int) or islands < 1:
+        raise ValueError(f"islands must be an int >= 1, got {islands!r}; count every island slot of the run")
+    allocated = islands * (run_end - run_start)
+    if math.isnan(useful_s) or useful_s < 0:
+        raise ValueError(f"useful_s must be >= 0, got {useful_s}")
+    if useful_s > allocated + _TOL:
+        raise ValueError(
+            f"useful_s {useful_s} exceeds allocated_s {allocated} ({islands} islands x {run_end - run_start}s); "
+            "useful time counts island compute that reached the global parameters, at most the allocated time"
+        )
+    return allocated
+
+
+def _token_fates(*, merged: int, lost: int, refused: int, in_flight: int, overwritten: int) -> dict[str, int]:
+    """Every token's fate, checked, plus their sum as ``processed``."""
+    tokens = {"merged": merged, "lost": lost, "refused": refused, "in_flight": in_flight, "overwritten": overwritten}
+    for fate, n in tokens.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"tokens_{fate} must be an int >= 0, got {n!r}")
+    tokens["processed"] = sum(tokens.values())
+    return tokens
+
+
+def _time_by_state(intervals: Sequence[Interval], *, run_start: float, run_end: float) -> dict[str, float]:
+    """Island seconds in each timeline state inside the run, after checking that no island's intervals overlap."""
+    by_state = {s: 0.0 for s in TIMELINE_STATES}
+    per_island: dict[int, list[Interval]] = defaultdict(list)
+    for i, iv in enumerate(intervals):
+        _check_state(iv.state, f"intervals[{i}]")
+        if not iv.end >= iv.start:
+            raise ValueError(f"intervals[{i}] ends before it starts: start={iv.start}, end={iv.end}")
+        per_island[iv.island].append(iv)
+        by_state[iv.state] += max(0.0, min(iv.end, run_end) - max(iv.start, run_start))
+    for island, ivs in per_island.items():
+        ivs.sort(key=lambda iv: iv.start)
+        for a, b in zip(ivs, ivs[1:]):
+            if b.start < a.end - _TOL:
+                raise ValueError(
+                    f"island {island}: intervals overlap ({a.state} until {a.end}, {b.state} from {b.start}); "
+                    "one island slot is in one state at a time, build intervals with merge_timeline()"
+                )
+    return by_state
 
 
 def uptime_window_from_rounds(

@@ -234,10 +234,11 @@ class RdaAcrossRounds:
             if not self._tracked[t]:
                 continue
             g32 = g.detach().to(torch.float32)
-            if self._sums[t] is None:
-                self._sums[t] = torch.zeros_like(g32)
+            acc = self._sums[t]
+            if acc is None:
+                acc = self._sums[t] = torch.zeros_like(g32)
             self._norms[t] = decay * self._norms[t] + share * float(torch.linalg.vector_norm(g32))
-            v = self._sums[t].mul_(decay).add_(g32, alpha=share)
+            v = acc.mul_(decay).add_(g32, alpha=share)
             v_norm = float(torch.linalg.vector_norm(v))
             if v_norm > 0.0:
                 factors[t] = min(cap, max(1.0, self._norms[t] / v_norm))
