@@ -153,7 +153,7 @@ class OuterSection(_Section):
         "step_scale 'clock'; capped at momentum; None = momentum.")
     rda_across_rounds: bool = Field(
         True, description="Lengthen a partial round's merged outer gradient by RDA's norm rule over the fragment's "
-        "recent rounds, capped at 1/sqrt(s); no effect under merge_rule 'mean' or step_scale 'none'.")
+        "recent rounds, capped at 1/sqrt(s); none under merge 'mean' or step_scale 'none'. Costs a float32 model copy.")
 
     # Wire format: how outer gradients go up and published fragments come down (docs/config.md).
     compression: str = Field("none", description="Outer-gradient (uplink) wire format: none (float32) | bf16 | int8 | "
@@ -167,7 +167,7 @@ class OuterSection(_Section):
         "(per-block scales); the outer optimizer keeps float32.")
     downlink_delta: Literal["bf16", "int8", "int4", "int2", "sign", "topk"] | None = Field(
         None, description="Send a new version of a fragment as its difference from the island's copy, in this format; "
-        "a first send goes whole in `downlink`. null = every version whole.")
+        "a first send goes whole in `downlink`; null = all whole. Costs a float32 model copy per island on the outer.")
 
     # Experimental: off by default (docs/config.md).
     sync_every_schedule: list[tuple[float, int]] = Field(
