@@ -191,7 +191,11 @@ def print_medians(repeats: list[dict], methods: tuple[str, ...]) -> dict:
     medians: dict = {}
     if len(repeats) <= 1:
         return medians
-    med = lambda name, key: statistics.median(rep[name][key] for rep in repeats)  # noqa: E731
+    def med(name: str, key: str) -> float | None:
+        # longest_gap_s is None for a run with fewer than two version advances: the median of the runs that have one.
+        values = [rep[name][key] for rep in repeats if rep[name][key] is not None]
+        return statistics.median(values) if values else None
+
     ref = med(METHODS[2], "eval_loss")
     print(f"\nMedians over {len(repeats)} repeats ('vs no faults': the median of each repeat's own ratio, "
           "then the ratio of the medians):\n")
@@ -202,7 +206,7 @@ def print_medians(repeats: list[dict], methods: tuple[str, ...]) -> dict:
         medians[name] = {k: med(name, k) for k in ("goodput", "uptime", "longest_gap_s", "eval_loss", "vs_no_faults",
                                                       "tokens_lost", "salvaged_tokens")}
         m = medians[name]
-        print(f"| {name} | {m['goodput']:.3f} | {m['uptime']:.3f} | {m['longest_gap_s']:.1f} | {m['eval_loss']:.4f} | "
+        print(f"| {name} | {m['goodput']:.3f} | {m['uptime']:.3f} | {_fmt(m['longest_gap_s'], '.1f')} | {m['eval_loss']:.4f} | "
               f"{100 * m['vs_no_faults']:+.1f}% | {100 * (m['eval_loss'] / ref - 1):+.1f}% | {m['tokens_lost']:,.0f} | "
               f"{m['salvaged_tokens']:,.0f} |")
     return medians
