@@ -39,6 +39,7 @@ from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config
 from orchestrator.core.evaluation import Evaluator
 from orchestrator.core.eventlog import EventLog
 from orchestrator.actors.keeper import keeper_name
+from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorTimeouts, RunAddress
 from orchestrator.run.metrics import RunMetrics
 from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
 from orchestrator.actors.placement import remove_run_groups
@@ -46,6 +47,7 @@ from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
 from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
 from policies.network import NetworkModel, build_network
+from policies.restart import RestartBudget
 from policies.stopping import target_reached
 
 log = logging.getLogger(__name__)
@@ -370,14 +372,17 @@ class Run:
         self.monitor_name = f"monitor-{self.run_id}"
         self.monitor = HealthMonitorActor.options(name=self.monitor_name, namespace=NAMESPACE, num_cpus=0,
                                                   scheduling_strategy=here, runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote(
-            run_id=self.run_id, namespace=NAMESPACE, pools=cfg.pools, specs=specs,
-            outer_name=self.outer_name, island_cls=IslandActor, placement_timeout_s=cfg.run.placement_timeout_s,
-            call_timeout_s=cfg.run.call_timeout_s, tick_s=h.tick_s,
-            health={"factor": h.hang_factor, "floor_s": h.hang_floor_s, "startup_s": h.startup_s, "unreachable_s": h.unreachable_s},
-            restart={"base_s": h.backoff_base_s, "cap_s": h.backoff_cap_s, "reset_after_s": h.reset_after_s,
-                     "max_restarts": h.max_restarts, "reset_on_submission": h.reset_on_submission},
-            warm_spares=h.warm_spares, worker_cls=IslandWorkerActor, keeper_cls=ProgressKeeperActor,
-            island_runtime_env=dict(ray.get_runtime_context().runtime_env),
+            run=RunAddress(run_id=self.run_id, namespace=NAMESPACE, outer_name=self.outer_name),
+            pools=cfg.pools, specs=specs,
+            actors=ActorClasses(island=IslandActor, worker=IslandWorkerActor, keeper=ProgressKeeperActor,
+                                island_runtime_env=dict(ray.get_runtime_context().runtime_env)),
+            timeouts=MonitorTimeouts(placement_s=cfg.run.placement_timeout_s, call_s=cfg.run.call_timeout_s,
+                                     tick_s=h.tick_s),
+            health=HealthThresholds(factor=h.hang_factor, floor_s=h.hang_floor_s, startup_s=h.startup_s,
+                                    unreachable_s=h.unreachable_s),
+            restart=RestartBudget(base_s=h.backoff_base_s, cap_s=h.backoff_cap_s, reset_after_s=h.reset_after_s,
+                                  max_restarts=h.max_restarts, reset_on_submission=h.reset_on_submission),
+            warm_spares=h.warm_spares,
         )
         started = self.monitor.ensure_started.remote(fresh=not self.resume, data=[self.data_ref])
         if not self.resume:  # (a resumed run asked it for its metadata above)

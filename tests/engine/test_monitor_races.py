@@ -15,8 +15,9 @@ import time
 
 from islands.model import model_config
 from islands.spec import InnerSettings, IslandSpec, IslandStatus
-from orchestrator.config import PoolConfig
 from orchestrator.actors.health_monitor import HealthMonitor
+from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorTimeouts, RunAddress
+from orchestrator.config import PoolConfig
 from policies.fragments import plan_fragments
 
 
@@ -48,9 +49,10 @@ def _monitor(gate: asyncio.Event | None = None) -> tuple[HealthMonitor, list, li
     plan = plan_fragments([("w", 4)], 1)
     spec = IslandSpec(island=0, incarnation=1, pool="a", num_islands=1, model_config=cfg, plan=plan,
                       inner=InnerSettings(), sync_every_steps=8)
-    mon = HealthMonitor(run_id="r", namespace="ns", pools=[PoolConfig(name="a")], specs=[spec], data=[],
-                        outer_name="outer-r", island_cls=object, placement_timeout_s=10, call_timeout_s=5,
-                        health={"factor": 3.0, "floor_s": 30.0, "startup_s": 60.0, "unreachable_s": 30.0})
+    mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"), pools=[PoolConfig(name="a")],
+                        specs=[spec], data=[], actors=ActorClasses(island=object),
+                        timeouts=MonitorTimeouts(placement_s=10, call_s=5, tick_s=0.25),
+                        health=HealthThresholds(factor=3.0, floor_s=30.0, startup_s=60.0, unreachable_s=30.0))
     teardowns, restarts = [], []
 
     async def teardown(slot):  # the real one kills actors and awaits the outer optimizer's unregister
@@ -89,10 +91,10 @@ def test_a_check_answered_after_the_watcher_failed_the_island_does_not_fail_it_a
 
     mon, teardowns, restarts = asyncio.run(scenario())
     slot = mon.slots[0]
-    assert slot.failures == 1 and len(mon.detections) == 1, mon.detections
+    assert slot.failures == 1 and len(mon.record.detections) == 1, mon.record.detections
     assert teardowns == [1] and restarts == [1], (teardowns, restarts)
     assert slot.state == "dead", "the stale answer must not mark a failed slot training again"
-    assert [s for _, _, _, s in mon.timeline] == ["dead"]
+    assert [s for _, _, _, s in mon.record.timeline] == ["dead"]
 
 
 def test_two_failures_reported_at_once_start_one_restart():
@@ -108,7 +110,7 @@ def test_two_failures_reported_at_once_start_one_restart():
         return mon, teardowns, restarts
 
     mon, teardowns, restarts = asyncio.run(scenario())
-    assert mon.slots[0].failures == 1 and [d["kind"] for d in mon.detections] == ["failed"]
+    assert mon.slots[0].failures == 1 and [d["kind"] for d in mon.record.detections] == ["failed"]
     assert teardowns == [1] and restarts == [1]
 
 
@@ -211,14 +213,15 @@ def test_after_an_outer_restart_every_island_fetches_the_model_on_its_own_link_a
         cfg, plan = model_config("nano"), plan_fragments([("w", 4)], 1)
         specs = [IslandSpec(island=i, incarnation=1, pool="a", num_islands=3, model_config=cfg, plan=plan,
                             inner=InnerSettings(), sync_every_steps=8) for i in range(3)]
-        mon = HealthMonitor(run_id="r", namespace="ns", pools=[PoolConfig(name="a", islands=3)], specs=specs,
-                            data=[], outer_name="outer-r", island_cls=object, placement_timeout_s=10,
-                            call_timeout_s=5, health={"factor": 3.0, "floor_s": 30.0, "startup_s": 60.0,
-                                                      "unreachable_s": 30.0})
+        mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"),
+                            pools=[PoolConfig(name="a", islands=3)], specs=specs, data=[],
+                            actors=ActorClasses(island=object),
+                            timeouts=MonitorTimeouts(placement_s=10, call_s=5, tick_s=0.25),
+                            health=HealthThresholds(factor=3.0, floor_s=30.0, startup_s=60.0, unreachable_s=30.0))
         log: list = []
         outer = RestartedOuter(log)
-        mon._outer = lambda: outer
-        mon._outer_epoch = 0
+        mon.outer.handle = lambda: outer
+        mon.outer.epoch = 0
         for i in range(3):
             mon.slots[i].incarnation, mon.slots[i].state = 1, "training"
             mon.handles[i] = Resyncing(i, log)
@@ -229,4 +232,4 @@ def test_after_an_outer_restart_every_island_fetches_the_model_on_its_own_link_a
     assert log[:3] == [("latest", 0), ("latest", 1), ("latest", 2)], log
     assert [e for e in log if e[0] == "resync"] == [("resync", i, ("fetched", i)) for i in range(3)]
     assert [e[1] for e in log if e[0] == "register"] == [0, 1, 2]
-    assert mon._outer_epoch == 1
+    assert mon.outer.epoch == 1

@@ -1,0 +1,68 @@
+"""One island slot as the health monitor sees it, and the names of its incarnations.
+
+A slot is a place for one island in its pool; an incarnation is one process (or worker group) filling
+it. The monitor keeps one `SlotState` per slot for the run's whole life, across incarnations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SlotState", "has_submitted", "island_name"]
+
+
+@dataclass
+class SlotState:
+    """What the monitor knows about one island slot."""
+
+    island: int
+    pool: str
+    incarnation: int = 0
+    state: str = "restarting"  # training | blocked | dead | restarting | reintegrating | stopped
+    name: str | None = None
+    node: str | None = None
+    steps: int = 0
+    last_progress_at: float = 0.0
+    last_status_at: float = 0.0
+    status: Any = None
+    failures: int = 0
+    restarts: int = 0
+    finals: list = field(default_factory=list)  # last statuses of dead incarnations (token accounting)
+
+    @property
+    def fetcher(self) -> int | None:
+        """Whose fetch of the global model the outer optimizer counts on the downlink: a restarted incarnation's
+        (it crosses the WAN), not a first start's (islands could build the initial model from the seed)."""
+        return self.island if self.incarnation > 1 else None
+
+    def adopt(self, incarnation: int, name: str, now: float) -> None:
+        """Take over a live incarnation a previous monitor started (found by name at `now`, monotonic)."""
+        self.incarnation, self.name = incarnation, name
+        if self.state in ("restarting", "reintegrating") and self.failures > self.restarts:
+            # The previous monitor died after placing this incarnation but before it parked the count.
+            self.restarts += 1
+        self.last_progress_at = self.last_status_at = now
+
+    def observe(self, status: Any, now: float) -> bool:
+        """Take the current incarnation's `status` answer at `now` (monotonic); returns whether it made progress."""
+        self.status, self.last_status_at = status, now
+        if status.steps != self.steps:
+            self.steps, self.last_progress_at = status.steps, now
+            return True
+        if status.state == "blocked":
+            # Waiting for a round is not a hang, so the hang clock restarts when the island unblocks.
+            # Counted from its last step instead, a sync island whose round took 30 s was judged hung
+            # by the first check that caught it computing the step after (66 false failures in a run).
+            self.last_progress_at = now
+        return False
+
+
+def has_submitted(status: Any) -> bool:
+    """Whether an island incarnation's status shows a submission cut (what earns its backoff back)."""
+    return status is not None and sum(status.submitted_tokens or ()) > 0
+
+
+def island_name(run_id: str, island: int, incarnation: int) -> str:
+    """The detached actor (and placement group) name of one island incarnation."""
+    return f"{run_id}-island{island}-inc{incarnation}"
