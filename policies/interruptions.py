@@ -16,9 +16,12 @@ slice is still down interrupts nothing (the slice is already out) and is dropped
 
 A *group* of slices that steps synchronously turns such a schedule into a :class:`Timeline` (one
 sort and one cumulative sum over its events): :func:`stall_timeline` for a job that stops on any
-failure, :func:`elastic_timeline` for one that drops and re-adds slices. :func:`durable_points` and
-:func:`kept_stepping_s` then say what survives rollbacks. No Ray, no clock: time and the generator
-are arguments.
+failure, :func:`elastic_timeline` for one that drops and re-adds slices. In both, a stall or a
+pause runs for its own fixed length and an event that lands while one runs is handled by it
+without extending it (:func:`pause_starts`, a type-I counter): the recovery already under way
+replaces every slice that failed meanwhile, and one reconfiguration drops or re-adds every slice
+whose state changed meanwhile. :func:`durable_points` and :func:`kept_stepping_s` then say what
+survives rollbacks. No Ray, no clock: time and the generator are arguments.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ class Timeline:
     """A group's state on segments ``[edges[k], edges[k+1])`` and its cumulative progress.
 
     ``S[k]``: stepping seconds before ``edges[k]``; ``Q[k]``: stepping chip-seconds before it.
-    ``wipes``: edge indices where the group loses its state (dp: every failure; elastic: the last
+    ``wipes``: edge indices where the group loses its state (dp: every stall; elastic: the last
     live slice failing). ``S`` and ``Q`` grow only on stepping segments, so Q is a function of S.
     """
 
@@ -142,19 +145,50 @@ def _timeline(points, d_live, d_block, chips, horizon_s, stall) -> Timeline:
     return Timeline(edges, stepping, live, S, Q, wipes)
 
 
+def pause_starts(times: np.ndarray, durations: np.ndarray) -> np.ndarray:
+    """Indices of the events that start a pause; an event inside a running pause is absorbed by it.
+
+    ``times`` sorted; event i, if it starts a pause, blocks ``[times[i], times[i] + durations[i])``,
+    and the next pause starts at the first event at or after that end (a type-I counter). For
+    Poisson events of rate ``mu`` and mean duration ``d`` the blocked fraction is exactly
+    ``mu d / (1 + mu d)``. One vectorized search finds each event's successor; the loop walks only
+    the chain of starts (a few thousand per simulated week and group).
+    """
+    n = len(times)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    # max with i + 1: a zero-length pause must not find its own event again.
+    successor = np.maximum(np.searchsorted(times, times + durations, side="left"), np.arange(1, n + 1)).tolist()
+    out, i = [], 0
+    while i < n:
+        out.append(i)
+        i = successor[i]
+    return np.asarray(out, dtype=np.int64)
+
+
 def stall_timeline(t, r, *, chips, restart_s, horizon_s) -> Timeline:
-    """dp group: blocked on the union of ``[t_i, t_i + R_i + restart_s]``; all chips when stepping."""
-    ones = np.ones(len(t))
-    points = np.r_[t, t + r + restart_s]
-    return _timeline(points, np.zeros(2 * len(t)), np.r_[ones, -ones], chips, horizon_s, stall=True)
+    """dp group: failure i, unless absorbed by a running stall, blocks ``[t_i, t_i + R_i + restart_s)``.
+
+    A failure during a stall does not extend it (its slice is replaced by the same recovery); every
+    stall rolls back (a wipe). All chips step between stalls (spares take the failed slices' places).
+    """
+    order = np.argsort(t, kind="stable")
+    t, d = t[order], r[order] + restart_s
+    k = pause_starts(t, d)
+    ones = np.ones(len(k))
+    points = np.r_[t[k], t[k] + d[k]]
+    return _timeline(points, np.zeros(2 * len(k)), np.r_[ones, -ones], chips, horizon_s, stall=True)
 
 
 def elastic_timeline(t, r, c, *, chips, reconfig_s, horizon_s) -> Timeline:
-    """Elastic group: pause P to drop slice i at t_i, pause P to re-add it at t_i + R_i."""
-    ones = np.ones(len(t))
-    points = np.r_[t, t + reconfig_s, t + r, t + r + reconfig_s]
-    d_live = np.r_[-c, 0 * c, c, 0 * c].astype(np.float64)
-    d_block = np.r_[ones, -ones, ones, -ones]
+    """Elastic group: slice i (``c_i`` chips) is out on ``[t_i, t_i + R_i)``; each drop and re-add is a
+    reconfiguration that pauses the group for ``reconfig_s``, unless a running one absorbs it."""
+    changes = np.sort(np.r_[t, t + r])
+    k = pause_starts(changes, np.full(len(changes), float(reconfig_s)))
+    ones = np.ones(len(k))
+    points = np.r_[t, t + r, changes[k], changes[k] + reconfig_s]
+    d_live = np.r_[-c, c, 0 * ones, 0 * ones].astype(np.float64)
+    d_block = np.r_[0 * c, 0 * c, ones, -ones].astype(np.float64)
     return _timeline(points, d_live, d_block, chips, horizon_s, stall=False)
 
 

@@ -110,7 +110,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 0
     print(f"method {result.method}: {result.chips} chips in {result.slices} slices of {result.slice_chips}, "
           f"{result.learners} learner(s), {result.failures} slice failures over {result.horizon_s / 86400:g} days")
-    print(f"goodput {result.goodput:.4f}  uptime {result.uptime:.4f}")
+    print(f"goodput {result.goodput:.4f}  uptime {result.uptime:.4f}  "
+          f"(closed form {result.details['closed_form_goodput']:.4f}, docs/simulator.md)")
     d = result.details
     if result.method == "decoupled" and d.get("wipes"):
         salvage = (f"; {d['salvages']} salvaged ({d['salvaged_chip_s'] / result.allocated_chip_s:.2%} of the chip-time)"
@@ -127,7 +128,8 @@ def run_grid(base: SimConfig, chips=SWEEP_CHIPS, learners=SWEEP_LEARNERS) -> lis
             start = time.perf_counter()
             r = simulate(dataclasses.replace(base, method=method, chips=n, learners=m))
             rows.append({"chips": n, "method": method, "learners": r.learners, "goodput": r.goodput,
-                         "uptime": r.uptime, "failures": r.failures, "wall_s": time.perf_counter() - start})
+                         "uptime": r.uptime, "closed_form": r.details["closed_form_goodput"],
+                         "failures": r.failures, "wall_s": time.perf_counter() - start})
     return rows
 
 

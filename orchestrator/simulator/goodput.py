@@ -9,14 +9,18 @@ Model (docs/simulator.md has the full list of assumptions and the calibration):
   all slices; ``decoupled`` is ``learners`` groups of about N/M chips each that never wait for each
   other. A group's state is a piecewise-constant timeline (live chips, blocked or not), built by one
   sort and one cumulative sum over all its events, never a Python object per chip.
-* ``stall`` groups (``dp``): failure i blocks the whole group on ``[t_i, t_i + R_i + restart_s]``
-  (the union over failures), and rolls back to its last checkpoint (every ``checkpoint_interval_s``
-  of stepping). Closed form when stalls rarely overlap: ``goodput = 1 / (1 + lambda * s)`` with
-  ``lambda = chips / mtbi_chip_s`` and ``s = E[R] + restart_s + checkpoint_interval_s / 2``.
-* ``elastic`` groups (``elastic-dp``, each decoupled learner): failure i pauses the group on
-  ``[t_i, t_i + P]`` to drop the slice, runs on the live chips, and pauses again on
-  ``[t_i + R_i, t_i + R_i + P]`` to re-add it (``P = reconfig_s``). Only when every slice of the
-  group is down at once is its state lost back to the last durable point.
+* ``stall`` groups (``dp``): failure i stalls every chip for ``D_i = R_i + restart_s`` (the failed
+  slice is replaced by a spare, then the job restarts) and rolls back to the last checkpoint (every
+  ``checkpoint_interval_s`` of stepping). A failure during a stall does not extend it: the recovery
+  under way replaces its slice too. Exact closed form (renewal): ``goodput = k / (1 + lambda E[D])``,
+  ``lambda = chips / mtbi_chip_s``, ``k = lambda tau / (exp(lambda tau) - 1)`` the rollback's share.
+* ``elastic`` groups (``elastic-dp``, each decoupled learner): a failed slice is out on
+  ``[t_i, t_i + R_i)`` while the group steps on its other slices; dropping it and re-adding it are
+  reconfigurations that pause the group for ``P = reconfig_s`` each, and a change during a running
+  reconfiguration is handled by it without extending it. Closed form when the changes are close to
+  Poisson: ``goodput ~ (1 - slice_chips E[R] / mtbi_chip_s) / (1 + 2 lambda_g P)`` for a group of
+  ``lambda_g`` failures per second. Only when every slice of the group is down at once is its state
+  lost back to the last durable point.
 * Durable points: dp/elastic-dp checkpoints; decoupled learner submissions every
   ``sync_period_s`` of stepping, merged by the outer optimizer with minimum quorum K and the
   adaptive grace window (:func:`policies.quorum.decide_round`, :func:`policies.quorum.grace_window_s`).
@@ -47,9 +51,10 @@ log = logging.getLogger(__name__)
 METHODS = ("dp", "elastic-dp", "decoupled")
 
 # Calibrated once, jointly, so that 1.2M chips at 1 chip-year give dp ~0.27 and decoupled (8 learners)
-# ~0.88 (docs/simulator.md, "Calibration"); every other cell follows from the mechanism.
-RECOVERY_MEAN_S = 14.5  # a failed slice's capacity is back: hot spare swapped in, or fault cleared
-RECONFIG_S = 15.0  # rebuild the job's mesh on a new set of slices: elastic drop / re-add of a slice
+# ~0.88 (docs/simulator.md, "Calibration"); every other cell, dp at 150k and 2.4M chips included, follows
+# from the mechanism.
+RECOVERY_MEAN_S = 55.0  # a failed slice's capacity is back: hot spare swapped in, or fault cleared
+RECONFIG_S = 14.3  # rebuild the job's mesh on a new set of slices: elastic drop / re-add of a slice
 RESTART_S = RECONFIG_S  # dp's restart onto a spare is the same rebuild, plus the rollback below
 SALVAGED = -1  # the learner id run_rounds gets for a salvaged submission
 
@@ -76,7 +81,8 @@ class SimConfig:
     recovery_sigma: float = 0.5
     restart_s: float = RESTART_S
     reconfig_s: float = RECONFIG_S
-    checkpoint_interval_s: float = 10.0
+    # dp / elastic-dp: one in-memory checkpoint per step, so a stall loses at most the step in flight.
+    checkpoint_interval_s: float = 1.0
     sync_period_s: float = 100.0
     # decoupled: stepping seconds between a learner's progress snapshots (health.salvage_every_steps in the
     # engine), held outside the learner; a learner that loses every slice then loses only the work since its
@@ -160,6 +166,46 @@ def straggler_efficiency(n_slices: int, sigma: float) -> float:
     cdf = 0.5 * (1 + np.vectorize(math.erf)(z / (sigma * math.sqrt(2))))
     e_max = math.exp(z[0]) + np.trapezoid((1 - cdf**n_slices) * np.exp(z), z)
     return math.exp(sigma**2 / 2) / e_max
+
+
+def dp_closed_form(cfg: SimConfig, chips: float | None = None) -> float:
+    """Exact goodput of a ``dp`` job of ``chips`` (default ``cfg.chips``), without stragglers.
+
+    Renewal cycle: up for ``U ~ Exp(lambda)``, then a stall of mean ``E[D] = recovery_mean_s +
+    restart_s`` that no failure extends. Checkpoints every ``tau`` of stepping keep
+    ``E[floor(U / tau) tau] = tau / (exp(lambda tau) - 1)`` of each up period, so
+    ``goodput = (lambda tau / (exp(lambda tau) - 1)) / (1 + lambda E[D])``.
+    """
+    lam = (cfg.chips if chips is None else chips) / cfg.mtbi_chip_s
+    x = lam * cfg.checkpoint_interval_s
+    kept = 1.0 if x == 0 else x / math.expm1(x)
+    return kept / (1.0 + lam * (cfg.recovery_mean_s + cfg.restart_s))
+
+
+def elastic_closed_form(cfg: SimConfig, chips: float | None = None) -> float:
+    """Approximate goodput of one elastic group of ``chips`` (default ``cfg.chips``), no stragglers.
+
+    Drops and re-adds are two change streams of ``lambda_g`` each; treated as one Poisson stream of
+    ``2 lambda_g``, the paused fraction of a non-extending pause ``P`` is ``2 lambda_g P / (1 + 2
+    lambda_g P)``. While stepping, a slice's chips are out for ``E[R]`` per failure, so the live
+    share is ``1 - slice_chips E[R] / mtbi_chip_s`` (independent of the group's size). Wipes are
+    ignored (a group of many slices never loses all of them).
+    """
+    lam = (cfg.chips if chips is None else chips) / cfg.mtbi_chip_s
+    live = 1.0 - cfg.slice_chips * cfg.recovery_mean_s / cfg.mtbi_chip_s
+    return live / (1.0 + 2.0 * lam * cfg.reconfig_s)
+
+
+def closed_form_goodput(cfg: SimConfig) -> float:
+    """The closed form for ``cfg.method``: dp exact, elastic-dp approximate, decoupled as M elastic
+    groups whose work all merges (K = 1 over a long horizon), weighted by their chips."""
+    if cfg.method == "dp":
+        return dp_closed_form(cfg)
+    if cfg.method == "elastic-dp":
+        return elastic_closed_form(cfg)
+    sizes = interruptions.slice_sizes(chips=cfg.chips, slice_chips=cfg.slice_chips)
+    chips = np.array([sizes[g].sum() for g in np.array_split(np.arange(len(sizes)), cfg.learners)], float)
+    return float(sum(c * elastic_closed_form(cfg, c) for c in chips) / chips.sum())
 
 
 def quorum_met(stepping_learners: np.ndarray, min_quorum: int) -> np.ndarray:
@@ -250,10 +296,8 @@ def _single_group(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
         "straggler_efficiency": eff,
         "failure_rate_per_s": chips / cfg.mtbi_chip_s,
     }
-    if cfg.method == "dp":
-        stall = cfg.recovery_mean_s + cfg.restart_s + cfg.checkpoint_interval_s / 2
-        details["closed_form_goodput"] = 1.0 / (1.0 + details["failure_rate_per_s"] * stall)
-    else:
+    details["closed_form_goodput"] = closed_form_goodput(cfg)
+    if cfg.method != "dp":
         step = np.diff(tl.edges) * tl.stepping
         details["mean_live_fraction_when_stepping"] = float((step * tl.live).sum() / max(step.sum(), 1e-300) / chips)
     return productive, interruptions.kept_stepping_s(tl, cfg.checkpoint_interval_s) / T, details
@@ -312,6 +356,7 @@ def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
         "salvaged_chip_s": float(sum(c.sum() for c in salvaged)),
         "straggler_efficiency": straggler_efficiency(len(groups[0]), cfg.step_jitter_sigma),
         "per_learner_goodput_before_merge": per_learner,
+        "closed_form_goodput": closed_form_goodput(cfg),
     }
     return merged, uptime, details
 

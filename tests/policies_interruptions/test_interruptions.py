@@ -53,7 +53,48 @@ def test_failures_while_down_are_absorbed():
     assert intr.absorb_while_down(times, slices, rec).tolist() == [True, False, True, False, True]
 
 
-def test_stall_timeline_blocks_on_the_union_and_rolls_back():
+def test_pause_starts_is_a_type_one_counter():
+    # Pauses of 3 s: 0 starts [0, 3) and absorbs 1 and 2; 5 starts [5, 8) and absorbs 5.5; 9 starts the next.
+    times = np.array([0.0, 1.0, 2.0, 5.0, 5.5, 9.0])
+    assert intr.pause_starts(times, np.full(6, 3.0)).tolist() == [0, 3, 5]
+    # An event exactly at a pause's end starts a new one; zero-length pauses absorb nothing.
+    assert intr.pause_starts(np.array([0.0, 3.0]), np.array([3.0, 3.0])).tolist() == [0, 1]
+    assert intr.pause_starts(np.array([1.0, 1.0, 2.0]), np.zeros(3)).tolist() == [0, 1, 2]
+    assert intr.pause_starts(np.zeros(0), np.zeros(0)).size == 0
+
+
+def test_pause_starts_blocks_mu_d_over_one_plus_mu_d_of_a_poisson_stream():
+    # Rate 1/s, pauses of 0.5 s: blocked fraction 0.5 / 1.5 exactly for a type-I counter, not 1 - exp(-0.5).
+    rng = np.random.default_rng(4)
+    times = np.sort(rng.uniform(0.0, 200_000.0, size=rng.poisson(200_000)))
+    k = intr.pause_starts(times, np.full(len(times), 0.5))
+    assert len(k) * 0.5 / 200_000.0 == pytest.approx(1 / 3, rel=0.01)
+
+
+def test_stall_timeline_is_not_extended_by_failures_during_a_stall():
+    # Failures at 10 (R=5) and 16 (R=5), restart 2: the stall [10, 17) absorbs 16 (its slice is replaced
+    # by the same recovery), so 7 s are blocked, not the union's 13, and there is one wipe.
+    tl = intr.stall_timeline(np.array([10.0, 16.0]), np.array([5.0, 5.0]), chips=3, restart_s=2.0,
+                             horizon_s=100.0)
+    assert tl.S[-1] == pytest.approx(93.0)
+    assert len(tl.wipes) == 1
+    # A failure after the stall starts its own: 10 (R=5) and 17 (R=1) -> blocked [10, 17) and [17, 20).
+    tl = intr.stall_timeline(np.array([17.0, 10.0]), np.array([1.0, 5.0]), chips=3, restart_s=2.0,
+                             horizon_s=100.0)
+    assert tl.S[-1] == pytest.approx(90.0)
+
+
+def test_elastic_reconfiguration_absorbs_changes_that_arrive_while_it_runs():
+    # Slices of 2, 3 and 1 chips; the 2- and 3-chip slices fail at 10 and 10.5 for 20 s; pauses of 1 s.
+    # [10, 11) drops both, [30, 31) re-adds both: 2 s paused (the union would be 3 s), 1 chip steps between.
+    tl = intr.elastic_timeline(np.array([10.0, 10.5]), np.array([20.0, 20.0]), np.array([2, 3]), chips=6,
+                               reconfig_s=1.0, horizon_s=100.0)
+    assert tl.S[-1] == pytest.approx(98.0)
+    assert tl.Q[-1] == pytest.approx(6 * 10 + 1 * 19 + 6 * 69)
+    assert len(tl.wipes) == 0
+
+
+def test_stall_timeline_rolls_back_to_the_last_checkpoint():
     # Failures at 10 (R=5) and 12 (R=1), restart 2: blocked on [10, 17] (one stall, one wipe).
     tl = intr.stall_timeline(np.array([10.0, 12.0]), np.array([5.0, 1.0]), chips=3, restart_s=2.0,
                              horizon_s=100.0)
