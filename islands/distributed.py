@@ -1,7 +1,9 @@
 """Data parallel inside one island: W workers, one torch.distributed process group, one failure domain.
 
 Rank 0 is the island's leader (islands/island.py `LearnerIsland`, which keeps the whole control
-interface); ranks 1..W-1 are followers (`IslandFollower` here) that mirror it step for step:
+interface); ranks 1..W-1 are followers (islands/follower.py `IslandFollower`) that mirror it step for
+step. This module is the group and its collectives; it imports no trainer, so the trainer, the leader
+and the follower all import it and nothing imports back:
 
 - Rendezvous: the leader opens a `TCPStore` on its node on a free port (port 0, so no race for the
   port) and says where; followers join with their rank. One process group per island incarnation
@@ -26,18 +28,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-
-from islands.model import ModelConfig
-from islands.trainer import InnerSettings, InnerTrainer
-from policies.fragments import FragmentPlan
 
 log = logging.getLogger(__name__)
 
@@ -197,63 +193,3 @@ class WorkerGroup:
         if control.changed and not control.stop:
             self.broadcast_([t for p in control.changed for t in fragments[p]])
         return control
-
-
-class IslandFollower:
-    """Worker rank r >= 1 of an island: a model replica that mirrors the leader step for step.
-
-    A plain class: the Ray shell (orchestrator/actors/remote.py `_IslandWorker`) runs `run` in a thread.
-    It starts from the leader's parameters (broadcast once after joining), adopts what the leader
-    adopts, and steps when the leader steps; any collective error ends the loop with `state` =
-    "failed", which the shell turns into the end of its process (so the leader fails at once too).
-    """
-
-    def __init__(self, *, model_config: ModelConfig, inner: InnerSettings, plan: FragmentPlan, data: np.ndarray,
-                 shard_index: int, num_shards: int, seed: int, group: WorkerGroup) -> None:
-        if group.rank == 0:
-            raise ValueError("rank 0 is the island's leader (LearnerIsland); followers have rank >= 1")
-        self.group = group
-        self.trainer = InnerTrainer(model_config, np.asarray(data), settings=inner, shard_index=shard_index,
-                                    num_shards=num_shards, seed=seed, group=group, device=group.device)
-        self._fragments = [[self.trainer.params[n] for n in frag] for frag in plan.fragments]
-        self.state = "starting"  # starting | training | stopped | failed
-        self.error: str | None = None
-        self.steps = 0
-        self._thread: threading.Thread | None = None
-
-    def run(self) -> None:
-        """Join, take the leader's parameters, then mirror it until it says stop; record a failure instead of raising."""
-        try:
-            self.group.connect()
-            self.group.broadcast_([t for frag in self._fragments for t in frag])
-            self.state = "training"
-            while True:
-                control = self.group.follow(self._fragments)
-                if control.stop:
-                    break
-                if control.train:
-                    self.trainer.progress = control.progress
-                    self.trainer.step()
-                    self.steps += 1
-        except Exception as err:  # noqa: BLE001 - reported through `state`/`error`; the shell ends the process
-            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
-            log.error("island worker rank %d stopped: %s", self.group.rank, self.error)
-            return
-        self.group.close()
-        self.state = "stopped"
-
-    def start(self) -> None:
-        """Run the follower loop in a background thread (idempotent)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self.run, name=f"island-worker-{self.group.rank}", daemon=True)
-            self._thread.start()
-
-    def watch(self, timeout_s: float = 5.0) -> str:
-        """Wait up to `timeout_s` for the loop to end; returns the state."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        return self.state
-
-    def parameters(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of this worker's parameters by name (tests: workers hold identical parameters)."""
-        return {n: p.detach().cpu().clone() for n, p in self.trainer.params.items()}

@@ -189,7 +189,8 @@ class _IslandWorker:
         quiet_worker()
         import torch
 
-        from islands.distributed import IslandFollower, WorkerGroup, backend_for
+        from islands.distributed import WorkerGroup, backend_for
+        from islands.follower import IslandFollower
 
         torch.set_num_threads(spec.inner.torch_threads)
         self.spec, self.rank = spec, rank

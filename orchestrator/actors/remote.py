@@ -2,7 +2,7 @@
 
 - `IslandActor` wraps islands.island.LearnerIsland (threaded: the inner loop runs in its own thread,
   control calls are served concurrently by the actor's thread pool). In an island of several workers
-  it is rank 0, the leader; `IslandWorkerActor` wraps islands.distributed.IslandFollower (ranks >= 1).
+  it is rank 0, the leader; `IslandWorkerActor` wraps islands.follower.IslandFollower (ranks >= 1).
   Their shells live in orchestrator/actors/islands.py, which imports torch only inside an island's
   own process, so the health monitor that creates islands runs without torch.
 - `OuterOptimizerActor` wraps orchestrator.core.outer_optimizer.OuterOptimizer (async: it keeps one

@@ -53,15 +53,15 @@ def test_an_island_starts_from_and_adopts_the_decoded_global(scheme):
         return out.reshape(t.shape)
 
     for p, frag in enumerate(frags):
-        for t, g in zip(island._theta[p], frag):
+        for t, g in zip(island.fragments.theta[p], frag):
             assert torch.allclose(t.detach(), reference(g), rtol=0, atol=1e-7)
     for _ in range(3):
         island.step()
     newer = [[g + 0.01 for g in frag] for frag in frags]
     island.adopt(FragmentUpdate(1, 1, [wire(newer[1], scheme)]))
     island.apply_updates()
-    assert island._version == [0, 1]
-    for t, g in zip(island._theta[1], newer[1]):  # overwrite adoption: exactly the decoded fragment
+    assert island.fragments.version == [0, 1]
+    for t, g in zip(island.fragments.theta[1], newer[1]):  # overwrite adoption: exactly the decoded fragment
         assert torch.allclose(t.detach(), reference(g), rtol=0, atol=1e-7)
     assert island.step(), "it trains on from the decoded parameters"
 
@@ -102,38 +102,38 @@ def test_an_island_adopts_a_chain_of_differences_to_the_sender_copy():
         target = [g + 0.003 * (v + 1) for g in target]
         _send(island, copies, 1, v, target)
     island.apply_updates()
-    assert island._version == [0, 3]
+    assert island.fragments.version == [0, 3]
     held = copies.copy_of(0, 1)[1]
-    for t, b, c in zip(island._theta[1], island._base[1], held):  # overwrite: theta = the copy the sender tracks
+    for t, b, c in zip(island.fragments.theta[1], island.fragments.base[1], held):  # overwrite: theta = the copy the sender tracks
         assert torch.allclose(t.detach(), c, rtol=0, atol=1e-6) and torch.allclose(b, c, rtol=0, atol=1e-6)
     assert island.step()
 
 
 def test_a_difference_from_a_restarted_outer_or_already_overtaken_is_bookkeeping_only():
     island, frags, copies = _delta_island()
-    before = [t.detach().clone() for t in island._theta[0]]
+    before = [t.detach().clone() for t in island.fragments.theta[0]]
     # epoch 1 resync (the outer optimizer restarted): whole fragments; then a late epoch-0 difference.
     island.resync([FragmentUpdate(p, 5, [f], epoch=1) for p, f in enumerate(frags)])
     island.apply_updates()
     _send(island, copies, 0, 7, [g + 1.0 for g in frags[0]], epoch=0)
     assert island.apply_updates() == set()
-    assert island._version[0] == 5 and island._epoch[0] == 1
-    for t, b in zip(island._theta[0], before):  # still the resynced (equal) parameters, not +1
+    assert island.fragments.version[0] == 5 and island.fragments.epoch[0] == 1
+    for t, b in zip(island.fragments.theta[0], before):  # still the resynced (equal) parameters, not +1
         assert torch.allclose(t.detach(), b)
     # A whole version from the old epoch is not adopted either, even with a higher number.
     island.adopt(FragmentUpdate(0, 9, [[g + 1.0 for g in frags[0]]], epoch=0))
-    assert island.apply_updates() == set() and island._version[0] == 5
+    assert island.apply_updates() == set() and island.fragments.version[0] == 5
 
 
 def test_a_resend_of_the_version_held_only_clears_bookkeeping():
-    from islands.island import _InFlight
     from islands.messages import SubmissionKey
+    from islands.outbox import InFlight
 
     island, frags, copies = _delta_island()
     key = SubmissionKey(0, 1, 7)
-    island._inflight[key] = _InFlight(0, None)  # a submission the outer optimizer refused
+    island.outbox.inflight[key] = InFlight(0, None)  # a submission the outer optimizer refused
     _send(island, copies, 0, 0, frags[0], refused=(key,))  # the island already holds version 0
-    assert island.apply_updates() == set() and key not in island._inflight and island._version == [0, 0]
+    assert island.apply_updates() == set() and key not in island.outbox.inflight and island.fragments.version == [0, 0]
 
 
 def test_a_gap_in_the_chain_fails_the_island_loudly():
@@ -147,11 +147,11 @@ def test_a_gap_in_the_chain_fails_the_island_loudly():
 def test_resync_refuses_a_difference_and_changes_nothing():
     island, frags, copies = _delta_island()
     island.step()
-    tokens = list(island._tokens)
+    tokens = list(island.fragments.tokens)
     enc = copies.encode(0, 1, 0, 1, [g + 0.01 for g in frags[0]])
     with pytest.raises(ValueError, match="whole fragments"):
         island.resync([FragmentUpdate(0, 1, [enc.payload], delta_from=0)])
-    assert island._tokens == tokens and island.apply_updates() == set() and island._version == [0, 0]
+    assert island.fragments.tokens == tokens and island.apply_updates() == set() and island.fragments.version == [0, 0]
 
 
 def test_downlink_delta_config_accepts_formats_and_rejects_others_in_one_line():

@@ -54,7 +54,7 @@ def test_a_snapshot_carries_what_the_cuts_still_owe_plus_the_steps_since(scheme)
     island.wait_shelved()
     snap = {s.fragment: s for s in pickle.loads(shelved[-1]).submissions}[0]  # taken at step 12
     assert all(c.scheme == scheme for c in snap.payload)
-    owed = island._feedback.residual(0)  # what the cuts up to step 10 left out (nothing cut fragment 0 since)
+    owed = island.outbox.feedback.residual(0)  # what the cuts up to step 10 left out (nothing cut fragment 0 since)
     expected = [decompress(compress(e + a - b, scheme, density=DENSITY)) for e, a, b in zip(owed, theta[10], theta[12])]
     for got, want in zip(decoded(snap), expected):
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
@@ -74,7 +74,7 @@ def test_nothing_is_lost_sent_plus_owed_equals_progress_exactly(scheme):
             at_cut = frag0(island, w)
     assert len(cuts) == 3
     sent = [sum(ts) for ts in zip(*[decoded(c) for c in cuts])]
-    for s, e, a, b in zip(sent, island._feedback.residual(0), start, at_cut):
+    for s, e, a, b in zip(sent, island.outbox.feedback.residual(0), start, at_cut):
         assert torch.allclose(s + e, a - b, atol=1e-6, rtol=1e-5)  # no adoption happened: theta moved only by steps
         assert float(e.abs().sum()) > 0  # and the format really left something out
 

@@ -197,9 +197,9 @@ def test_a_bf16_downlink_halves_the_bytes_and_islands_train_from_the_decoded_glo
     # tests/engine/test_downlink.py; here the islands may have trained on after it.)
     for h in handles:
         h.island.apply_updates()
-        assert h.island._version == [max(r.version for r in rounds if r.fragment == p) for p in range(len(final))]
+        assert h.island.fragments.version == [max(r.version for r in rounds if r.fragment == p) for p in range(len(final))]
         for p, tensors in enumerate(final):
-            for b, g in zip(h.island._base[p], tensors):
+            for b, g in zip(h.island.fragments.base[p], tensors):
                 assert torch.equal(b, g.to(torch.bfloat16).to(torch.float32))
     assert any(not torch.equal(g, g.to(torch.bfloat16).to(torch.float32)) for frag in final for g in frag), \
         "the global parameters should not all be bf16-exact, or this test could not tell the formats apart"
@@ -225,7 +225,7 @@ def test_publishing_to_participants_sends_each_island_only_its_own_rounds(ray_cl
         h.island.apply_updates()
         for p in range(len(fragment_bytes)):
             theirs = [r.version for r in own if r.fragment == p]
-            assert h.island._version[p] == (max(theirs) if theirs else 0)
+            assert h.island.fragments.version[p] == (max(theirs) if theirs else 0)
 
 
 @pytest.mark.parametrize("emulated, seeded", [(True, True), (False, True), (True, False)],
@@ -261,8 +261,8 @@ def test_differences_go_down_in_order_and_islands_hold_what_the_sender_tracks(ra
         h.island.apply_updates()
         for p, held in enumerate(status["copies"][i]):
             version, tensors = held
-            assert h.island._version[p] == version
-            for b, c in zip(h.island._base[p], tensors):
+            assert h.island.fragments.version[p] == version
+            for b, c in zip(h.island.fragments.base[p], tensors):
                 assert torch.allclose(b, c, rtol=0, atol=1e-6)
         assert h.island.step(), "it trains on from the decoded copy"
     # Differences made the downlink cheaper than whole float32 fragments for the same sends.

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from islands.data import ShardSampler
-from islands.distributed import IslandFollower, WorkerGroup
+from islands.distributed import WorkerGroup
+from islands.follower import IslandFollower
 from islands.model import build_model, model_config
 from islands.trainer import InnerSettings, InnerTrainer
 from policies.fragments import plan_fragments
