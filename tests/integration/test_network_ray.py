@@ -130,7 +130,7 @@ async def run_shell(tmp_path, train_s: float, downlink: str = "none", publish_to
     fragment_bytes = [sum(t.numel() * per_param for t in shell.core.fragment(p)) for p in range(plan.num_fragments)]
     final_global = [shell.core.fragment(p) for p in range(plan.num_fragments)]
     if downlink_delta is not None:  # what the sender believes each island holds, for the checks
-        status["copies"] = {i: [shell._copies.copy_of(i, p) for p in range(plan.num_fragments)] for i in REGIONS}
+        status["copies"] = {i: [shell.published.copies.copy_of(i, p) for p in range(plan.num_fragments)] for i in REGIONS}
     await shell.stop()
     return status, rounds, handles, fragment_bytes, final_global
 
@@ -342,17 +342,17 @@ def test_a_registering_island_is_seeded_only_when_it_surely_holds_a_remembered_w
         latest = await shell.latest()
         await shell.register(0, 1, island(1))
         for p in range(plan.num_fragments):  # it holds version 0 as decoded from the int8 whole: seeded
-            version, held = shell._copies.copy_of(0, p)
+            version, held = shell.published.copies.copy_of(0, p)
             assert version == 0
-            assert all(torch.equal(h, d) for h, d in zip(held, shell._decoded[p][0]))
+            assert all(torch.equal(h, d) for h, d in zip(held, shell.published.decoded[p][0]))
         # A difference goes to incarnation 1; what it holds may now differ from any whole version by rounding.
         moved = [t + 0.01 for t in shell.core.fragment(0)]
-        shell._encode(0, 1, FragmentUpdate(0, 1, []), moved)
+        shell.published.encode(0, 1, FragmentUpdate(0, 1, []), moved)
         await shell.unregister(0)
         await shell.register(0, 1, island(1))  # the same incarnation again: never seeded
-        assert all(shell._copies.copy_of(0, p) is None for p in range(plan.num_fragments))
+        assert all(shell.published.copies.copy_of(0, p) is None for p in range(plan.num_fragments))
         await shell.register(0, 2, island(2))  # a new incarnation from latest(): seeded again
-        assert all(shell._copies.copy_of(0, p)[0] == 0 for p in range(plan.num_fragments))
+        assert all(shell.published.copies.copy_of(0, p)[0] == 0 for p in range(plan.num_fragments))
         await shell.stop()
 
     asyncio.run(body())
