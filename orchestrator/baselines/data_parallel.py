@@ -28,13 +28,11 @@ out of `wall_s` as the engine keeps island start-up out.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,14 +46,12 @@ from islands.data import unigram_bits_per_byte
 from islands.model import build_model
 from islands.trainer import InnerTrainer, forward_backward
 from orchestrator.core.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
-from orchestrator.cli.main import held_out_loss_cell
-from orchestrator.config import ConfigError, RunConfig, load_config
+from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig
 from policies.averaging import average_weight
 from policies.lr_schedule import lr_factor
 
 log = logging.getLogger(__name__)
 
-MODE = "data-parallel"
 WIRE_BYTES = {"bf16": 2, "fp32": 4}  # bytes per gradient element on the emulated wire
 
 
@@ -355,7 +351,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     started = ensure_ray(cfg, address)
     queue = None
     try:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump({**cfg.model_dump(mode="json"), "mode": MODE}, sort_keys=False))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump({**cfg.model_dump(mode="json"), "mode": DATA_PARALLEL_MODE}, sort_keys=False))
         corpus = load_corpus(cfg)
         model_cfg = cfg.model.shape()
         n_params = sum(p.numel() for p in build_model(model_cfg, seed=cfg.run.seed).parameters())
@@ -407,7 +403,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(
             out["steps"], {**{PARAM_PREFIX + n: torch.from_numpy(a) for n, a in out.pop("params").items()},
                            **{AVERAGE_PREFIX + n: torch.from_numpy(a) for n, a in average.items()}},
-            {"mode": MODE, "steps": out["steps"], "tokens_processed": summary["tokens_processed"]})
+            {"mode": DATA_PARALLEL_MODE, "steps": out["steps"], "tokens_processed": summary["tokens_processed"]})
         log.info("data-parallel done: loss %.4f after %d tokens, %.0f s (+%.0f s Ray Train start-up)",
                  summary["eval_loss"], summary["tokens_processed"], summary["wall_s"], summary["startup_s"])
         return summary
@@ -457,7 +453,7 @@ def _summary(cfg: RunConfig, out: dict, *, network, wire: str, grad_bytes: int, 
     emulation = [f"{p.name} x{p.emulated_slowdown:g}" + (f" ±{p.emulated_jitter:.0%}" if p.emulated_jitter else "")
                  for p in cfg.pools if p.emulated]
     return {
-        "mode": MODE,
+        "mode": DATA_PARALLEL_MODE,
         "trainer": "ray.train.torch.TorchTrainer",
         "world_size": out["world_size"],
         "backend": out["backend"],
@@ -497,87 +493,3 @@ def _summary(cfg: RunConfig, out: dict, *, network, wire: str, grad_bytes: int, 
         "restarts": 0,
         "evals": out["evals"],
     }
-
-
-# ---------------------------------------------------------------------------- command line
-
-EXAMPLES = """examples:
-  diloco baseline-dp --run-dir runs/dp --set run.token_budget=1000000
-  diloco baseline-dp --config configs/default.yaml --set network.scenario=wan-4-regions --set run.max_wall_s=120
-  python -m orchestrator.baselines.data_parallel --set run.token_budget=200000 --wire fp32
-"""
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    import os
-
-    try:
-        cfg = load_config(args.config, args.set, also_mode=MODE)  # a DP run dir's own config.yaml too
-    except ConfigError as err:
-        print(f"diloco baseline-dp: {err}", file=sys.stderr)
-        return 2
-    run_dir = Path(args.run_dir or f"runs/dp-{time.strftime('%Y%m%d-%H%M%S')}")
-
-    def show(p: dict) -> None:
-        print(f"{p['wall_s']:6.0f}s  {p['tokens_processed'] / 1e6:6.2f}M tokens  held-out {p['eval_bits_per_byte']:.3f} bits/byte",
-              file=sys.stderr)
-
-    try:
-        summary = train_data_parallel(cfg, run_dir, address=args.address or os.environ.get("RAY_ADDRESS"),
-                                      progress=None if args.quiet else show, wire=args.wire)
-    except ConfigError as err:
-        print(f"diloco baseline-dp: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
-        log.debug("baseline-dp failed", exc_info=True)
-        print(f"diloco baseline-dp: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
-    rows = [("mode", f"{summary['mode']} ({summary['trainer']}, {summary['world_size']} workers, {summary['backend']})"),
-            ("held-out loss (nats/byte)", held_out_loss_cell(summary)),
-            ("held-out bits/byte", f"{summary['eval_bits_per_byte']:.3f}"),
-            ("unigram bits/byte (baseline)", f"{summary['unigram_bits_per_byte']:.3f}"),
-            ("tokens processed", f"{summary['tokens_processed']:,} ({summary['steps']} steps)"),
-            ("bytes sent (all workers)", f"{summary['bytes_sent'] / 1e6:,.1f} MB"),
-            ("wall time", f"{summary['wall_s']:.0f} s (+{summary['startup_s']:.0f} s Ray Train start-up)"),
-            ("network", summary["network"])]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-    if summary["emulation"]:
-        print(summary["emulation"])
-    print(f"run directory: {run_dir}")
-    return 0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `diloco baseline-dp` (also `python -m orchestrator.baselines.data_parallel`)."""
-    p.add_argument("--config", help="YAML run config (default: built-in defaults); pools, model, data, inner, eval, run and network apply")
-    p.add_argument("--run-dir", help="where to write summary.json and the event log (default: runs/dp-<timestamp>)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)")
-    p.add_argument("--wire", choices=sorted(WIRE_BYTES), default="bf16", help="gradient format on the EMULATED wire (default bf16)")
-    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.set_defaults(func=_cmd)
-
-
-def register(subparsers) -> None:
-    """Add `baseline-dp` to the `diloco` parser's subparsers."""
-    p = subparsers.add_parser("baseline-dp", help="synchronous data-parallel baseline on Ray Train (TorchTrainer)",
-                              description="Train the config's model with synchronous data parallelism on Ray Train's "
-                                          "TorchTrainer: one worker per island slot, the same model, data, inner AdamW, "
-                                          "token budget and EMULATED network as `diloco train`.",
-                              epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m orchestrator.baselines.data_parallel ...`: the same as `diloco baseline-dp ...`."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.baselines.data_parallel", description=__doc__.splitlines()[0],
-                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
