@@ -23,6 +23,9 @@ from policies.sync_schedule import check_schedule_pairs, check_sync_schedule
 # does not import torch.
 
 MODES = ("decoupled", "sync-diloco", "streaming-diloco")
+# The mode `diloco baseline-dp` writes into its run's config.yaml: not an engine mode (RunConfig refuses
+# it), named here so that the baseline and the readers of run directories share one spelling.
+DATA_PARALLEL_MODE = "data-parallel"
 
 # What `mode: sync-diloco` means (DESIGN.md section 3): K = all islands, unbounded grace, uniform
 # weights, mean merge, P = 1, overwrite adoption, and islands wait for each round.

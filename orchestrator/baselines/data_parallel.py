@@ -28,13 +28,11 @@ out of `wall_s` as the engine keeps island start-up out.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,20 +40,24 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
 
 from islands.data import unigram_bits_per_byte
-from islands.model import build_model
+from islands.distributed import describe_device
+from islands.model import ModelConfig, build_model
+from islands.spec import InnerSettings
 from islands.trainer import InnerTrainer, forward_backward
+from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig
 from orchestrator.core.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
-from orchestrator.cli.main import held_out_loss_cell
-from orchestrator.config import ConfigError, RunConfig, load_config
+from orchestrator.core.evaluation import Evaluator
 from policies.averaging import average_weight
 from policies.lr_schedule import lr_factor
+from policies.network import NetworkModel
+from policies.stopping import target_reached
 
 log = logging.getLogger(__name__)
 
-MODE = "data-parallel"
 WIRE_BYTES = {"bf16": 2, "fp32": 4}  # bytes per gradient element on the emulated wire
 
 
@@ -166,158 +168,284 @@ def scaling_config(cfg: RunConfig):
 # ---------------------------------------------------------------------------- the per-worker loop
 
 
-def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
-    """Ray Train's train function: one data-parallel worker. Rank 0 returns the run's record."""
-    import ray
-    import ray.train
-    import ray.train.torch
-    import torch.distributed as dist
+@dataclass(frozen=True)
+class _WorkerSettings:
+    """What every data-parallel worker reads, as Ray Train's train_loop_config {"settings": ...}."""
 
-    from orchestrator.core.evaluation import Evaluator
-    from policies.stopping import target_reached
+    slots: list[WorkerSlot]
+    model_config: ModelConfig
+    inner: InnerSettings  # the run's (orchestrator.run.driver.inner_settings)
+    seed: int
+    train: list[Any]  # [ObjectRef of the training tokens], fetched by each worker
+    heldout: list[Any]  # [ObjectRef of the held-out tokens]
+    eval_batches: int
+    eval_batch_size: int
+    eval_interval_s: float
+    steps: int
+    max_wall_s: float | None
+    stop_at_eval_loss: float | None
+    allreduce_delay_s: float  # EMULATED seconds slept after every step's all-reduce
+    wire: str  # 'bf16' | 'fp32'
+    average_window: int | None
+    torch_threads: int
+    progress: Any  # a ray.util.queue.Queue for rank 0's evaluations, or None
+    gpu: bool
 
-    from islands.distributed import describe_device
 
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(config["torch_threads"])
-    # NCCL on GPU pools: the card Ray Train assigned this worker; the buffers below live there.
-    device = ray.train.torch.get_device() if config["gpu"] else torch.device("cpu")
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(device)
-    slots: list[WorkerSlot] = config["slots"]
-    labels = [None] * world
-    dist.all_gather_object(labels, dict(ray.get_runtime_context().get_node_labels()))
-    slot = slots[assign_slots(slots, labels)[rank]]
+class _DPWorker:
+    """One data-parallel worker inside Ray Train's train function: its slot, model, inner AdamW and the flat
+    all-reduce buffer; rank 0 also holds the evaluator, the evaluations and the moving average."""
 
-    model_cfg, inner = config["model_config"], config["inner"]
-    precision = slot.precision or inner.precision  # the pool's arithmetic, as its islands would step
-    train = ray.get(config["train"][0])
-    trainer = InnerTrainer(model_cfg, np.asarray(train), settings=inner, shard_index=slot.island,
-                           num_shards=world, seed=config["seed"], device=device)
-    model, opt = trainer.model, trainer.optimizer
-    params = list(model.parameters())
-    numel = sum(p.numel() for p in params)
-    flat = torch.zeros(numel + 2, device=device)  # [gradients..., loss, stop flag]: one all_reduce per step
-    jitter_rng = random.Random(config["seed"] * 1_000_003 + slot.island)  # islands/trainer.py's pacing draws
-    evaluator = Evaluator(model_cfg, ray.get(config["heldout"][0]), batches=config["eval_batches"],
-                          batch_size=config["eval_batch_size"]) if rank == 0 else None
-    steps, tokens_per_step = config["steps"], world * inner.batch_size * model_cfg.seq_len
-    delay_s, max_wall_s, interval = config["allreduce_delay_s"], config["max_wall_s"], config["eval_interval_s"]
-    stopped_by = "token_budget"  # rank 0 decides every stop and tells the others through the step's all-reduce
-    bf16 = config["wire"] == "bf16"
+    def __init__(self, settings: _WorkerSettings) -> None:
+        import ray
+        import ray.train
+        import ray.train.torch
 
-    evals: list[dict] = []
-    eval_s = useful_s = network_s = 0.0
-    # run.average_window: rank 0 serves a moving average of the model, as the engine's outer optimizer does.
-    window = config["average_window"]
-    average = [p.detach().clone() for p in params] if rank == 0 and window is not None else None
+        self.settings = settings
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        torch.set_num_threads(settings.torch_threads)
+        # NCCL on GPU pools: the card Ray Train assigned this worker; the buffers below live there.
+        self.device = ray.train.torch.get_device() if settings.gpu else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        slots = settings.slots
+        labels = [None] * self.world
+        dist.all_gather_object(labels, dict(ray.get_runtime_context().get_node_labels()))
+        self.slot = slots[assign_slots(slots, labels)[self.rank]]
+        self._build()
 
-    def served() -> dict[str, torch.Tensor]:
-        if average is None:
-            return dict(model.named_parameters())
-        return {n: a for (n, _), a in zip(model.named_parameters(), average)}
+    def _build(self) -> None:
+        """The model, optimizer, buffers and counters; the evaluator on rank 0."""
+        import ray
 
-    def evaluate(step: int, t0: float, train_loss: float | None) -> None:
-        nonlocal eval_s
+        settings, slot = self.settings, self.slot
+        self.model_cfg, self.inner = settings.model_config, settings.inner
+        inner = self.inner
+        self.precision = slot.precision or inner.precision  # the pool's arithmetic, as its islands would step
+        train = ray.get(settings.train[0])
+        self.trainer = InnerTrainer(self.model_cfg, np.asarray(train), settings=inner, shard_index=slot.island,
+                                    num_shards=self.world, seed=settings.seed, device=self.device)
+        self.model, self.opt = self.trainer.model, self.trainer.optimizer
+        self.params = list(self.model.parameters())
+        self.numel = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(self.numel + 2, device=self.device)  # [gradients..., loss, stop flag]: one all_reduce per step
+        self.jitter_rng = random.Random(settings.seed * 1_000_003 + slot.island)  # islands/trainer.py's pacing draws
+        self.evaluator = Evaluator(self.model_cfg, ray.get(settings.heldout[0]), batches=settings.eval_batches,
+                                   batch_size=settings.eval_batch_size) if self.rank == 0 else None
+        self.steps, self.tokens_per_step = settings.steps, self.world * inner.batch_size * self.model_cfg.seq_len
+        self.stopped_by = "token_budget"  # rank 0 decides every stop and tells the others through the step's all-reduce
+        self.evals: list[dict] = []
+        self.eval_s = self.useful_s = self.network_s = 0.0
+        # run.average_window: rank 0 serves a moving average of the model, as the engine's outer optimizer does.
+        self.window = settings.average_window
+        self.average = [p.detach().clone() for p in self.params] if self.rank == 0 and self.window is not None else None
+        self.t0, self.wall_s, self.train_loss, self.done = 0.0, 0.0, math.nan, 0
+
+    def served(self) -> dict[str, torch.Tensor]:
+        """The parameters rank 0 evaluates and saves: the moving average where there is one, else the model's."""
+        if self.average is None:
+            return dict(self.model.named_parameters())
+        return {n: a for (n, _), a in zip(self.model.named_parameters(), self.average)}
+
+    def evaluate(self, step: int, train_loss: float | None) -> None:
+        """Rank 0: score the served parameters after `step` steps, record the point and report its progress."""
         e0 = time.monotonic()
-        loss, bpb = evaluator.evaluate(served())
-        eval_s += time.monotonic() - e0
-        tokens = step * tokens_per_step
-        point = {"wall_s": e0 - t0, "at": time.time(), "tokens_processed": tokens, "tokens_merged": float(tokens),
+        loss, bpb = self.evaluator.evaluate(self.served())
+        self.eval_s += time.monotonic() - e0
+        tokens = step * self.tokens_per_step
+        point = {"wall_s": e0 - self.t0, "at": time.time(), "tokens_processed": tokens, "tokens_merged": float(tokens),
                  "versions": [step], "eval_loss": loss, "eval_bits_per_byte": bpb}
-        evals.append(point)
-        if config["progress"] is not None:  # best effort: a full queue only drops a progress line
+        self.evals.append(point)
+        if self.settings.progress is not None:  # best effort: a full queue only drops a progress line
             try:
-                config["progress"].put_nowait({**point, "train_loss": train_loss})
+                self.settings.progress.put_nowait({**point, "train_loss": train_loss})
             except Exception:  # noqa: BLE001
                 pass
 
-    dist.barrier()  # every worker built and loaded: training starts now for all of them
-    t0 = time.monotonic()
-    if rank == 0:
-        evaluate(0, t0, None)
-    next_eval = t0 + interval
-    train_loss, done = math.nan, 0
-    for step in range(steps):
+    def train(self) -> None:
+        """Every synchronous step until the budget, or until rank 0's stop flag comes back in an all-reduce."""
+        dist.barrier()  # every worker built and loaded: training starts now for all of them
+        self.t0 = time.monotonic()
+        if self.rank == 0:
+            self.evaluate(0, None)
+        next_eval = self.t0 + self.settings.eval_interval_s
+        for step in range(self.steps):
+            local_s = self._local_step(step)
+            dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)  # local gloo: ~free next to the emulated time below
+            if self.flat[self.numel + 1] > 0:
+                # Stop before applying this step: the parameters stay those rank 0 last evaluated when it
+                # decided to stop at the target, so the run's final evaluation is the one the rule saw.
+                break
+            self._apply_step()
+            self.useful_s += local_s  # the worker's own step (compute + its pool's emulated pace); waits are not useful
+            self.done = step + 1
+            self._update_average()
+            self.train_loss = float(self.flat[self.numel])
+            if self.rank == 0 and time.monotonic() >= next_eval and self.done < self.steps:
+                self.evaluate(self.done, self.train_loss)
+                next_eval = time.monotonic() + self.settings.eval_interval_s
+                if target_reached([e["eval_loss"] for e in self.evals], self.settings.stop_at_eval_loss):
+                    self.stopped_by = "stop_at_eval_loss"  # the flag goes out with the next step's all-reduce
+        self.wall_s = time.monotonic() - self.t0
+
+    def _local_step(self, step: int) -> float:
+        """Forward and backward on this worker's batch into the flat buffer, paced as its pool; the seconds it took."""
+        inner, flat, numel = self.inner, self.flat, self.numel
         s0 = time.perf_counter()
-        x, y = trainer.next_batch()  # [B, T], [B, T], on the worker's device
-        lr = inner.lr * lr_factor(inner.lr_schedule, step=step, warmup_steps=inner.warmup_steps, progress=step / steps,
+        x, y = self.trainer.next_batch()  # [B, T], [B, T], on the worker's device
+        lr = inner.lr * lr_factor(inner.lr_schedule, step=step, warmup_steps=inner.warmup_steps, progress=step / self.steps,
                                   final_ratio=inner.lr_final_ratio)  # the islands' rule, at DP's exact progress
-        for group in opt.param_groups:
+        for group in self.opt.param_groups:
             group["lr"] = lr
-        loss = forward_backward(model, x, y, precision=precision)  # the islands' arithmetic
-        torch.cat([p.grad.reshape(-1) for p in params], out=flat[:numel])
-        if bf16:  # what crosses the emulated wire: the gradient rounded to bf16
+        loss = forward_backward(self.model, x, y, precision=self.precision)  # the islands' arithmetic
+        torch.cat([p.grad.reshape(-1) for p in self.params], out=flat[:numel])
+        if self.settings.wire == "bf16":  # what crosses the emulated wire: the gradient rounded to bf16
             flat[:numel] = flat[:numel].to(torch.bfloat16).to(torch.float32)
         flat[numel] = loss.detach()
-        if rank == 0 and stopped_by == "token_budget" and max_wall_s is not None and time.monotonic() - t0 >= max_wall_s:
-            stopped_by = "max_wall_s"
-        flat[numel + 1] = 1.0 if rank == 0 and stopped_by != "token_budget" else 0.0
-        if cuda:  # the kernels above are only queued: time the step once the card finished it
-            torch.cuda.synchronize(device)
+        max_wall_s = self.settings.max_wall_s
+        if self.rank == 0 and self.stopped_by == "token_budget" and max_wall_s is not None \
+                and time.monotonic() - self.t0 >= max_wall_s:
+            self.stopped_by = "max_wall_s"
+        flat[numel + 1] = 1.0 if self.rank == 0 and self.stopped_by != "token_budget" else 0.0
+        if self.cuda:  # the kernels above are only queued: time the step once the card finished it
+            torch.cuda.synchronize(self.device)
         compute = time.perf_counter() - s0
-        stretch = slot.emulated_slowdown  # EMULATION of the pool's speed, as islands/trainer.py
-        if slot.emulated_jitter > 0:
-            stretch *= 1.0 + jitter_rng.uniform(-1.0, 1.0) * slot.emulated_jitter
+        stretch = self.slot.emulated_slowdown  # EMULATION of the pool's speed, as islands/trainer.py
+        if self.slot.emulated_jitter > 0:
+            stretch *= 1.0 + self.jitter_rng.uniform(-1.0, 1.0) * self.slot.emulated_jitter
         if stretch > 1.0:
             time.sleep(compute * (stretch - 1.0))
-        local_s = time.perf_counter() - s0
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # local gloo: ~free next to the emulated time below
-        if flat[numel + 1] > 0:
-            # Stop before applying this step: the parameters stay those rank 0 last evaluated when it
-            # decided to stop at the target, so the run's final evaluation is the one the rule saw.
-            break
-        flat[:numel + 1] /= world
+        return time.perf_counter() - s0
+
+    def _apply_step(self) -> None:
+        """The averaged gradient into every parameter's .grad, clip, AdamW step, then the EMULATED all-reduce time."""
+        flat, numel = self.flat, self.numel
+        flat[:numel + 1] /= self.world
         offset = 0
         with torch.no_grad():
-            for p in params:
+            for p in self.params:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        if inner.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, inner.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if self.inner.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.inner.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        delay_s = self.settings.allreduce_delay_s
         if delay_s > 0:  # EMULATED network: the ring all-reduce among the workers' regions
             n0 = time.perf_counter()
             time.sleep(delay_s)
-            network_s += time.perf_counter() - n0
-        useful_s += local_s  # the worker's own step (compute + its pool's emulated pace); waits are not useful
-        done = step + 1
-        if average is not None:
-            w = average_weight(tokens_per_step, done * tokens_per_step, window)
-            with torch.no_grad():
-                for a, p in zip(average, params):
-                    a.lerp_(p.detach(), w)
-        train_loss = float(flat[numel])
-        if rank == 0 and time.monotonic() >= next_eval and done < steps:
-            evaluate(done, t0, train_loss)
-            next_eval = time.monotonic() + interval
-            if target_reached([e["eval_loss"] for e in evals], config["stop_at_eval_loss"]):
-                stopped_by = "stop_at_eval_loss"  # the flag goes out with the next step's all-reduce
-    wall_s = time.monotonic() - t0
-    record = {"rank": rank, "island": slot.island, "pool": slot.pool, "region": slot.region,
-              "node": ray.get_runtime_context().get_node_id(), "steps": done, "tokens": done * inner.batch_size * model_cfg.seq_len,
-              "useful_s": useful_s, "network_s": network_s, "checksum": parameter_checksum(model),
-              "device": describe_device(device), "precision": precision}
-    records = [None] * world
-    dist.all_gather_object(records, record)
-    if rank != 0:
-        return None
-    if not evals or evals[-1]["versions"] != [done]:  # a stop right after an evaluation has it already
-        evaluate(done, t0, train_loss)
-    raw_loss = None if average is None else evaluator.evaluate(dict(model.named_parameters()))[0]
-    return {"world_size": world, "backend": dist.get_backend(), "steps": done, "tokens_per_step": tokens_per_step,
-            "train_loss": train_loss, "raw_loss": raw_loss, "wall_s": wall_s, "eval_s": eval_s, "evals": evals, "stopped_by": stopped_by,
-            "workers": sorted(records, key=lambda r: r["island"]),
-            # The final model (every worker holds the same), saved by the driver: `diloco sample` / `export`.
-            # As numpy arrays (bit for bit): Ray Train 2.60 refuses torch tensors in a return value.
-            "params": {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()},
-            "average": None if average is None else {n: a.cpu().numpy().copy() for n, a in served().items()}}
+            self.network_s += time.perf_counter() - n0
+
+    def _update_average(self) -> None:
+        """Rank 0 under run.average_window: one step of the moving average (policies/averaging.py)."""
+        if self.average is None:
+            return
+        w = average_weight(self.tokens_per_step, self.done * self.tokens_per_step, self.window)
+        with torch.no_grad():
+            for a, p in zip(self.average, self.params):
+                a.lerp_(p.detach(), w)
+
+    def finish(self) -> dict[str, Any] | None:
+        """Gather every worker's record; rank 0 evaluates the final model and returns the run's record."""
+        import ray
+
+        done, model = self.done, self.model
+        record = {"rank": self.rank, "island": self.slot.island, "pool": self.slot.pool, "region": self.slot.region,
+                  "node": ray.get_runtime_context().get_node_id(), "steps": done,
+                  "tokens": done * self.inner.batch_size * self.model_cfg.seq_len,
+                  "useful_s": self.useful_s, "network_s": self.network_s, "checksum": parameter_checksum(model),
+                  "device": describe_device(self.device), "precision": self.precision}
+        records = [None] * self.world
+        dist.all_gather_object(records, record)
+        if self.rank != 0:
+            return None
+        if not self.evals or self.evals[-1]["versions"] != [done]:  # a stop right after an evaluation has it already
+            self.evaluate(done, self.train_loss)
+        raw_loss = None if self.average is None else self.evaluator.evaluate(dict(model.named_parameters()))[0]
+        return {"world_size": self.world, "backend": dist.get_backend(), "steps": done,
+                "tokens_per_step": self.tokens_per_step, "train_loss": self.train_loss, "raw_loss": raw_loss,
+                "wall_s": self.wall_s, "eval_s": self.eval_s, "evals": self.evals, "stopped_by": self.stopped_by,
+                "workers": sorted(records, key=lambda r: r["island"]),
+                # The final model (every worker holds the same), saved by the driver: `diloco sample` / `export`.
+                # As numpy arrays (bit for bit): Ray Train 2.60 refuses torch tensors in a return value.
+                "params": {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()},
+                "average": None if self.average is None else {n: a.cpu().numpy().copy() for n, a in self.served().items()}}
+
+
+def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
+    """Ray Train's train function: one data-parallel worker. Rank 0 returns the run's record."""
+    worker = _DPWorker(config["settings"])
+    worker.train()
+    return worker.finish()
 
 
 # ---------------------------------------------------------------------------- the driver side
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the driver works out before the workers start: the model's shape, the slots, the EMULATED wire."""
+
+    model_cfg: ModelConfig
+    network: NetworkModel  # the run's (orchestrator.run.driver.build_run_network)
+    slots: list[WorkerSlot]
+    grad_bytes: int  # one gradient on the emulated wire
+    delay_s: float  # EMULATED seconds of one step's ring all-reduce
+    per_worker_bytes: int  # what one worker sends per step
+    steps: int
+
+
+def _plan(cfg: RunConfig, corpus: Any, wire: str) -> _Plan:
+    """The run's model shape, network, slots, per-step wire bytes and time, and step count."""
+    from orchestrator.run.driver import build_run_network, measure_step_s
+
+    model_cfg = cfg.model.shape()
+    n_params = sum(p.numel() for p in build_model(model_cfg, seed=cfg.run.seed).parameters())
+    model_bytes = 4 * n_params  # float32: the network's scaling unit (policies.network)
+    network, _ = build_run_network(cfg, model_bytes, lambda: measure_step_s(cfg, model_cfg, corpus.train))
+    slots = worker_slots(cfg)
+    regions = [s.region for s in slots]
+    grad_bytes = WIRE_BYTES[wire] * n_params
+    delay_s = network.allreduce_s(grad_bytes, regions) if network.emulated else 0.0
+    per_worker_bytes = network.allreduce_bytes(grad_bytes, len(slots))
+    steps = steps_for_budget(cfg.run.token_budget, workers=len(slots), batch_size=cfg.data.batch_size,
+                             seq_len=model_cfg.seq_len)
+    log.info("data-parallel: %d workers, %d steps, %s; all-reduce of %d bytes (%s): %.3f s EMULATED per step",
+             len(slots), steps, network.describe(), grad_bytes, wire, delay_s)
+    return _Plan(model_cfg, network, slots, grad_bytes, delay_s, per_worker_bytes, steps)
+
+
+def _loop_config(cfg: RunConfig, plan: _Plan, corpus: Any, *, wire: str, queue: Any, gpu: bool) -> dict[str, Any]:
+    """Ray Train's train_loop_config: the settings every worker reads (the corpus as object refs)."""
+    import ray
+
+    from orchestrator.run.driver import inner_settings
+
+    return {"settings": _WorkerSettings(
+        slots=plan.slots, model_config=plan.model_cfg, inner=inner_settings(cfg), seed=cfg.run.seed,
+        train=[ray.put(corpus.train)], heldout=[ray.put(corpus.heldout)],
+        eval_batches=cfg.eval.batches, eval_batch_size=cfg.eval.batch_size, eval_interval_s=cfg.eval.interval_s,
+        steps=plan.steps, max_wall_s=cfg.run.max_wall_s, stop_at_eval_loss=cfg.run.stop_at_eval_loss,
+        allreduce_delay_s=plan.delay_s, wire=wire, average_window=cfg.run.average_window,
+        torch_threads=cfg.inner.torch_threads, progress=queue, gpu=gpu)}
+
+
+def _refuse_used_checkpoints(ckpt_uri: str) -> None:
+    """ConfigError when `ckpt_uri` already holds checkpoints: this run's model would be saved over another
+    run's, or refused at the end."""
+    if "://" in ckpt_uri or Path(ckpt_uri).is_dir():
+        if CheckpointStore(ckpt_uri).list():
+            raise ConfigError(f"{ckpt_uri} already holds checkpoints of another run; pick a new --run-dir")
+
+
+def _log_to(path: Path) -> logging.Handler:
+    """A handler on the root logger writing to `path` (driver.log); the caller removes and closes it."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
@@ -335,51 +463,26 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Empty, Queue
 
-    from orchestrator.run.driver import (build_run_network, ensure_ray, inner_settings, load_corpus, measure_step_s,
-                                     with_measured_step)
-    from orchestrator.core.eventlog import EventLog
+    from orchestrator.run.driver import ensure_ray, load_corpus, with_measured_step
 
     if wire not in WIRE_BYTES:
         raise ConfigError(f"wire={wire!r}: use one of {', '.join(WIRE_BYTES)}")
     gpu = uses_gpus(cfg)
     run_dir = Path(run_dir).resolve()
     ckpt_uri = run_checkpoint_uri(cfg.checkpoint.uri, run_dir)
-    if "://" in ckpt_uri or Path(ckpt_uri).is_dir():
-        if CheckpointStore(ckpt_uri).list():  # its model would be saved over another run's, or refused at the end
-            raise ConfigError(f"{ckpt_uri} already holds checkpoints of another run; pick a new --run-dir")
+    _refuse_used_checkpoints(ckpt_uri)
     run_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / "driver.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    logging.getLogger().addHandler(handler)
+    handler = _log_to(run_dir / "driver.log")
     cfg = with_measured_step(cfg, address)
     started = ensure_ray(cfg, address)
     queue = None
     try:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump({**cfg.model_dump(mode="json"), "mode": MODE}, sort_keys=False))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump({**cfg.model_dump(mode="json"), "mode": DATA_PARALLEL_MODE}, sort_keys=False))
         corpus = load_corpus(cfg)
-        model_cfg = cfg.model.shape()
-        n_params = sum(p.numel() for p in build_model(model_cfg, seed=cfg.run.seed).parameters())
-        model_bytes = 4 * n_params  # float32: the network's scaling unit (policies.network)
-        network, _ = build_run_network(cfg, model_bytes, lambda: measure_step_s(cfg, model_cfg, corpus.train))
-        slots = worker_slots(cfg)
-        regions = [s.region for s in slots]
-        grad_bytes = WIRE_BYTES[wire] * n_params
-        delay_s = network.allreduce_s(grad_bytes, regions) if network.emulated else 0.0
-        per_worker_bytes = network.allreduce_bytes(grad_bytes, len(slots))
-        steps = steps_for_budget(cfg.run.token_budget, workers=len(slots), batch_size=cfg.data.batch_size,
-                                 seq_len=model_cfg.seq_len)
-        log.info("data-parallel: %d workers, %d steps, %s; all-reduce of %d bytes (%s): %.3f s EMULATED per step",
-                 len(slots), steps, network.describe(), grad_bytes, wire, delay_s)
+        plan = _plan(cfg, corpus, wire)
         here = ray.get_runtime_context().get_node_id()
         queue = Queue(maxsize=1000, actor_options={"num_cpus": 0, "label_selector": {"ray.io/node-id": here}}) if progress else None
-        loop_config = {
-            "slots": slots, "model_config": model_cfg, "inner": inner_settings(cfg), "seed": cfg.run.seed,
-            "train": [ray.put(corpus.train)], "heldout": [ray.put(corpus.heldout)],
-            "eval_batches": cfg.eval.batches, "eval_batch_size": cfg.eval.batch_size, "eval_interval_s": cfg.eval.interval_s,
-            "steps": steps, "max_wall_s": cfg.run.max_wall_s, "stop_at_eval_loss": cfg.run.stop_at_eval_loss,
-            "allreduce_delay_s": delay_s, "wire": wire, "average_window": cfg.run.average_window,
-            "torch_threads": cfg.inner.torch_threads, "progress": queue, "gpu": gpu,
-        }
+        loop_config = _loop_config(cfg, plan, corpus, wire=wire, queue=queue, gpu=gpu)
         trainer = TorchTrainer(
             _dp_worker, train_loop_config=loop_config, scaling_config=scaling_config(cfg),
             torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
@@ -392,22 +495,10 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         out = result.return_value
         if out is None:
             raise RuntimeError(f"Ray Train finished without a result from rank 0 (error: {result.error})")
-        summary = _summary(cfg, out, network=network, wire=wire, grad_bytes=grad_bytes, per_worker_bytes=per_worker_bytes,
-                           delay_s=delay_s, fit_s=fit_s, unigram=unigram_bits_per_byte(
+        summary = _summary(cfg, out, plan, wire=wire, fit_s=fit_s, unigram=unigram_bits_per_byte(
                                corpus.train, corpus.heldout, vocab_size=corpus.vocab_size),
                            corpus=corpus.source, result_path=result.path)
-        events = EventLog(run_dir)
-        events.add("evals", out["evals"])
-        events.flush()
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        # The final parameters, in the engine's checkpoint format, so `diloco sample` / `diloco export` read
-        # either method's model the same way (orchestrator.run.trained); after the summary, which a failed save
-        # must not cost.
-        average = out.pop("average") or {}  # the served model beside the raw one, as the engine's checkpoints
-        CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(
-            out["steps"], {**{PARAM_PREFIX + n: torch.from_numpy(a) for n, a in out.pop("params").items()},
-                           **{AVERAGE_PREFIX + n: torch.from_numpy(a) for n, a in average.items()}},
-            {"mode": MODE, "steps": out["steps"], "tokens_processed": summary["tokens_processed"]})
+        _write_outputs(cfg, run_dir, ckpt_uri, out, summary)
         log.info("data-parallel done: loss %.4f after %d tokens, %.0f s (+%.0f s Ray Train start-up)",
                  summary["eval_loss"], summary["tokens_processed"], summary["wall_s"], summary["startup_s"])
         return summary
@@ -418,6 +509,24 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         handler.close()
         if started:
             ray.shutdown()
+
+
+def _write_outputs(cfg: RunConfig, run_dir: Path, ckpt_uri: str, out: dict, summary: dict) -> None:
+    """The evals event-log rows, summary.json, then the final parameters as one checkpoint."""
+    from orchestrator.core.eventlog import EventLog
+
+    events = EventLog(run_dir)
+    events.add("evals", out["evals"])
+    events.flush()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    # The final parameters, in the engine's checkpoint format, so `diloco sample` / `diloco export` read
+    # either method's model the same way (orchestrator.run.trained); after the summary, which a failed save
+    # must not cost.
+    average = out.pop("average") or {}  # the served model beside the raw one, as the engine's checkpoints
+    CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(
+        out["steps"], {**{PARAM_PREFIX + n: torch.from_numpy(a) for n, a in out.pop("params").items()},
+                       **{AVERAGE_PREFIX + n: torch.from_numpy(a) for n, a in average.items()}},
+        {"mode": DATA_PARALLEL_MODE, "steps": out["steps"], "tokens_processed": summary["tokens_processed"]})
 
 
 def _fit(trainer, queue, progress, empty) -> Any:
@@ -447,21 +556,20 @@ def _fit(trainer, queue, progress, empty) -> Any:
     return box["result"]
 
 
-def _summary(cfg: RunConfig, out: dict, *, network, wire: str, grad_bytes: int, per_worker_bytes: int, delay_s: float,
-             fit_s: float, unigram: float, corpus: str, result_path: str | None) -> dict:
+def _summary(cfg: RunConfig, out: dict, plan: _Plan, *, wire: str, fit_s: float, unigram: float, corpus: str,
+             result_path: str | None) -> dict:
+    """summary.json of a data-parallel run: the engine's summary fields where they apply, and DP's own."""
     final = out["evals"][-1]
     workers, steps, wall = out["workers"], out["steps"], out["wall_s"]
     useful = sum(w["useful_s"] for w in workers)
     allocated = len(workers) * wall
     tokens = steps * out["tokens_per_step"]
-    emulation = [f"{p.name} x{p.emulated_slowdown:g}" + (f" ±{p.emulated_jitter:.0%}" if p.emulated_jitter else "")
-                 for p in cfg.pools if p.emulated]
     return {
-        "mode": MODE,
+        "mode": DATA_PARALLEL_MODE,
         "trainer": "ray.train.torch.TorchTrainer",
         "world_size": out["world_size"],
         "backend": out["backend"],
-        "emulation": f"EMULATION: pool speeds emulated by throttling on one machine ({', '.join(emulation)})" if emulation else None,
+        "emulation": _emulation_note(cfg),
         "eval_loss": final["eval_loss"],
         "eval_loss_raw": out["raw_loss"],  # the raw model's, on the same batches; None without run.average_window
         "eval_bits_per_byte": final["eval_bits_per_byte"],
@@ -475,13 +583,13 @@ def _summary(cfg: RunConfig, out: dict, *, network, wire: str, grad_bytes: int, 
         "goodput": useful / allocated if allocated > 0 else 0.0,  # local step time / (workers x wall): waits, network, eval are not useful
         "useful_s": useful,
         "allocated_s": allocated,
-        "bytes_per_worker_per_step": per_worker_bytes,
-        "bytes_sent": steps * per_worker_bytes * len(workers),
+        "bytes_per_worker_per_step": plan.per_worker_bytes,
+        "bytes_sent": steps * plan.per_worker_bytes * len(workers),
         "gradient_wire": wire,
-        "gradient_bytes": grad_bytes,
-        "network": network.describe(),
-        "network_emulated": network.emulated,
-        "allreduce_emulated_s": delay_s,  # EMULATED seconds slept after every step's all-reduce
+        "gradient_bytes": plan.grad_bytes,
+        "network": plan.network.describe(),
+        "network_emulated": plan.network.emulated,
+        "allreduce_emulated_s": plan.delay_s,  # EMULATED seconds slept after every step's all-reduce
         "network_wait_s": sum(w["network_s"] for w in workers) / len(workers),
         "eval_s": out["eval_s"],
         "wall_s": wall,
@@ -490,94 +598,22 @@ def _summary(cfg: RunConfig, out: dict, *, network, wire: str, grad_bytes: int, 
         "corpus": corpus,
         "ray_train_path": result_path,
         "parameter_checksums": [w["checksum"] for w in workers],
-        "islands": [{"island": w["island"], "pool": w["pool"], "region": w["region"], "node": w["node"], "rank": w["rank"],
-                     "incarnation": 1, "failures": 0, "restarts": 0, "state": "finished", "steps": w["steps"],
-                     "tokens": w["tokens"], "device": w["device"], "precision": w["precision"]} for w in workers],
+        "islands": [_island_row(w) for w in workers],
         "failures": 0,
         "restarts": 0,
         "evals": out["evals"],
     }
 
 
-# ---------------------------------------------------------------------------- command line
-
-EXAMPLES = """examples:
-  diloco baseline-dp --run-dir runs/dp --set run.token_budget=1000000
-  diloco baseline-dp --config configs/default.yaml --set network.scenario=wan-4-regions --set run.max_wall_s=120
-  python -m orchestrator.baselines.data_parallel --set run.token_budget=200000 --wire fp32
-"""
+def _emulation_note(cfg: RunConfig) -> str | None:
+    """The summary's EMULATION line for pools whose speed is emulated; None when none is."""
+    emulation = [f"{p.name} x{p.emulated_slowdown:g}" + (f" ±{p.emulated_jitter:.0%}" if p.emulated_jitter else "")
+                 for p in cfg.pools if p.emulated]
+    return f"EMULATION: pool speeds emulated by throttling on one machine ({', '.join(emulation)})" if emulation else None
 
 
-def _cmd(args: argparse.Namespace) -> int:
-    import os
-
-    try:
-        cfg = load_config(args.config, args.set, also_mode=MODE)  # a DP run dir's own config.yaml too
-    except ConfigError as err:
-        print(f"diloco baseline-dp: {err}", file=sys.stderr)
-        return 2
-    run_dir = Path(args.run_dir or f"runs/dp-{time.strftime('%Y%m%d-%H%M%S')}")
-
-    def show(p: dict) -> None:
-        print(f"{p['wall_s']:6.0f}s  {p['tokens_processed'] / 1e6:6.2f}M tokens  held-out {p['eval_bits_per_byte']:.3f} bits/byte",
-              file=sys.stderr)
-
-    try:
-        summary = train_data_parallel(cfg, run_dir, address=args.address or os.environ.get("RAY_ADDRESS"),
-                                      progress=None if args.quiet else show, wire=args.wire)
-    except ConfigError as err:
-        print(f"diloco baseline-dp: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
-        log.debug("baseline-dp failed", exc_info=True)
-        print(f"diloco baseline-dp: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
-    rows = [("mode", f"{summary['mode']} ({summary['trainer']}, {summary['world_size']} workers, {summary['backend']})"),
-            ("held-out loss (nats/byte)", held_out_loss_cell(summary)),
-            ("held-out bits/byte", f"{summary['eval_bits_per_byte']:.3f}"),
-            ("unigram bits/byte (baseline)", f"{summary['unigram_bits_per_byte']:.3f}"),
-            ("tokens processed", f"{summary['tokens_processed']:,} ({summary['steps']} steps)"),
-            ("bytes sent (all workers)", f"{summary['bytes_sent'] / 1e6:,.1f} MB"),
-            ("wall time", f"{summary['wall_s']:.0f} s (+{summary['startup_s']:.0f} s Ray Train start-up)"),
-            ("network", summary["network"])]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-    if summary["emulation"]:
-        print(summary["emulation"])
-    print(f"run directory: {run_dir}")
-    return 0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `diloco baseline-dp` (also `python -m orchestrator.baselines.data_parallel`)."""
-    p.add_argument("--config", help="YAML run config (default: built-in defaults); pools, model, data, inner, eval, run and network apply")
-    p.add_argument("--run-dir", help="where to write summary.json and the event log (default: runs/dp-<timestamp>)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)")
-    p.add_argument("--wire", choices=sorted(WIRE_BYTES), default="bf16", help="gradient format on the EMULATED wire (default bf16)")
-    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.set_defaults(func=_cmd)
-
-
-def register(subparsers) -> None:
-    """Add `baseline-dp` to the `diloco` parser's subparsers."""
-    p = subparsers.add_parser("baseline-dp", help="synchronous data-parallel baseline on Ray Train (TorchTrainer)",
-                              description="Train the config's model with synchronous data parallelism on Ray Train's "
-                                          "TorchTrainer: one worker per island slot, the same model, data, inner AdamW, "
-                                          "token budget and EMULATED network as `diloco train`.",
-                              epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m orchestrator.baselines.data_parallel ...`: the same as `diloco baseline-dp ...`."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.baselines.data_parallel", description=__doc__.splitlines()[0],
-                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def _island_row(w: dict) -> dict:
+    """One worker's record as the engine's per-island summary row (one incarnation, never failed)."""
+    return {"island": w["island"], "pool": w["pool"], "region": w["region"], "node": w["node"], "rank": w["rank"],
+            "incarnation": 1, "failures": 0, "restarts": 0, "state": "finished", "steps": w["steps"],
+            "tokens": w["tokens"], "device": w["device"], "precision": w["precision"]}

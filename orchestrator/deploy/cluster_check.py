@@ -10,24 +10,22 @@ authentication on every `ray start`, no token in the file, dashboard and Jobs AP
 unless opted in); `region_problems` checks that only node types of the head's region are autoscaled.
 
 Plain dicts and a RunConfig in, lists of one-line strings out: no cluster, no cloud calls. Run every
-check with
+check with (orchestrator/cli/cluster.py)
 
-    python -m orchestrator.deploy.cluster_check --cluster cluster.yaml --config configs/multi-region.yaml
+    diloco check-cluster --cluster cluster.yaml --config configs/multi-region.yaml
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from orchestrator.config import ConfigError, PoolConfig, RunConfig, load_config
+from orchestrator.config import ConfigError, PoolConfig, RunConfig
 from orchestrator.actors.placement import island_bundle
 
 LOCAL_DASHBOARD_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -303,38 +301,12 @@ def check(cluster_yaml: dict[str, Any], cfg: RunConfig, *, allow_public_dashboar
             + unmatched_pools(cluster_yaml, cfg))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI: print each problem on one line and exit 1, or print where each pool goes and exit 0."""
-    ap = argparse.ArgumentParser(
-        prog="python -m orchestrator.deploy.cluster_check",
-        description="Check a cluster.yaml against a training config: Ray's validation, security defaults, pools.",
-        epilog="example: python -m orchestrator.deploy.cluster_check --cluster cluster.yaml --config configs/multi-region.yaml",
-    )
-    ap.add_argument("--cluster", default="cluster.yaml", help="the cluster.yaml given to `ray up`")
-    ap.add_argument("--config", default="configs/multi-region.yaml", help="the training config (RunConfig YAML)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, as for diloco train")
-    ap.add_argument("--allow-public-dashboard", action="store_true",
-                    help="accept a dashboard bound beyond localhost (you opened it on purpose, behind a firewall)")
-    args = ap.parse_args(argv)
-    try:
-        cluster_yaml = load_cluster_yaml(args.cluster)
-        cfg = load_config(args.config, args.set)
-    except ConfigError as err:
-        print(f"cluster_check: {err}", file=sys.stderr)
-        return 2
-    problems = check(cluster_yaml, cfg, allow_public_dashboard=args.allow_public_dashboard)
-    for msg in problems:
-        print(f"cluster_check: {msg}", file=sys.stderr)
-    if problems:
-        return 1
+def pool_placements(cluster_yaml: dict[str, Any], cfg: RunConfig) -> list[str]:
+    """One line per pool of `cfg`: its islands' demand and the node types that can host them (for a
+    config that passed `check`)."""
+    lines = []
     for pool in cfg.pools:
         names = pool_node_types(cluster_yaml, pool)
         kinds = ", ".join(f"{n} ({'joined by hand' if joined_by_hand(cluster_yaml, n) else 'autoscaled'})" for n in names)
-        print(f"{pool.name}: {pool.islands} island(s) of {_fmt(island_demand(pool), ' ')} -> {kinds}")
-    print(f"ok: {len(cfg.pools)} pools fit {args.cluster}; token auth on; dashboard "
-          f"{'opted in beyond localhost' if args.allow_public_dashboard else 'on localhost (ray dashboard ' + args.cluster + ')'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        lines.append(f"{pool.name}: {pool.islands} island(s) of {_fmt(island_demand(pool), ' ')} -> {kinds}")
+    return lines

@@ -15,20 +15,20 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from orchestrator.cli.main import main as diloco
+from orchestrator.config import build_config, load_config
 from orchestrator.deploy.cluster_check import (
     fits_per_node,
     island_demand,
     joined_by_hand,
     label_selector_matches,
     load_cluster_yaml,
-    main,
     pool_node_types,
     ray_schema_problems,
     region_problems,
     safety_problems,
     unmatched_pools,
 )
-from orchestrator.config import build_config, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MULTI_REGION = ROOT / "configs" / "multi-region.yaml"
@@ -233,14 +233,14 @@ def test_label_selector_forms(selector, labels, matches):
 
 
 def test_cli_prints_the_mapping_or_one_line_per_problem(tmp_path, capsys):
-    assert main(["--cluster", str(ROOT / "cluster.yaml"), "--config", str(MULTI_REGION)]) == 0
+    assert diloco(["check-cluster", "--cluster", str(ROOT / "cluster.yaml"), "--config", str(MULTI_REGION)]) == 0
     out = capsys.readouterr().out
     assert "us-east/h100: 1 island(s)" in out and "us_east_h100 (joined by hand)" in out and out.rstrip().splitlines()[-1].startswith("ok:")
     bad = tmp_path / "bad.yaml"
     data = yaml.safe_load(MULTI_REGION.read_text())
     data["pools"][0]["labels"] = {"pool": "tpu"}
     bad.write_text(yaml.safe_dump(data))
-    assert main(["--cluster", str(ROOT / "cluster.yaml"), "--config", str(bad)]) == 1
+    assert diloco(["check-cluster", "--cluster", str(ROOT / "cluster.yaml"), "--config", str(bad)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["cluster_check: pool 'us-central/h100': no node type of cluster.yaml has labels matching "
                    "{pool=tpu}; add them to a node type's labels: or fix the pool's labels"]

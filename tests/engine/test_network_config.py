@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.cli.main import format_summary
 from orchestrator.config import ConfigError, load_config
 from orchestrator.run.driver import build_run_network
+from orchestrator.run.summary import format_summary
 
 POOLS = "pools=[{name: a, islands: 2, region: us-east}, {name: b, islands: 1, region: eu-west}]"
 

@@ -15,7 +15,7 @@ import yaml
 
 from islands.model import build_model, model_config
 from islands.sampling import generate
-from orchestrator.cli import main as cli
+from orchestrator.cli.main import main as diloco
 from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.config import build_config
 from orchestrator.run.trained import (EXPORT_FORMAT, TrainedModelError, evaluate_trained, export_model, load_exported,
@@ -90,13 +90,13 @@ def test_a_run_that_kept_a_moving_average_serves_it_and_raw_loads_the_global_mod
     assert evaluate_trained(served)["eval_loss"] != pytest.approx(evaluate_trained(raw)["eval_loss"], rel=1e-3)
 
     run = str(tmp_path / "run")
-    assert cli.main(["evaluate", run, "--set", "eval.batches=1"]) == 0
+    assert diloco(["evaluate", run, "--set", "eval.batches=1"]) == 0
     averaged_out = capsys.readouterr().out
-    assert cli.main(["evaluate", run, "--set", "eval.batches=1", "--raw"]) == 0
+    assert diloco(["evaluate", run, "--set", "eval.batches=1", "--raw"]) == 0
     raw_out = capsys.readouterr().out
     assert ", moving average)" in averaged_out and "moving average" not in raw_out
     assert averaged_out.splitlines()[1] != raw_out.splitlines()[1], "two models, two losses"
-    assert cli.main(["export", run, "--out", str(tmp_path / "raw.pt"), "--raw"]) == 0
+    assert diloco(["export", run, "--out", str(tmp_path / "raw.pt"), "--raw"]) == 0
     exported = torch.load(tmp_path / "raw.pt", weights_only=True)["state_dict"]
     assert torch.equal(exported["lm_head.weight"], saved[4]["lm_head.weight"])
 
@@ -176,26 +176,26 @@ def test_export_writes_a_plain_pytorch_file_that_rebuilds_the_model(tmp_path):
 def test_diloco_sample_and_export_on_the_command_line(tmp_path, capsys):
     write_run(tmp_path / "run")
     run = str(tmp_path / "run")
-    assert cli.main(["sample", run, "--prompt", "def ", "--bytes", "12", "--temperature", "0"]) == 0
+    assert diloco(["sample", run, "--prompt", "def ", "--bytes", "12", "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     want = generate(load_trained(run).model, list(b"def "), max_new_tokens=12, temperature=0)
     assert out == (b"def " + bytes(want)).decode("utf-8", errors="replace") + "\n"
     assert "checkpoint 4 (decoupled, versions [4, 5], 0.00M tokens processed)" in err
 
-    assert cli.main(["sample", run, "--prompt", ""]) == 2
+    assert diloco(["sample", run, "--prompt", ""]) == 2
     assert capsys.readouterr().err == "diloco sample: --prompt is empty; give some text to continue, e.g. --prompt 'def '\n"
-    assert cli.main(["sample", run, "--top-k", "0"]) == 2
+    assert diloco(["sample", run, "--top-k", "0"]) == 2
     assert capsys.readouterr().err.startswith("diloco sample: top_k=0 must be")
-    assert cli.main(["sample", str(tmp_path / "nowhere")]) == 2
+    assert diloco(["sample", str(tmp_path / "nowhere")]) == 2
     assert "is not a directory" in capsys.readouterr().err
 
-    assert cli.main(["export", run, "--out", str(tmp_path / "m.pt"), "--step", "0"]) == 0
+    assert diloco(["export", run, "--out", str(tmp_path / "m.pt"), "--step", "0"]) == 0
     assert "parameters from" in capsys.readouterr().out
     assert torch.load(tmp_path / "m.pt", weights_only=True)["step"] == 0
-    assert cli.main(["export", run, "--out", str(tmp_path / "m.pt")]) == 2
+    assert diloco(["export", run, "--out", str(tmp_path / "m.pt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already exists" in err
-    assert cli.main(["export", run, "--out", str(tmp_path / "m.pt"), "--force"]) == 0
+    assert diloco(["export", run, "--out", str(tmp_path / "m.pt"), "--force"]) == 0
     assert torch.load(tmp_path / "m.pt", weights_only=True)["step"] == 4
 
 
@@ -231,8 +231,8 @@ def test_evaluate_scores_the_run_held_out_windows_or_another_corpus(tmp_path, ca
         evaluate_trained(t, ["data.source=parquet", f"data.path={tmp_path / 'nowhere.parquet'}", "data.text_column=text"])
     assert "\n" not in str(err.value)
 
-    assert cli.main(["evaluate", str(tmp_path / "run")]) == 0
+    assert diloco(["evaluate", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert f"held-out loss {got['eval_loss']:.4f} nats/token" in out and "over 1,024 tokens of Python" in out
-    assert cli.main(["evaluate", str(tmp_path / "run"), "--set", "run.seed=3"]) == 2
+    assert diloco(["evaluate", str(tmp_path / "run"), "--set", "run.seed=3"]) == 2
     assert capsys.readouterr().err.startswith("diloco evaluate: --set 'run.seed=3': evaluation takes")

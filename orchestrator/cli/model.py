@@ -1,0 +1,101 @@
+"""`diloco sample`, `diloco evaluate` and `diloco export`: a finished run's trained model
+(orchestrator.run.trained) from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from islands.sampling import generate
+from orchestrator.run.trained import TrainedModel, TrainedModelError, evaluate_trained, export_model, load_trained
+
+
+def _describe(run_dir: str, t: TrainedModel) -> str:
+    tokens = f", {t.tokens_processed / 1e6:.2f}M tokens processed" if t.tokens_processed is not None else ""
+    versions = f", versions {t.versions}" if t.versions is not None else ""
+    which = ", moving average" if t.averaged else ""
+    return f"{run_dir}: checkpoint {t.step} ({t.mode}{versions}{tokens}{which})"
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    try:
+        trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
+        prompt = args.prompt.encode("utf-8")
+        if not prompt:
+            raise TrainedModelError("--prompt is empty; give some text to continue, e.g. --prompt 'def '")
+        new = generate(trained.model, list(prompt), max_new_tokens=args.bytes, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed)
+    except (TrainedModelError, ValueError) as err:
+        print(f"diloco sample: {err}", file=sys.stderr)
+        return 2
+    print(_describe(args.run_dir, trained), file=sys.stderr)
+    sys.stdout.write((prompt + bytes(new)).decode("utf-8", errors="replace") + "\n")
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    try:
+        trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
+        got = evaluate_trained(trained, args.set)
+    except TrainedModelError as err:
+        print(f"diloco evaluate: {err}", file=sys.stderr)
+        return 2
+    print(_describe(args.run_dir, trained))
+    print(f"held-out loss {got['eval_loss']:.4f} nats/token, {got['eval_bits_per_token']:.3f} bits/token over "
+          f"{got['tokens']:,} tokens of {got['source']}")
+    print(f"unigram model of the same data: {got['unigram_bits_per_token']:.3f} bits/token")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    try:
+        trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
+        path = export_model(trained, args.out, overwrite=args.force)
+    except TrainedModelError as err:
+        print(f"diloco export: {err}", file=sys.stderr)
+        return 2
+    n = sum(p.numel() for p in trained.model.parameters())
+    print(f"{path}: {n:,} parameters from {_describe(args.run_dir, trained)}")
+    return 0
+
+
+def _run_dir_command(subparsers, name: str, *, help: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand that reads one checkpoint of RUN_DIR: the positional RUN_DIR and --step."""
+    p = subparsers.add_parser(name, help=help, description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `diloco train` or `diloco baseline-dp`")
+    p.add_argument("--step", type=int, default=None, help="checkpoint number (default: the newest)")
+    p.add_argument("--raw", action="store_true",
+                   help="the raw global model, not the moving average a run with run.average_window serves")
+    return p
+
+
+def register(subparsers) -> None:
+    """Add `sample`, `evaluate` and `export` to the `diloco` parser's subparsers."""
+    s = _run_dir_command(
+        subparsers, "sample", help="continue a prompt with a run's trained model",
+        description="Load the newest checkpoint of RUN_DIR (or --step) into the run's model and continue the prompt "
+                    "byte by byte.\n\nExample:\n  diloco sample runs/demo --prompt 'def ' --bytes 300 --temperature 0.8")
+    s.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    s.add_argument("--bytes", type=int, default=200, help="how many bytes to generate (default 200)")
+    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, 1 = the model's distribution (default 0.8)")
+    s.add_argument("--top-k", type=int, default=None, help="draw only among the K likeliest bytes")
+    s.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    s.set_defaults(func=_cmd_sample)
+    v = _run_dir_command(
+        subparsers, "evaluate", help="held-out loss of a run's trained model, on its own data or another corpus",
+        description="Score the model of RUN_DIR's newest checkpoint (or --step) on held-out windows: the run's own "
+                    "held-out data, or what --set data.* names (eval.* sets how many windows).\n\nExamples:\n"
+                    "  diloco evaluate runs/demo\n"
+                    "  diloco evaluate runs/demo --set data.source=parquet --set data.path=my.parquet --set eval.batches=64")
+    v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a data.* or eval.* field to change (repeatable)")
+    v.set_defaults(func=_cmd_evaluate)
+    e = _run_dir_command(
+        subparsers, "export", help="write a run's trained model as a PyTorch file",
+        description="Write the model of RUN_DIR's newest checkpoint (or --step) as a PyTorch file: a dict with its "
+                    "shape and state dict, read back by torch.load(path, weights_only=True) or "
+                    "orchestrator.run.trained.load_exported(path).\n\nExample:\n  diloco export runs/demo --out demo.pt")
+    e.add_argument("--out", required=True, metavar="FILE", help="where to write the model (e.g. model.pt)")
+    e.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    e.set_defaults(func=_cmd_export)

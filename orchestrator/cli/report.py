@@ -1,0 +1,30 @@
+"""`diloco report`: plots and a markdown summary of a finished run (orchestrator.run.report)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from orchestrator.run.report import ReportError, write_report  # matplotlib is imported only when plotting
+
+    try:
+        paths = write_report(args.run_dir, args.out)
+    except ReportError as err:
+        print(f"diloco report: {err}", file=sys.stderr)
+        return 2
+    for path in paths.values():
+        print(path)
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `report` to the `diloco` parser's subparsers."""
+    r = subparsers.add_parser("report", help="plots and a markdown summary of a finished run",
+                              description="Write loss.png, timeline.png and report.md for a run directory.\n\nExample:\n"
+                                          "  diloco report runs/demo --out /tmp/demo-report",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `diloco train`")
+    r.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/report)")
+    r.set_defaults(func=_cmd_report)

@@ -1,0 +1,104 @@
+"""`diloco train`: one training run with Decoupled DiLoCo on Ray, with a progress line and the final table."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from orchestrator.config import ConfigError, apply_overrides, build_config, load_config, resume_conflict
+from orchestrator.run.summary import format_summary
+
+
+class ProgressBar:
+    """One status line on a terminal (redrawn in place), or a line every 10 s when not a terminal."""
+
+    def __init__(self, stream: TextIO, *, emulation: str | None) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self._last = 0.0
+        if emulation:
+            stream.write(f"{emulation}\n")
+
+    def __call__(self, p) -> None:  # p: orchestrator.run.driver.Progress
+        now = time.monotonic()
+        if not self.tty and now - self._last < 10.0 and p.tokens < p.budget:
+            return
+        self._last = now
+        frac = min(1.0, p.tokens / p.budget)
+        bar = "#" * int(frac * 24) + "." * (24 - int(frac * 24))
+        states = {}
+        for s in p.islands.values():
+            states[s] = states.get(s, 0) + 1
+        line = (f"[{bar}] {frac:4.0%} {p.tokens / 1e6:6.2f}M/{p.budget / 1e6:.2f}M tokens | versions {p.versions}"
+                f" | rounds {p.rounds} | train loss {p.train_loss or float('nan'):.3f}"
+                f" | eval {p.eval_bpb or float('nan'):.3f} bits/byte | {p.elapsed_s:5.0f}s"
+                f" | islands {', '.join(f'{n} {k}' for k, n in sorted(states.items()))}")
+        self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the redrawn line."""
+        if self.tty:
+            self.stream.write("\n")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from orchestrator.run.driver import emulation_note, resume_config, train  # imports Ray: keep `--help` fast
+    from policies.chaos import parse_chaos_spec
+
+    try:
+        if args.resume:
+            if args.config:
+                raise ConfigError("--resume takes the run directory's own config.yaml; drop --config")
+            saved = resume_config(args.resume)
+            cfg = build_config(apply_overrides(saved.model_dump(mode="json"), args.set))
+            conflict = resume_conflict(saved, cfg)
+            if conflict:
+                raise ConfigError(conflict)
+        else:
+            cfg = load_config(args.config, args.set)
+        if args.chaos:
+            spec = parse_chaos_spec(args.chaos)
+            cfg = cfg.model_copy(update={"chaos": type(cfg.chaos)(mode=spec.pop("mode"), horizon_s=cfg.chaos.horizon_s, params=spec)})
+    except (ConfigError, ValueError) as err:
+        print(f"diloco train: {err}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    bar = ProgressBar(sys.stderr, emulation=emulation_note(cfg)) if not args.quiet else None
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    try:
+        summary = train(cfg, run_dir, address=address, progress=bar, resume=bool(args.resume))
+    except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
+        if bar:
+            bar.close()
+        logging.getLogger(__name__).debug("train failed", exc_info=True)
+        print(f"diloco train: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    if bar:
+        bar.close()
+    print(format_summary(summary))
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `train` to the `diloco` parser's subparsers."""
+    t = subparsers.add_parser("train", help="train a model with Decoupled DiLoCo on Ray",
+                              description="Train on the embedded default (stdlib source) or your config.\n\nExample:\n"
+                                          "  diloco train --run-dir runs/demo --set run.token_budget=3000000",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--config", help="YAML run config (default: built-in defaults, same as configs/default.yaml)")
+    t.add_argument("--run-dir", help="where to write the event log and summary (default: runs/<timestamp>)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set outer.min_quorum=2 or one pool's: --set pools.slow.islands=3 (repeatable)")
+    t.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run whose driver died, from its checkpoints")
+    t.add_argument("--chaos", metavar="SPEC",
+                   help="inject faults: none | tape:FILE.yaml | poisson:mtbf_s=60,seed=3 | fixed:failures=3")
+    t.set_defaults(func=_cmd_train)

@@ -1,0 +1,186 @@
+"""The house's layout, read from the source (AST only, nothing is imported).
+
+- No import circle anywhere in orchestrator/, islands/, policies/: every import counts (absolute,
+  relative, at the top or inside a function), except those under `if TYPE_CHECKING:`, which never
+  run. Any strongly connected component of more than one module fails, with its modules and edges.
+- Imports go one way: orchestrator -> islands -> policies.
+- The command line lives in orchestrator/cli/ only: no other module imports argparse, builds a parser
+  or defines a module-level `register(subparsers)`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("orchestrator", "islands", "policies")
+LAYER = {"policies": 0, "islands": 1, "orchestrator": 2}  # a module imports only from its layer or lower
+CLI_PACKAGE = "orchestrator.cli"
+PARSER_CALLS = {"ArgumentParser", "add_subparsers", "add_parser"}
+
+
+def find_modules(root: Path, packages: tuple[str, ...]) -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is a package's __init__) for every .py file under `packages`."""
+    modules = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return modules
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports that never run."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for child in node.body:
+                skipped.update(id(n) for n in ast.walk(child))
+    return skipped
+
+
+def _resolve(name: str, known: dict) -> str | None:
+    """The longest prefix of dotted `name` that is one of our modules (None for a third-party import)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str, tree: ast.AST, is_package: bool, known: dict) -> set[str]:
+    """Our modules that `module` imports anywhere in `tree` (not itself, not under TYPE_CHECKING).
+
+    `from a.b import c` counts as an import of module a.b.c where that is a module, else of a.b. A
+    package's own __init__ is not counted for `import a.b.c` (Python runs it, but a package that
+    gathers its submodules would then be a circle with each of them, which it is not in use).
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    skipped = _type_checking_only(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(r for a in node.names if (r := _resolve(a.name, known)))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            found.update(r for a in node.names if (r := _resolve(f"{source}.{a.name}", known)))
+    found.discard(module)
+    return found
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of `packages` it imports."""
+    modules = find_modules(root, packages)
+    return {m: imports_of(m, ast.parse(path.read_text(), filename=str(path)), is_package, modules)
+            for m, (path, is_package) in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def describe(component: list[str], graph: dict[str, set[str]]) -> str:
+    """One circle for the failure message: each member and the members it imports."""
+    members = set(component)
+    return "\n".join(f"  {m} -> {', '.join(sorted(graph[m] & members))}" for m in component)
+
+
+def test_no_import_circle_in_the_project():
+    graph = import_graph(ROOT, PACKAGES)
+    assert "orchestrator.cli.train" in graph["orchestrator.cli.main"]  # the walk sees imports inside functions
+    assert "orchestrator.run.driver" in graph["orchestrator.cli.train"]
+    found = circles(graph)
+    assert not found, "import circles:\n" + "\n\n".join(describe(c, graph) for c in found)
+
+
+def test_the_circle_finder_sees_relative_imports_in_functions_and_longer_circles(tmp_path):
+    # A guard against a vacuous pass: a three-module circle through a relative import inside a function.
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .sub.c import g\n")
+    (pkg / "sub" / "c.py").write_text("import pkg.a\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..d import x\n")
+    (pkg / "d.py").write_text("from .sub import c\n")
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph["pkg.sub.c"] == {"pkg.a"}  # the TYPE_CHECKING import is left out
+    assert circles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+def test_imports_go_one_way_orchestrator_islands_policies():
+    graph = import_graph(ROOT, PACKAGES)
+    upward = [f"{m} -> {d}" for m, deps in sorted(graph.items()) for d in sorted(deps)
+              if LAYER[d.split(".")[0]] > LAYER[m.split(".")[0]]]
+    assert not upward, "imports against orchestrator -> islands -> policies:\n" + "\n".join(upward)
+
+
+def _cli_code(tree: ast.Module) -> list[str]:
+    """What in a module's tree belongs in the CLI package: argparse, parser building, `register`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names):
+            found.append(f"line {node.lineno}: import argparse")
+        elif isinstance(node, ast.ImportFrom) and node.module == "argparse":
+            found.append(f"line {node.lineno}: from argparse import ...")
+        elif isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if name in PARSER_CALLS:
+                found.append(f"line {node.lineno}: {name}(...)")
+    found += [f"line {n.lineno}: def register(...)" for n in tree.body
+              if isinstance(n, ast.FunctionDef) and n.name == "register"]
+    return found
+
+
+def test_command_line_code_lives_in_the_cli_package_only():
+    modules = find_modules(ROOT, PACKAGES)
+    assert any(_cli_code(ast.parse(path.read_text())) for m, (path, _) in modules.items()
+               if m.startswith(CLI_PACKAGE + "."))  # the check finds the CLI where it is
+    outside = [f"{m}: {hit}" for m, (path, _) in sorted(modules.items())
+               if not (m == CLI_PACKAGE or m.startswith(CLI_PACKAGE + "."))
+               for hit in _cli_code(ast.parse(path.read_text()))]
+    assert not outside, "command-line code outside orchestrator/cli/:\n" + "\n".join(outside)
