@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import datetime
 import gc
 import json
@@ -51,7 +52,9 @@ import torch  # noqa: E402
 
 from islands.messages import Submission  # noqa: E402
 from islands.model import build_model, model_config  # noqa: E402
+from orchestrator.config import build_config  # noqa: E402
 from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings  # noqa: E402
+from orchestrator.settings import outer_settings  # noqa: E402
 from policies.compression import compress  # noqa: E402
 from policies.fragments import plan_fragments  # noqa: E402
 
@@ -266,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             subs_all = build_submissions(payloads, plans[P], sync_every_steps=args.sync_every_steps,
                                          tokens_per_step=16 * cfg.seq_len)
             for K in args.islands:
-                settings = OuterSettings(min_quorum=K, compression=scheme)  # closes when all K are in
+                settings = dataclasses.replace(outer_settings(build_config({})), min_quorum=K,
+                                               compression=scheme)  # closes when all K are in
                 merged_bytes = K * model_bytes
                 reps = []
                 for r in range(args.repeats):

@@ -43,7 +43,7 @@ from policies.downlink import apply_delta, decode_fragment
 from policies.error_feedback import ErrorFeedback
 from policies.quorum import MovingAverage
 from policies.salvage import ProgressSnapshot, salvage_due
-from policies.sync_schedule import check_sync_schedule, sync_every_at
+from policies.sync_schedule import check_sync_every, sync_every_at
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +99,7 @@ class LearnerIsland:
         self._device_name = describe_device(self._device)
         self._adoption = parse_adoption(spec.adoption)
         P = spec.plan.num_fragments
-        if spec.sync_every_steps % P:
-            raise ValueError(f"sync_every_steps={spec.sync_every_steps} must be a multiple of num_fragments={P}")
-        check_sync_schedule(spec.sync_every_schedule, P)
+        check_sync_every(spec.sync_every_steps, spec.sync_every_schedule, P)
         train = resolve(data[0]) if isinstance(data, list) else data
         self.trainer = InnerTrainer(
             spec.model_config, np.asarray(train), settings=spec.inner,

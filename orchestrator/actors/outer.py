@@ -82,7 +82,7 @@ class _OuterShell:
                         latest.step, self.core.versions, self.epoch)
         # What each island holds of each fragment, when versions go down as differences (outer.downlink_delta);
         # its `whole` is the format of every whole fragment that goes down.
-        self._copies = DownlinkCopies(settings.downlink, settings.downlink_delta, block_size=settings.block_size,
+        self._copies = DownlinkCopies(settings.downlink, settings.downlink_delta, block_size=settings.compression_block_size,
                                      density=settings.topk_density)
         # The latest published version of every fragment, in its wire format: one ray.put each, handed out as [ref].
         wire = [self._copies.whole(self.core.fragment(p)) for p in range(plan.num_fragments)]

@@ -335,8 +335,8 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Empty, Queue
 
-    from orchestrator.run.driver import (build_run_network, ensure_ray, inner_settings, load_corpus, measure_step_s,
-                                     with_measured_step)
+    from orchestrator.run.driver import build_run_network, ensure_ray, load_corpus, measure_step_s, with_measured_step
+    from orchestrator.settings import inner_settings
     from orchestrator.core.eventlog import EventLog
 
     if wire not in WIRE_BYTES:
