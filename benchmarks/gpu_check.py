@@ -42,6 +42,7 @@ a machine without one; it checks nothing about CUDA and says so).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -61,9 +62,16 @@ import torch  # noqa: E402
 from islands.model import model_config  # noqa: E402
 from islands.spec import InnerSettings  # noqa: E402
 from islands.trainer import InnerTrainer  # noqa: E402
+from orchestrator.config import build_config  # noqa: E402
+from orchestrator.settings import inner_settings  # noqa: E402
 
 
 _CORPUS: list[np.ndarray] = []
+
+
+def _inner(**overrides) -> InnerSettings:
+    """The built-in config's inner settings (orchestrator.settings), `overrides` replaced."""
+    return dataclasses.replace(inner_settings(build_config({})), **overrides)
 
 
 def _data() -> np.ndarray:
@@ -94,7 +102,7 @@ def cuda_matches_cpu(device: str, preset: str = "small", steps: int = 10) -> dic
     torch.backends.cudnn.allow_tf32 = False
     cfg = model_config(preset)
     data = _data()
-    settings = InnerSettings(lr=1e-3, warmup_steps=2, batch_size=8)
+    settings = _inner(lr=1e-3, warmup_steps=2, batch_size=8)
     runs = []
     for dev in ("cpu", device):
         t = InnerTrainer(cfg, data, settings=settings, shard_index=0, num_shards=1, seed=0, device=dev)
@@ -122,7 +130,7 @@ def precision_on_gpu(device: str, preset: str = "small", steps: int = 30) -> dic
     data = _data()
     losses = {}
     for precision in ("fp32", "tf32", "bf16"):
-        t = InnerTrainer(cfg, data, settings=InnerSettings(lr=1e-3, warmup_steps=2, batch_size=8, precision=precision),
+        t = InnerTrainer(cfg, data, settings=_inner(lr=1e-3, warmup_steps=2, batch_size=8, precision=precision),
                          shard_index=0, num_shards=1, seed=0, device=device)
         losses[precision] = [t.step().loss for _ in range(steps)]
         assert all(p.dtype == torch.float32 for p in t.params.values()), "weights stay fp32"
@@ -153,7 +161,7 @@ def precision_long(device: str, steps: int = 3000) -> dict:
     rows = {}
     for label, precision, bf16_head in (("fp32", "fp32", False), ("bf16", "bf16", False),
                                         ("bf16, bf16 head", "bf16", True)):
-        t = InnerTrainer(cfg, corpus.train, settings=InnerSettings(lr=3e-3, warmup_steps=20, batch_size=16,
+        t = InnerTrainer(cfg, corpus.train, settings=_inner(lr=3e-3, warmup_steps=20, batch_size=16,
                                                                    precision=precision),
                          shard_index=0, num_shards=1, seed=0, device=device)
         if bf16_head:
@@ -240,7 +248,7 @@ def nccl_two_workers() -> dict:
 
 def _time_steps(preset: str, device: str, steps: int, warmup: int, precision: str = "fp32") -> float:
     cfg = model_config(preset)
-    t = InnerTrainer(cfg, _data(), settings=InnerSettings(batch_size=16, precision=precision), shard_index=0,
+    t = InnerTrainer(cfg, _data(), settings=_inner(batch_size=16, precision=precision), shard_index=0,
                      num_shards=1, seed=0, device=device)
     for _ in range(warmup):
         t.step()

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Runnable from a checkout without `pip install -e .`: the driver imports the project from here, and the
 # Ray workers a local ray.init starts inherit PYTHONPATH.
@@ -53,12 +53,13 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from islands.data import ShardSampler, load_stdlib_corpus  # noqa: E402
-from islands.island import IslandSpec  # noqa: E402
 from islands.model import ModelConfig, build_model, model_config  # noqa: E402
 from islands.trainer import InnerSettings  # noqa: E402
 from orchestrator.actors.remote import WORKER_ENV, IslandActor, OuterOptimizerActor  # noqa: E402
 from orchestrator.core.checkpoint import CheckpointStore  # noqa: E402
-from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings  # noqa: E402
+from orchestrator.config import build_config  # noqa: E402
+from orchestrator.core.outer_optimizer import OuterOptimizer  # noqa: E402
+from orchestrator.settings import inner_settings, island_specs, outer_settings  # noqa: E402
 from policies.fragments import plan_fragments  # noqa: E402
 
 TARGET_RATIO = 0.95
@@ -214,7 +215,8 @@ def island_side(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Varia
     model = build_model(cfg, seed=args.seed)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], variant.num_fragments)
-    settings = OuterSettings(compression=variant.compression)  # K = 1: min_quorum 1, one island
+    # The built-in config's outer settings (K = 1: min_quorum 1, one island) in this variant's wire format.
+    settings = replace(outer_settings(build_config({})), compression=variant.compression)
     # As the driver does: checkpoint 0 holds the initial global state the outer optimizer starts from.
     ckpt_dir = tempfile.mkdtemp(prefix="island-overhead-ckpt-")
     cleanup.append(ckpt_dir)
@@ -223,9 +225,9 @@ def island_side(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Varia
     outer = OuterOptimizerActor.options(num_cpus=0).remote(plan, settings, model.embedding_parameter_names(),
                                                            ckpt_dir, args.checkpoint_every_s, 3)
     actors.append(outer)
-    spec = IslandSpec(island=0, incarnation=1, pool="bench", num_islands=1, model_config=cfg, plan=plan,
-                      inner=inner, sync_every_steps=args.sync_every_steps, compression=variant.compression,
-                      seed=args.seed)
+    spec = replace(island_specs(build_config({}), cfg, plan)[0], island=0, incarnation=1, pool="bench", num_islands=1,
+                   inner=inner, sync_every_steps=args.sync_every_steps, compression=variant.compression,
+                   seed=args.seed, adoption="overwrite")  # overwrite: what this benchmark has always measured
     latest = ray.get(outer.latest.remote())
     island = IslandActor.options(num_cpus=1).remote(spec, [data_ref], latest, 0)
     actors.append(island)
@@ -427,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = datetime.datetime.now(datetime.timezone.utc)
     cfg = model_config(args.preset)
-    inner = InnerSettings(batch_size=args.batch_size, torch_threads=args.torch_threads)
+    inner = replace(inner_settings(build_config({})), batch_size=args.batch_size, torch_threads=args.torch_threads)
     corpus = load_stdlib_corpus(max_bytes=args.max_bytes)
     print(f"machine: {machine()}")
     print(f"date: {started.isoformat(timespec='seconds')}, load average at start: {os.getloadavg()}")

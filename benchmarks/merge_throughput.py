@@ -30,6 +30,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ctypes
 import datetime
 import gc
@@ -52,7 +53,9 @@ import torch  # noqa: E402
 
 from islands.messages import Submission  # noqa: E402
 from islands.model import ModelConfig, build_model, model_config  # noqa: E402
+from orchestrator.config import build_config  # noqa: E402
 from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings  # noqa: E402
+from orchestrator.settings import outer_settings  # noqa: E402
 from policies.compression import compress  # noqa: E402
 from policies.fragments import plan_fragments  # noqa: E402
 
@@ -277,7 +280,8 @@ def build_subject(args: argparse.Namespace, model: Model) -> Subject:
 def measure_round(args: argparse.Namespace, sub: Subject, scheme: str, P: int, K: int, wire: int,
                   subs_all: list[list[Submission]]) -> dict:
     """One row: `--repeats` merges and plain copies of K submissions (order alternating), then the peak RSS."""
-    settings = OuterSettings(min_quorum=K, compression=scheme)  # closes when all K are in
+    settings = dataclasses.replace(outer_settings(build_config({})), min_quorum=K,
+                                   compression=scheme)  # closes when all K are in
     merged_bytes = K * sub.model.model_bytes
     reps = []
     for r in range(args.repeats):

@@ -42,7 +42,7 @@ from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: p
 from islands.trainer import InnerTrainer
 from policies.adoption import parse_adoption
 from policies.quorum import MovingAverage
-from policies.sync_schedule import check_sync_schedule, sync_every_at
+from policies.sync_schedule import check_sync_every, sync_every_at
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +58,6 @@ def _check_spec(spec: IslandSpec, group: WorkerGroup | None) -> None:
                          f"{group.world_size if group else 1}; build a WorkerGroup of world_size=workers (rank 0)")
     if group is not None and group.rank != 0:
         raise ValueError(f"a LearnerIsland is rank 0 of its group, got rank {group.rank}; use IslandFollower")
-
-
-def _check_schedule(spec: IslandSpec) -> None:
-    """Every H (the fixed one and the schedule's) must be a multiple of P: a cut is every H/P steps."""
-    P = spec.plan.num_fragments
-    if spec.sync_every_steps % P:
-        raise ValueError(f"sync_every_steps={spec.sync_every_steps} must be a multiple of num_fragments={P}")
-    check_sync_schedule(spec.sync_every_schedule, P)
 
 
 def _build_trainer(spec: IslandSpec, train: Any, *, cursor: int, group: WorkerGroup | None,
@@ -104,7 +96,7 @@ class LearnerIsland:
         device = island_device(spec.accelerator)
         self._device_name = describe_device(device)
         adoption = parse_adoption(spec.adoption)
-        _check_schedule(spec)
+        check_sync_every(spec.sync_every_steps, spec.sync_every_schedule, spec.plan.num_fragments)
         train = resolve(data[0]) if isinstance(data, list) else data
         self.trainer = _build_trainer(spec, train, cursor=cursor, group=group, device=device)
         self.fragments = FragmentState.of([[self.trainer.params[n] for n in frag] for frag in spec.plan.fragments])

@@ -79,26 +79,34 @@ def model_config(preset: str, **overrides: int) -> ModelConfig:
 
 @dataclass(frozen=True)
 class InnerSettings:
-    """Inner optimizer and pacing of one island, as plain values (unpacked from the run config)."""
+    """Inner optimizer and pacing of one island, as plain values.
 
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.99
-    warmup_steps: int = 20
-    lr_schedule: str = "constant"  # policies.lr_schedule.LR_SCHEDULES; decay follows the run's global progress
-    lr_final_ratio: float = 0.1  # cosine: the rate at the token budget, as a fraction of lr
-    grad_clip: float | None = 1.0
-    torch_threads: int = 1  # applied to the whole process by the island's actor shell, not here
-    precision: str = "fp32"  # fp32 | tf32 (GPU matmuls) | bf16 (autocast forward); weights and AdamW stay fp32
-    batch_size: int = 16
-    emulated_slowdown: float = 1.0  # EMULATION: stretch each step to this multiple of its compute time
-    emulated_jitter: float = 0.0  # EMULATION: uniform +- fraction on the stretch
+    No defaults: every field is declared once, in the config (`inner:`, `data.batch_size` and the pool's
+    emulation), and orchestrator.settings.inner_settings builds this from it.
+    """
+
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    warmup_steps: int
+    lr_schedule: str  # policies.lr_schedule.LR_SCHEDULES; decay follows the run's global progress
+    lr_final_ratio: float  # cosine: the rate at the token budget, as a fraction of lr
+    grad_clip: float | None
+    torch_threads: int  # applied to the whole process by the island's actor shell, not here
+    precision: str  # fp32 | tf32 (GPU matmuls) | bf16 (autocast forward); weights and AdamW stay fp32
+    batch_size: int
+    emulated_slowdown: float  # EMULATION: stretch each step to this multiple of its compute time
+    emulated_jitter: float  # EMULATION: uniform +- fraction on the stretch
 
 
 @dataclass(frozen=True)
 class IslandSpec:
-    """Everything that defines one island slot and incarnation, as plain values."""
+    """Everything that defines one island slot and incarnation, as plain values.
+
+    No defaults: the settings come from the config (orchestrator.settings.island_specs builds every
+    slot's spec), the rest (slot, incarnation, keeper) from the run.
+    """
 
     island: int
     incarnation: int
@@ -108,18 +116,18 @@ class IslandSpec:
     plan: FragmentPlan
     inner: InnerSettings
     sync_every_steps: int  # H
-    sync_every_schedule: tuple[tuple[float, int], ...] = ()  # (until progress, H) pairs before H (policies/sync_schedule.py)
-    adoption: str = "overwrite"
-    compression: str = "none"
-    compression_block_size: int = 256
-    topk_density: float = 1 / 64  # fraction of each chunk a topk outer gradient keeps
-    feedback_decay: float = 1.0  # int2, sign, topk: decay of the error-feedback accumulator (policies/error_feedback.py)
-    wait_for_round: bool = False  # synchronous DiLoCo: block until every in-flight submission resolves
-    seed: int = 0
-    workers: int = 1  # data-parallel workers in this island (rank 0 is this LearnerIsland)
-    accelerator: str = "cpu"  # 'cpu' trains on CPU with gloo; anything else on the worker's GPU with NCCL
-    salvage_every_steps: int = 0  # leave unsubmitted progress with the keeper every n steps (0: never)
-    keeper: tuple[str, str] | None = None  # (namespace, actor name) of the pool's progress keeper
+    sync_every_schedule: tuple[tuple[float, int], ...]  # (until progress, H) pairs before H (policies/sync_schedule.py)
+    adoption: str
+    compression: str
+    compression_block_size: int
+    topk_density: float  # fraction of each chunk a topk outer gradient keeps
+    feedback_decay: float  # int2, sign, topk: decay of the error-feedback accumulator (policies/error_feedback.py)
+    wait_for_round: bool  # synchronous DiLoCo: block until every in-flight submission resolves
+    seed: int
+    workers: int  # data-parallel workers in this island (rank 0 is this LearnerIsland)
+    accelerator: str  # 'cpu' trains on CPU with gloo; anything else on the worker's GPU with NCCL
+    salvage_every_steps: int  # leave unsubmitted progress with the keeper every n steps (0: never)
+    keeper: tuple[str, str] | None  # (namespace, actor name) of the pool's progress keeper; None: no keeper
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from islands.spec import ModelConfig, model_config
 from policies.network import SCENARIOS as NETWORK_SCENARIOS
-from policies.sync_schedule import check_schedule_pairs, check_sync_schedule
+from policies.sync_schedule import check_schedule_pairs, check_sync_every
 
 # The merge, adoption and compression policies do tensor math: their names are checked by importing
 # them inside the validators, so that importing this module (the CLI, the health monitor's process)
@@ -225,12 +225,7 @@ class OuterSection(_Section):
     @model_validator(mode="after")
     def _fragments_divide_h(self) -> "OuterSection":
         # Fragments are submitted round-robin every H/P steps, so P must divide H (as torchft checks).
-        if self.sync_every_steps % self.num_fragments:
-            raise ValueError(
-                f"sync_every_steps (H={self.sync_every_steps}) must be a multiple of num_fragments "
-                f"(P={self.num_fragments}); pick H = {self.num_fragments * max(1, self.sync_every_steps // self.num_fragments)}"
-            )
-        check_sync_schedule(self.sync_every_schedule, self.num_fragments)
+        check_sync_every(self.sync_every_steps, self.sync_every_schedule, self.num_fragments)
         return self
 
     def effective_tau_steps(self) -> float:

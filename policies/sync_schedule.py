@@ -8,7 +8,8 @@ moves the parameters fastest, so that is where long stretches between syncs let 
 furthest apart, while most of the bytes of a long run are spent later. The bytes per token of a run
 are the token-weighted mean of ``1 / H`` over its phases (docs/network.md).
 
-Pure functions: the config validates with :func:`check_sync_schedule`, islands pick their cut
+Pure functions: the config and each island validate H and the schedule with :func:`check_sync_every`
+(P | H is checked in :func:`check_fragments_divide_h`, and only there), islands pick their cut
 interval and the outer optimizer its grace tau with :func:`sync_every_at`.
 """
 
@@ -17,7 +18,37 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["check_schedule_pairs", "check_sync_schedule", "sync_every_at", "mean_inverse_h"]
+__all__ = [
+    "check_fragments_divide_h",
+    "check_schedule_pairs",
+    "check_sync_every",
+    "check_sync_schedule",
+    "mean_inverse_h",
+    "sync_every_at",
+]
+
+
+def check_fragments_divide_h(h: int, num_fragments: int, *, where: str | None = None) -> None:
+    """Raise ValueError, in one line, unless P = `num_fragments` divides H = `h`.
+
+    Fragments are cut round-robin every H/P steps, so P must divide H (as torchft checks). `where` names
+    a schedule entry (e.g. ``sync_every_schedule[0]``); None means ``sync_every_steps``. The message
+    suggests the nearest H below that P divides (P itself when H < P)."""
+    if not h % num_fragments:
+        return
+    pick = num_fragments * max(1, h // num_fragments)
+    if where is None:
+        raise ValueError(f"sync_every_steps (H={h}) must be a multiple of num_fragments (P={num_fragments}); "
+                         f"pick H = {pick}")
+    raise ValueError(f"{where} has H = {h}, not a multiple of num_fragments (P={num_fragments}); pick H = {pick}")
+
+
+def check_sync_every(sync_every_steps: int, schedule: Sequence[tuple[float, int]], num_fragments: int) -> None:
+    """Raise ValueError, in one line, unless H = `sync_every_steps` and `schedule` suit P = `num_fragments`.
+
+    The one check of H and P that the config and every island run."""
+    check_fragments_divide_h(sync_every_steps, num_fragments)
+    check_sync_schedule(schedule, num_fragments)
 
 
 def check_schedule_pairs(schedule: object) -> None:
@@ -44,9 +75,7 @@ def check_sync_schedule(schedule: Sequence[tuple[float, int]], num_fragments: in
                              f"and above the one before ({prev:g})")
         if isinstance(h, bool) or not isinstance(h, int) or h < 1:
             raise ValueError(f"sync_every_schedule[{i}] has H = {h!r}; H must be an integer >= 1")
-        if h % num_fragments:
-            raise ValueError(f"sync_every_schedule[{i}] has H = {h}, not a multiple of num_fragments "
-                             f"(P={num_fragments}); pick H = {num_fragments * max(1, h // num_fragments)}")
+        check_fragments_divide_h(h, num_fragments, where=f"sync_every_schedule[{i}]")
         prev = float(until)
 
 

@@ -39,7 +39,7 @@ class PublishedFragments:
     def __init__(self, settings: OuterSettings, fragments: list[list[torch.Tensor]], versions: list[int]) -> None:
         # What each island holds of each fragment, when versions go down as differences (outer.downlink_delta);
         # its `whole` is the format of every whole fragment that goes down.
-        self.copies = DownlinkCopies(settings.downlink, settings.downlink_delta, block_size=settings.block_size,
+        self.copies = DownlinkCopies(settings.downlink, settings.downlink_delta, block_size=settings.compression_block_size,
                                      density=settings.topk_density)
         wire = [self.copies.whole(frag) for frag in fragments]
         # The latest published version of every fragment, in its wire format: one ray.put each, handed out as [ref].

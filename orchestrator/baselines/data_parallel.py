@@ -421,7 +421,7 @@ def _loop_config(cfg: RunConfig, plan: _Plan, corpus: Any, *, wire: str, queue: 
     """Ray Train's train_loop_config: the settings every worker reads (the corpus as object refs)."""
     import ray
 
-    from orchestrator.run.driver import inner_settings
+    from orchestrator.settings import inner_settings
 
     return {"settings": _WorkerSettings(
         slots=plan.slots, model_config=plan.model_cfg, inner=inner_settings(cfg), seed=cfg.run.seed,

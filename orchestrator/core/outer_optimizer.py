@@ -23,6 +23,7 @@ import torch
 
 from islands.messages import Submission
 from orchestrator.core.checkpoint import PARAM_PREFIX
+from orchestrator.core.settings import OuterSettings  # re-exported: the outer optimizer's settings
 from orchestrator.core.round_merge import merge_round
 from orchestrator.core.rounds import OpenRound, Refusal, RoundRecord, RoundResult
 from orchestrator.core.served_average import ServedAverage
@@ -37,33 +38,6 @@ from policies.sync_schedule import sync_every_at
 __all__ = ["OuterOptimizer", "OuterSettings", "Refusal", "RoundRecord", "RoundResult"]
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class OuterSettings:
-    """Outer-optimizer hyperparameters as plain values (unpacked from RunConfig.outer)."""
-
-    min_quorum: int = 1
-    grace_gamma: float = 0.5
-    grace_cap_s: float = 2.0
-    tau_steps: float = 20.0
-    tau_schedule: tuple[tuple[float, float], ...] = ()  # (until progress, tau) pairs; tau_steps after the last
-    weighting: str = "tokens"
-    staleness_discount: float = 0.0
-    merge_rule: str = "rda"
-    lr: float = 0.7
-    momentum: float = 0.9
-    partial_momentum: float | None = 0.7  # momentum of the clock rule's partial rounds; None = momentum
-    max_staleness: int = 4
-    compression: str = "none"
-    step_scale: str = "clock"
-    rda_across_rounds: bool = True  # lengthen partial rounds' outer gradients as RDA would over a full round
-    downlink: str = "none"  # wire format of published fragments (the actor shell applies it)
-    downlink_delta: str | None = None  # format of later versions as differences from an island's copy, or None
-    publish_to: str = "all"  # all | participants: which islands a new version goes to (the actor shell sends it)
-    block_size: int = 256  # elements per quantization scale block, both directions
-    topk_density: float = 1 / 64  # fraction of each chunk a topk difference keeps (downlink_delta topk)
-    average_window: float | None = None  # served model: moving average over this fraction of merged tokens (None = raw)
-
 
 class OuterOptimizer:
     """Global parameters, outer momentum, versions, version ring, pending rounds and token ledger."""

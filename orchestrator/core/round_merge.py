@@ -17,7 +17,7 @@ from policies.outer_optimizer import FragmentOuterOptimizer, is_clock_rule, roun
 from policies.weighting import merge_weights
 
 if TYPE_CHECKING:
-    from orchestrator.core.outer_optimizer import OuterSettings
+    from orchestrator.core.settings import OuterSettings
 
 @dataclass(frozen=True)
 class MergedRound:

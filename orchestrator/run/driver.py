@@ -17,7 +17,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,30 +25,58 @@ import ray
 import torch
 import yaml
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from islands.data import Corpus, load_parquet_corpus, load_stdlib_corpus, unigram_bits_per_byte
-from islands.island import IslandSpec
+from islands.data import (
+    Corpus,
+    load_parquet_corpus,
+    load_stdlib_corpus,
+    unigram_bits_per_byte,
+)
 from islands.model import build_model
-from islands.trainer import InnerSettings, InnerTrainer
+from islands.trainer import InnerTrainer
+from orchestrator.actors.remote import (
+    NAMESPACE,
+    WORKER_ENV,
+    OuterOptimizerActor,
+    ignore_zero_copy_warnings,
+)
+from orchestrator.config import ConfigError, RunConfig, build_config
 from orchestrator.core.accounting import run_goodput, token_fates
-from orchestrator.actors.remote import (NAMESPACE, WORKER_ENV, ChaosInjectorActor, HealthMonitorActor, IslandActor,
-                                 IslandWorkerActor, OuterOptimizerActor, ProgressKeeperActor, ignore_zero_copy_warnings)
-from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
-from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config, resume_conflict
 from orchestrator.core.evaluation import Evaluator
 from orchestrator.core.eventlog import EventLog
-from orchestrator.actors.keeper import keeper_name
-from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorTimeouts, RunAddress
 from orchestrator.run.metrics import RunMetrics
-from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
-from orchestrator.actors.placement import remove_run_groups
-from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
+from orchestrator.run.results import emulation_note, record_stop_events, run_summary
+from orchestrator.run.setup import (
+    here,
+    kill_run_actors,
+    prepare_run_dir,
+    save_checkpoint_zero,
+    start_injector,
+    start_monitor,
+)
+from orchestrator.settings import inner_settings, island_specs, outer_settings
 from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
 from policies.network import NetworkModel, build_network
-from policies.restart import RestartBudget
 from policies.stopping import target_reached
+
+# Re-exported: callers import these from the driver (the CLI, benchmarks, tests).
+__all__ = [
+    "Progress",
+    "Run",
+    "build_run_network",
+    "check_local_fit",
+    "emulation_note",
+    "ensure_ray",
+    "kill_run_actors",
+    "load_corpus",
+    "measure_step_s",
+    "resume_config",
+    "step_concurrency",
+    "step_device",
+    "train",
+    "with_measured_step",
+]
 
 log = logging.getLogger(__name__)
 _TRANSIENT = (RayActorError, RayTaskError, GetTimeoutError)
@@ -80,58 +108,6 @@ def load_corpus(cfg: RunConfig) -> Corpus:
                                   shuffle_documents=d.shuffle_documents)
     return load_parquet_corpus(d.path, text_column=d.text_column, token_column=d.token_column,
                                heldout_fraction=d.heldout_fraction, shuffle_documents=d.shuffle_documents)
-
-
-def outer_settings(cfg: RunConfig) -> OuterSettings:
-    """Unpack the config's outer section into the plain values the outer optimizer takes."""
-    o = cfg.outer
-    return OuterSettings(
-        min_quorum=cfg.min_quorum_count(), grace_gamma=o.grace_gamma, grace_cap_s=o.grace_cap_s,
-        tau_steps=o.effective_tau_steps(), tau_schedule=o.tau_schedule(), weighting=o.weighting, staleness_discount=o.staleness_discount,
-        merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum, partial_momentum=o.partial_momentum, max_staleness=o.max_staleness,
-        compression=o.compression, step_scale=o.step_scale, rda_across_rounds=o.rda_across_rounds, downlink=o.downlink, downlink_delta=o.downlink_delta, block_size=o.compression_block_size,
-        topk_density=o.topk_density, publish_to=o.publish_to, average_window=cfg.run.average_window,
-    )
-
-
-def inner_settings(cfg: RunConfig, pool: PoolConfig | None = None) -> InnerSettings:
-    """The inner AdamW settings of the config, with `pool`'s precision override and speed emulation (none without a pool)."""
-    i = cfg.inner
-    return InnerSettings(
-        lr=i.lr, weight_decay=i.weight_decay, beta1=i.beta1, beta2=i.beta2, warmup_steps=i.warmup_steps,
-        lr_schedule=i.lr_schedule, lr_final_ratio=i.lr_final_ratio, grad_clip=i.grad_clip, torch_threads=i.torch_threads, batch_size=cfg.data.batch_size,
-        precision=cfg.precision_of(pool) if pool else i.precision,
-        **({"emulated_slowdown": pool.emulated_slowdown, "emulated_jitter": pool.emulated_jitter} if pool else {}),
-    )
-
-
-def island_specs(cfg: RunConfig, model_cfg, plan, run_id: str | None = None) -> list[IslandSpec]:
-    """Incarnation-1 specs of every island slot, pools in config order (with `run_id`, each names its
-    pool's progress keeper when `health.salvage_every_steps` > 0)."""
-    specs, island, total = [], 0, cfg.num_islands
-    for pool in cfg.pools:
-        inner = inner_settings(cfg, pool)
-        for _ in range(pool.islands):
-            specs.append(IslandSpec(
-                island=island, incarnation=1, pool=pool.name, num_islands=total, model_config=model_cfg, plan=plan,
-                inner=inner, sync_every_steps=cfg.outer.sync_every_steps,
-                sync_every_schedule=tuple(tuple(e) for e in cfg.outer.sync_every_schedule), adoption=cfg.outer.adoption,
-                compression=cfg.outer.compression, compression_block_size=cfg.outer.compression_block_size,
-                topk_density=cfg.outer.topk_density, feedback_decay=cfg.outer.feedback_decay,
-                wait_for_round=cfg.outer.wait_for_round, seed=cfg.run.seed,
-                workers=pool.workers_per_island, accelerator=pool.accelerator,
-                salvage_every_steps=cfg.health.salvage_every_steps,
-                keeper=(NAMESPACE, keeper_name(run_id, pool.name)) if run_id and cfg.health.salvage_every_steps else None,
-            ))
-            island += 1
-    return specs
-
-
-def emulation_note(cfg: RunConfig) -> str | None:
-    """The line every report carries when pool speeds are emulated by throttling."""
-    parts = [f"{p.name} x{p.emulated_slowdown:g}" + (f" ±{p.emulated_jitter:.0%}" if p.emulated_jitter else "")
-             for p in cfg.pools if p.emulated]
-    return f"EMULATION: pool speeds emulated by throttling on one machine ({', '.join(parts)})" if parts else None
 
 
 def step_concurrency(cfg: RunConfig, *, gpu: bool = False) -> int:
@@ -263,19 +239,6 @@ def check_local_fit(cfg: RunConfig) -> None:
         raise ConfigError(problems[0] + more)
 
 
-def kill_run_actors(run_id: str) -> int:
-    """Kill every named actor and placement group of a run (islands are detached: they would outlive a dead driver)."""
-    n = 0
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry.get("namespace") == NAMESPACE and run_id in entry["name"]:
-            try:
-                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
-                n += 1
-            except ValueError:
-                pass  # already gone
-    return n + remove_run_groups(run_id)
-
-
 class Run:
     """One driver session of a training run, from placement to summary. `train()` is the entry point."""
 
@@ -307,23 +270,36 @@ class Run:
     # ------------------------------------------------------------------ setup
 
     def _setup(self) -> None:
+        """Start the session: run directory, model and network, checkpoint 0, then the outer optimizer, the
+        health monitor (which starts the islands) and the chaos injector, in the order that keeps start-up short."""
         cfg = self.cfg
-        meta_path = self.run_dir / "run.json"
-        previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
-        ckpt_uri = run_checkpoint_uri(cfg.checkpoint.uri, self.run_dir)
-        if not self.resume and CheckpointStore(ckpt_uri).list():
-            raise ConfigError(f"{self.run_dir} already holds checkpoints; continue it with --resume or pick a new --run-dir")
-        if self.resume:  # before anything is touched: a refused resume leaves the run directory as it was
-            saved = self.run_dir / "config.yaml"
-            conflict = resume_conflict(build_config(yaml.safe_load(saved.read_text())), cfg) if saved.is_file() else None
-            if conflict:
-                raise ConfigError(conflict)
-        if self.resume and previous:
-            killed = kill_run_actors(previous["run_id"])
-            log.warning("resuming run %s (killed %d leftover actors)", previous["run_id"], killed)
-        sessions = (previous or {}).get("sessions", []) + [{"run_id": self.run_id, "started": time.time()}]
-        meta_path.write_text(json.dumps({"run_id": self.run_id, "sessions": sessions}, indent=2))
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        ckpt_uri = prepare_run_dir(cfg, self.run_dir, self.run_id, resume=self.resume)
+        initial, embedding_names, island_regions = self._build_world()
+        if not self.resume:
+            save_checkpoint_zero(cfg, initial, self.plan, ckpt_uri)
+        self.outer_name = f"outer-{self.run_id}"
+        self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0,
+                                                 scheduling_strategy=here()).remote(
+            self.plan, outer_settings(cfg), embedding_names,
+            ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep, network=self.network, island_regions=island_regions)
+        last_inc = self._restore()
+        specs = [s if s.island not in last_inc else replace(s, incarnation=last_inc[s.island] + 1)
+                 for s in island_specs(cfg, self.model_cfg, self.plan, self.run_id)]
+        self.first_inc = {s.island: s.incarnation for s in specs}
+        self.data_ref = ray.put(self.corpus.train)
+        self.monitor_name, self.monitor = start_monitor(cfg, self.run_id, specs, self.outer_name)
+        self._start_islands(initial)
+        # Goodput's clock starts when every island of the first placement trains (startup is the same
+        # for every method and is reported apart in driver.log); the chaos tape counts from here too.
+        self.run_start = time.time()
+        if len(self.tape):
+            self.injector = start_injector(self.tape, self.run_id, self.monitor_name, self.run_start,
+                                           cfg.run.call_timeout_s)
+
+    def _build_world(self) -> tuple[dict[str, torch.Tensor], frozenset[str], dict[int, str]]:
+        """Corpus, model shape, fragment plan, network, evaluator and chaos tape of the run: (the initial
+        parameters, the embedding parameters' names, island -> region)."""
+        cfg = self.cfg
         self.corpus = load_corpus(cfg)
         self.model_cfg = cfg.model.shape()
         model = build_model(self.model_cfg, seed=cfg.run.seed)
@@ -339,20 +315,12 @@ class Run:
         log.info("corpus: %s; model %s (%d params); %d fragments; unigram %.3f bits/byte; %d faults on the tape",
                  self.corpus.source, cfg.model.preset, sum(t.numel() for t in initial.values()),
                  self.plan.num_fragments, self.unigram_bpb, len(self.tape))
-        if not self.resume:  # checkpoint 0: the initial global parameters, the outer optimizer's first state
-            seed = OuterOptimizer(initial, self.plan, settings=outer_settings(cfg))
-            tensors, meta = seed.state_dict()
-            CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
-        # The control plane lives beside the driver (the head node on a cluster): losing a worker node must
-        # never take it along. Hard affinity: soft affinity does not pin zero-CPU actors (measured on 2.60).
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.outer_name = f"outer-{self.run_id}"
-        self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0,
-                                                 scheduling_strategy=here).remote(
-            self.plan, outer_settings(cfg), model.embedding_parameter_names(),
-            ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep, network=self.network, island_regions=island_regions)
+        return initial, model.embedding_parameter_names(), island_regions
+
+    def _restore(self) -> dict[int, int]:
+        """A resumed run's starting point from the restored outer optimizer (token count, ledger baseline) and
+        each island's last incarnation, which new incarnations continue above; a fresh run's: nothing."""
         if self.resume:
-            # New incarnations continue above every incarnation the restored outer optimizer has heard of.
             extra = self._get(self.outer.restored_extra.remote(), timeout=self._start_timeout_s())  # starts, restores
             acct = self._get(self.outer.accounting.remote())
             self.baseline = self._get(self.outer.status.remote())["ledger"]
@@ -364,26 +332,10 @@ class Run:
             # islands) starts while the outer's process is still importing, not after it (~5 s per run).
             extra, last_inc, self.baseline = {}, {}, None
         self.tokens_before = int(extra.get("tokens_processed", 0))
-        specs = [s if s.island not in last_inc else replace(s, incarnation=last_inc[s.island] + 1)
-                 for s in island_specs(cfg, self.model_cfg, self.plan, self.run_id)]
-        self.first_inc = {s.island: s.incarnation for s in specs}
-        self.data_ref = ray.put(self.corpus.train)
-        h = cfg.health
-        self.monitor_name = f"monitor-{self.run_id}"
-        self.monitor = HealthMonitorActor.options(name=self.monitor_name, namespace=NAMESPACE, num_cpus=0,
-                                                  scheduling_strategy=here, runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote(
-            run=RunAddress(run_id=self.run_id, namespace=NAMESPACE, outer_name=self.outer_name),
-            pools=cfg.pools, specs=specs,
-            actors=ActorClasses(island=IslandActor, worker=IslandWorkerActor, keeper=ProgressKeeperActor,
-                                island_runtime_env=dict(ray.get_runtime_context().runtime_env)),
-            timeouts=MonitorTimeouts(placement_s=cfg.run.placement_timeout_s, call_s=cfg.run.call_timeout_s,
-                                     tick_s=h.tick_s),
-            health=HealthThresholds(factor=h.hang_factor, floor_s=h.hang_floor_s, startup_s=h.startup_s,
-                                    unreachable_s=h.unreachable_s),
-            restart=RestartBudget(base_s=h.backoff_base_s, cap_s=h.backoff_cap_s, reset_after_s=h.reset_after_s,
-                                  max_restarts=h.max_restarts, reset_on_submission=h.reset_on_submission),
-            warm_spares=h.warm_spares,
-        )
+        return last_inc
+
+    def _start_islands(self, initial: dict[str, torch.Tensor]) -> None:
+        """Have the monitor start the islands, evaluate the starting point meanwhile, and wait for both."""
         started = self.monitor.ensure_started.remote(fresh=not self.resume, data=[self.data_ref])
         if not self.resume:  # (a resumed run asked it for its metadata above)
             # The outer optimizer is up (or says why not) while islands start. A process start, not a
@@ -402,16 +354,6 @@ class Run:
         except RayTaskError as err:
             cause = str(err).strip().splitlines()[-1]
             raise RuntimeError(f"islands failed to start: {cause}") from None
-        # Goodput's clock starts when every island of the first placement trains (startup is the same
-        # for every method and is reported apart in driver.log); the chaos tape counts from here too.
-        self.run_start = time.time()
-        if len(self.tape):
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-            self.injector = ChaosInjectorActor.options(name=f"chaos-{self.run_id}", namespace=NAMESPACE, num_cpus=0,
-                                                       scheduling_strategy=here, runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote(
-                self.tape, namespace=NAMESPACE, monitor_name=self.monitor_name, run_start=self.run_start,
-                protected_node=ray.get_runtime_context().get_node_id())
-            self._get(self.injector.start.remote())
 
     def _start_timeout_s(self) -> float:
         """How long a process start may take (the outer optimizer's, the first islands'): placement's bound."""
@@ -536,6 +478,7 @@ class Run:
         return next_eval, next_flush, False
 
     def _finish(self, t0: float) -> dict:
+        """Stop the islands, flush and stop the outer optimizer, record the outcome, write summary.json."""
         flush = self.cfg.run.final_flush
         stop_began = time.time()  # uptime's clock ends here: from now on versions are held on purpose
         if flush:  # no round closes between the islands' last cuts and the final merge
@@ -574,93 +517,19 @@ class Run:
                            stop_began=stop_began)
         self.metrics.record_status(status, self.snapshot, tokens_processed=self._tokens())
         self.metrics.record_goodput(good["goodput"], good["uptime"])
-        self.events.add("islands", [{**asdict(s), "alive_at_stop": s in live} for s in live + dead])
-        self.events.add("timeline", [{"at": t, "island": i, "incarnation": inc, "state": st}
-                                     for t, i, inc, st in self.snapshot["timeline"]])
-        self.events.add("faults", faults)
-        self.events.add("detections", self.snapshot.get("detections", []))
-        self.events.add("salvages", [{"island": s["island"], "incarnation": s["incarnation"], "step": s.get("step"),
-                                      "tokens": list(s.get("tokens") or []), "seqs": list(s.get("seqs") or []),
-                                      "skipped": json.dumps(s.get("skipped") or {}), "keeper_error": s.get("keeper_error")}
-                                     for s in self.snapshot.get("salvages", [])])
+        record_stop_events(self.events, self.snapshot, live, dead, faults)
         self.events.flush()
-        summary = self._summary(fates, good, status, final_eval, wall, faults)
+        summary = run_summary(self, tokens=self._tokens(), live=live, dead=dead, fates=fates, good=good, status=status,
+                              final_eval=final_eval, wall=wall, faults=faults)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
-
-    def _summary(self, fates: dict, good: dict, status: dict, final_eval: dict, wall: float, faults: list) -> dict:
-        P = self.plan.num_fragments
-        mean = lambda xs: sum(xs) / P  # noqa: E731 - tokens count once per fragment; report the fragment mean
-        slots = self.snapshot["slots"].values()
-        precision = {p.name: self.cfg.precision_of(p) for p in self.cfg.pools}
-        detect, rejoin = self.snapshot["detect_s"], self.snapshot["rejoin_s"]
-        salvages = self.snapshot.get("salvages", [])
-        live, dead = self._statuses()
-        return {
-            "mode": self.cfg.mode,
-            "emulation": emulation_note(self.cfg),
-            "eval_loss": final_eval["eval_loss"],
-            "eval_loss_before_flush": self.before_flush_loss,  # None without run.final_flush
-            "eval_loss_raw": self.raw_loss,  # the raw global model's; None without run.average_window
-            "eval_bits_per_byte": final_eval["eval_bits_per_byte"],
-            "unigram_bits_per_byte": self.unigram_bpb,
-            "tokens_processed": self._tokens(),
-            "tokens_merged": mean(fates["merged"]),
-            "tokens_refused": mean(fates["refused"]),
-            "tokens_lost": mean(fates["lost"]),
-            "tokens_in_flight": mean(fates["in_flight"]),
-            "tokens_overwritten": mean(fates["overwritten"]),  # replaced by an overwrite adoption before a cut
-            "token_ledger": fates,
-            "goodput": good["goodput"],
-            "uptime": good["uptime"],  # from the first version advance (policies/goodput.py)
-            "fill_s": good["fill_s"],  # run start to the first version advance: the pipeline fill
-            "time_by_state_s": good["time_by_state_s"],
-            "useful_s": good["useful_s"],
-            "allocated_s": good["allocated_s"],
-            "failures": sum(s["failures"] for s in slots),
-            "restarts": sum(s["restarts"] for s in slots),
-            "faults_injected": sum(1 for f in faults if f["outcome"] == "fired"),
-            "mean_time_to_detect_s": sum(detect) / len(detect) if detect else None,
-            "mean_time_to_rejoin_s": sum(rejoin) / len(rejoin) if rejoin else None,
-            # Progress of dead incarnations merged instead of lost (health.salvage_every_steps), and what the
-            # islands' snapshots for it cost: inner-loop seconds and in-pool bytes (never over the WAN).
-            "salvaged_tokens": sum(mean(s["tokens"]) for s in salvages if s.get("tokens")),
-            "salvages": sum(1 for s in salvages if any(s.get("tokens") or [])),
-            "salvage_snapshot_s": sum(st.shelve_s for st in live + dead),
-            "salvage_snapshot_bytes": sum(st.shelved_bytes for st in live + dead),
-            "keeper_restarts": sum(self.snapshot.get("keeper_restarts", {}).values()),  # keepers that died, replaced
-            "rounds": status["rounds"],
-            "refusals": status["refusals"],
-            "versions": status["versions"],
-            "bytes_up": status["bytes_up"],
-            "bytes_down": status["bytes_down"],
-            "bytes_sent": status["bytes_up"] + status["bytes_down"],
-            "bytes_by_link": status["bytes_by_link"],  # {region: {up, down}} bytes on each region's link to the hub
-            "transfers_by_link": status["transfers_by_link"],  # {region: {up, down}} transfers, as docs/network.md says
-            "network": self.network.describe(),
-            "network_emulated": self.network.emulated,
-            "network_wait_s": status["network_wait_s"],  # delivery delay the emulated links added, per direction
-            "wall_s": wall,
-            "stopped_by": self.stopped_by,  # token_budget | max_wall_s | stop_at_eval_loss | stop request
-            "run_start": self.run_start,  # wall clock (time.time) that goodput, chaos tapes and `at` fields count from
-            "resumed": self.resume,
-            "corpus": self.corpus.source,
-            "islands": [{"island": s["island"], "pool": s["pool"], "node": s["node"], "incarnation": s["incarnation"],
-                         "failures": s["failures"], "restarts": s["restarts"], "state": s["state"],
-                         "device": s["status"].device if s["status"] else None,  # where it trained: cpu, cuda:0 (card)
-                         "precision": precision[s["pool"]],  # its inner steps' arithmetic (pool's, else inner.precision)
-                         "steps": s["status"].steps if s["status"] else 0,
-                         "tokens": (s["status"].tokens if s["status"] else 0) + sum(f.tokens for f in s["finals"])}
-                        for s in slots],
-            "evals": self.eval_points,
-        }
 
     def teardown(self) -> None:
         """Kill the run's actors and placement groups (islands are detached: they would outlive us)."""
         if self.monitor is not None:
             try:
                 self._get(self.monitor.teardown.remote())
-            except Exception as err:  # noqa: BLE001 - fall through to killing by name
+            except Exception as err:
                 log.warning("monitor teardown: %s", err)
         kill_run_actors(self.run_id)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from islands.island import IslandSpec, LearnerIsland
+from islands.island import LearnerIsland
 from islands.messages import FragmentUpdate
-from islands.trainer import InnerSettings
 from orchestrator.core.outer_optimizer import OuterSettings
 from tests.engine.nano import nano_world
+from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
-INNER = InnerSettings(lr=3e-3, warmup_steps=0, batch_size=2)
+INNER = inner_from_config(lr=3e-3, warmup_steps=0, batch_size=2)
 WINDOW = 0.2
 
 
@@ -23,8 +23,8 @@ def train_rounds(settings: OuterSettings, rounds: int = 12):
     w = nano_world(settings)
     islands = []
     for i in range(2):
-        spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
-                          sync_every_steps=4, seed=1)  # P = 2: a cut every 2 steps
+        spec = spec_from_config(island=i, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
+                                sync_every_steps=4, seed=1, adoption="overwrite")  # P = 2: a cut every 2 steps
         islands.append(LearnerIsland(spec, w.data, w.latest))
         w.outer.register(i, 1)
     results = []
@@ -42,7 +42,7 @@ def train_rounds(settings: OuterSettings, rounds: int = 12):
 
 
 def settings(window):
-    return OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, average_window=window)
+    return outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, average_window=window)
 
 
 def test_the_served_model_is_the_token_weighted_moving_average_of_the_versions():

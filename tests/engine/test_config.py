@@ -11,7 +11,8 @@ import yaml
 from islands.data import DataError
 from orchestrator.cli.main import main
 from orchestrator.config import ConfigError, RunConfig, load_config, resume_conflict
-from orchestrator.run.driver import island_specs, load_corpus, outer_settings
+from orchestrator.run.driver import load_corpus
+from orchestrator.settings import island_specs, outer_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 

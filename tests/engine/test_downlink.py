@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from islands.island import IslandSpec, LearnerIsland
+from islands.island import LearnerIsland
 from islands.messages import FragmentUpdate
 from islands.model import build_model, model_config
-from islands.trainer import InnerSettings
 from orchestrator.config import ConfigError, build_config
 from policies.compression import compress
 from policies.fragments import plan_fragments
+from tests.from_config import inner_from_config, spec_from_config
 
 
 def _island(initial_scheme: str):
@@ -29,8 +29,8 @@ def _island(initial_scheme: str):
     def wire(tensors, scheme):
         return tensors if scheme == "none" else [compress(t, scheme, block_size=64) for t in tensors]
 
-    spec = IslandSpec(island=0, incarnation=1, pool="p", num_islands=1, model_config=cfg, plan=plan,
-                      inner=InnerSettings(lr=1e-3, warmup_steps=0, batch_size=2), sync_every_steps=8, seed=2)
+    spec = spec_from_config(island=0, incarnation=1, pool="p", num_islands=1, model_config=cfg, plan=plan,
+                            inner=inner_from_config(lr=1e-3, warmup_steps=0, batch_size=2), sync_every_steps=8, seed=2, adoption="overwrite")
     data = np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint8)
     island = LearnerIsland(spec, data, [FragmentUpdate(p, 0, [wire(f, initial_scheme)]) for p, f in enumerate(frags)])
     return island, frags, wire

@@ -11,23 +11,22 @@ import pickle
 
 import torch
 
-from islands.island import IslandSpec, LearnerIsland
-from islands.trainer import InnerSettings
-from orchestrator.core.outer_optimizer import OuterSettings
+from islands.island import LearnerIsland
 import pytest
 
 from policies.compression import FEEDBACK_SCHEMES, compress, decompress
 from tests.engine.nano import nano_world
+from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
-INNER = InnerSettings(lr=1e-2, warmup_steps=0, batch_size=2)
+INNER = inner_from_config(lr=1e-2, warmup_steps=0, batch_size=2)
 DENSITY = 0.05
 
 
 def setup(every: int = 0, scheme: str = "topk"):
-    w = nano_world(OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, compression=scheme, topk_density=DENSITY))
+    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, compression=scheme, topk_density=DENSITY))
     shelved: list[bytes] = []
-    spec = IslandSpec(island=0, incarnation=1, pool="p", num_islands=1, model_config=w.cfg, plan=w.plan, inner=INNER,
-                      sync_every_steps=4, seed=1, compression=scheme, topk_density=DENSITY, salvage_every_steps=every)
+    spec = spec_from_config(island=0, incarnation=1, pool="p", num_islands=1, model_config=w.cfg, plan=w.plan, inner=INNER,
+                            sync_every_steps=4, seed=1, compression=scheme, topk_density=DENSITY, salvage_every_steps=every, adoption="overwrite")
     island = LearnerIsland(spec, w.data, w.latest, shelve=lambda step, blob: shelved.append(blob))
     w.outer.register(0, 1)
     return w, island, shelved

@@ -7,21 +7,21 @@ from __future__ import annotations
 
 import math
 
-from islands.island import IslandSpec, LearnerIsland
-from islands.trainer import InnerSettings
+from islands.island import LearnerIsland
 from orchestrator.core.outer_optimizer import OuterSettings
 from tests.engine.nano import nano_world
+from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
-INNER = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=2)
+INNER = inner_from_config(lr=1e-3, warmup_steps=0, batch_size=2)
 
 
 def setup(m: int = 2, settings: OuterSettings | None = None):
     # K = all: a round waits for both islands, so a lone submission would wait forever without the flush.
-    w = nano_world(settings or OuterSettings(min_quorum=m, grace_gamma=math.inf, grace_cap_s=math.inf))
+    w = nano_world(settings or outer_from_config(min_quorum=m, grace_gamma=math.inf, grace_cap_s=math.inf))
     islands = []
     for i in range(m):
-        spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=m, model_config=w.cfg, plan=w.plan, inner=INNER,
-                          sync_every_steps=8, seed=1)  # P = 2: a cut every 4 steps
+        spec = spec_from_config(island=i, incarnation=1, pool="p", num_islands=m, model_config=w.cfg, plan=w.plan, inner=INNER,
+                                sync_every_steps=8, seed=1, adoption="overwrite")  # P = 2: a cut every 4 steps
         islands.append(LearnerIsland(spec, w.data, w.latest))
         w.outer.register(i, 1)
     return w.outer, islands
@@ -75,7 +75,7 @@ def test_a_lone_island_round_takes_its_share_of_a_full_step():
     moved = {}
     for rule in ("participation", "clock", "none"):
         outer, (a, _, _) = setup(3)
-        outer.settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, step_scale=rule)
+        outer.settings = outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, step_scale=rule)
         before = outer.fragment(0)
         for _ in range(4):
             a.step()  # the cut of fragment 0 at step 4
@@ -103,7 +103,7 @@ def test_a_lone_island_round_under_the_clock_takes_the_partial_momentum():
 
     moved = {}
     for partial in (None, 0.5):  # None: the full rounds' 0.9 (the default is 0.7)
-        outer, (a, _, _) = setup(3, OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, partial_momentum=partial))
+        outer, (a, _, _) = setup(3, outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, partial_momentum=partial))
         before = outer.fragment(0)
         for _ in range(4):
             a.step()
@@ -124,7 +124,7 @@ def test_the_flush_moves_to_the_islands_weighted_mean_not_an_rda_step():
 
     from policies.downlink import decode_fragment
 
-    outer, (a, b) = setup(2, OuterSettings(min_quorum=2, grace_gamma=math.inf, grace_cap_s=math.inf, merge_rule="rda"))
+    outer, (a, b) = setup(2, outer_from_config(min_quorum=2, grace_gamma=math.inf, grace_cap_s=math.inf, merge_rule="rda"))
     for _ in range(3):
         a.step()
     b.step()  # different progress, different token counts: unequal weights

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from islands.data import ShardSampler
-from islands.island import IslandSpec, LearnerIsland
+from islands.island import LearnerIsland
 from islands.messages import FragmentUpdate
 from islands.model import build_model, model_config
-from islands.trainer import InnerSettings
-from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.core.outer_optimizer import OuterOptimizer
 from policies.fragments import plan_fragments
+from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
 M, H, ROUNDS, SEED = 3, 4, 3, 7
-INNER = InnerSettings(lr=1e-2, weight_decay=0.0, warmup_steps=0, grad_clip=None, batch_size=4)
+INNER = inner_from_config(lr=1e-2, weight_decay=0.0, warmup_steps=0, grad_clip=None, batch_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +38,14 @@ def run_engine(data: np.ndarray, *, lr: float, momentum: float) -> tuple[dict, l
     model = build_model(cfg, seed=SEED)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 1)
-    settings = OuterSettings(min_quorum=M, grace_gamma=float("inf"), grace_cap_s=float("inf"), weighting="uniform",
-                             merge_rule="mean", lr=lr, momentum=momentum)
+    settings = outer_from_config(min_quorum=M, grace_gamma=float("inf"), grace_cap_s=float("inf"), weighting="uniform",
+                                 merge_rule="mean", lr=lr, momentum=momentum)
     outer = OuterOptimizer(init, plan, settings=settings, embedding_names=model.embedding_parameter_names())
     latest = [FragmentUpdate(0, 0, [outer.fragment(0)])]
     islands = []
     for m in range(M):
-        spec = IslandSpec(island=m, incarnation=1, pool="p", num_islands=M, model_config=cfg, plan=plan,
-                          inner=INNER, sync_every_steps=H, wait_for_round=True, seed=SEED)
+        spec = spec_from_config(island=m, incarnation=1, pool="p", num_islands=M, model_config=cfg, plan=plan,
+                                inner=INNER, sync_every_steps=H, wait_for_round=True, seed=SEED, adoption="overwrite")
         islands.append(LearnerIsland(spec, data, latest))
         outer.register(m, 1)
     for _ in range(ROUNDS):
@@ -131,12 +131,12 @@ def test_islands_bitwise_identical_after_sync_round(data):
     model = build_model(cfg, seed=SEED)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 1)
-    outer = OuterOptimizer(init, plan, settings=OuterSettings(min_quorum=M, grace_gamma=float("inf"),
+    outer = OuterOptimizer(init, plan, settings=outer_from_config(min_quorum=M, grace_gamma=float("inf"),
                            grace_cap_s=float("inf"), weighting="uniform", merge_rule="mean"))
     isl = []
     for m in range(M):
-        spec = IslandSpec(island=m, incarnation=1, pool="p", num_islands=M, model_config=cfg, plan=plan, inner=INNER,
-                          sync_every_steps=H, wait_for_round=True, seed=SEED)
+        spec = spec_from_config(island=m, incarnation=1, pool="p", num_islands=M, model_config=cfg, plan=plan, inner=INNER,
+                                sync_every_steps=H, wait_for_round=True, seed=SEED, adoption="overwrite")
         isl.append(LearnerIsland(spec, data, [FragmentUpdate(0, 0, [outer.fragment(0)])]))
         outer.register(m, 1)
     results = []

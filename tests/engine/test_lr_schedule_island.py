@@ -12,10 +12,9 @@ import math
 
 import pytest
 
-from islands.island import IslandSpec, LearnerIsland
-from islands.trainer import InnerSettings
-from orchestrator.core.outer_optimizer import OuterSettings
+from islands.island import LearnerIsland
 from tests.engine.nano import nano_world
+from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
 PEAK, FINAL, WARMUP = 1e-2, 0.2, 2
 
@@ -25,10 +24,10 @@ def cosine(progress: float) -> float:
 
 
 def island(schedule: str = "cosine", initial_progress: float | None = None):
-    w = nano_world(OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
-    inner = InnerSettings(lr=PEAK, warmup_steps=WARMUP, batch_size=2, lr_schedule=schedule, lr_final_ratio=FINAL)
-    spec = IslandSpec(island=0, incarnation=1, pool="p", num_islands=1, model_config=w.cfg, plan=w.plan, inner=inner,
-                      sync_every_steps=8, seed=1, adoption="rebase")
+    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
+    inner = inner_from_config(lr=PEAK, warmup_steps=WARMUP, batch_size=2, lr_schedule=schedule, lr_final_ratio=FINAL)
+    spec = spec_from_config(island=0, incarnation=1, pool="p", num_islands=1, model_config=w.cfg, plan=w.plan, inner=inner,
+                            sync_every_steps=8, seed=1, adoption="rebase")
     latest = [dataclasses.replace(u, progress=initial_progress) for u in w.latest]
     return w, LearnerIsland(spec, w.data, latest)
 

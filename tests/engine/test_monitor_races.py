@@ -14,11 +14,12 @@ import dataclasses
 import time
 
 from islands.model import model_config
-from islands.spec import InnerSettings, IslandSpec, IslandStatus
+from islands.spec import IslandStatus
 from orchestrator.actors.health_monitor import HealthMonitor
 from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorTimeouts, RunAddress
 from orchestrator.config import PoolConfig
 from policies.fragments import plan_fragments
+from tests.from_config import inner_from_config, spec_from_config
 
 
 class _Method:
@@ -47,8 +48,8 @@ def _status(state: str, steps: int) -> IslandStatus:
 def _monitor(gate: asyncio.Event | None = None) -> tuple[HealthMonitor, list, list]:
     cfg = model_config("nano")
     plan = plan_fragments([("w", 4)], 1)
-    spec = IslandSpec(island=0, incarnation=1, pool="a", num_islands=1, model_config=cfg, plan=plan,
-                      inner=InnerSettings(), sync_every_steps=8)
+    spec = spec_from_config(island=0, incarnation=1, pool="a", num_islands=1, model_config=cfg, plan=plan,
+                            inner=inner_from_config(), sync_every_steps=8, adoption="overwrite")
     mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"), pools=[PoolConfig(name="a")],
                         specs=[spec], data=[], actors=ActorClasses(island=object),
                         timeouts=MonitorTimeouts(placement_s=10, call_s=5, tick_s=0.25),
@@ -211,9 +212,9 @@ def test_after_an_outer_restart_every_island_fetches_the_model_on_its_own_link_a
     delayed), and all are asked for before the first resync waits on one, so the transfers overlap."""
     async def scenario():
         cfg, plan = model_config("nano"), plan_fragments([("w", 4)], 1)
-        specs = [IslandSpec(island=i, incarnation=1, pool="a", num_islands=3, model_config=cfg, plan=plan,
-                            inner=InnerSettings(), sync_every_steps=8) for i in range(3)]
-        mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"),
+        specs = [spec_from_config(island=i, incarnation=1, pool="a", num_islands=3, model_config=cfg, plan=plan,
+                                  inner=inner_from_config(), sync_every_steps=8, adoption="overwrite") for i in range(3)]
+            mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"),
                             pools=[PoolConfig(name="a", islands=3)], specs=specs, data=[],
                             actors=ActorClasses(island=object),
                             timeouts=MonitorTimeouts(placement_s=10, call_s=5, tick_s=0.25),

@@ -149,12 +149,13 @@ def test_a_pool_precision_overrides_inner_precision_for_its_islands_and_the_time
     from islands.data import load_stdlib_corpus
     from islands.model import model_config
     from orchestrator.run import driver
+    from orchestrator.settings import inner_settings
 
     cfg = load_config(None, ["inner.precision=fp32", "pools=[{name: new, precision: bf16}, {name: old}]"])
     new, old = cfg.pools
-    assert driver.inner_settings(cfg, new).precision == "bf16"
-    assert driver.inner_settings(cfg, old).precision == "fp32"
-    assert driver.inner_settings(cfg).precision == "fp32"  # no pool: the run's (data parallel's) arithmetic
+    assert inner_settings(cfg, new).precision == "bf16"
+    assert inner_settings(cfg, old).precision == "fp32"
+    assert inner_settings(cfg).precision == "fp32"  # no pool: the run's (data parallel's) arithmetic
 
     # The links are scaled to a step in the timed pool's arithmetic, not the run's default.
     seen = []

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from islands.messages import Submission
-from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.core.outer_optimizer import OuterOptimizer
 from policies.compression import Compressed, compress
 from policies.fragments import plan_fragments
+from tests.from_config import outer_from_config
 
 SHAPES = {"emb.weight": (8, 4), "w": (4, 4), "b": (4,)}
 
@@ -23,7 +24,7 @@ def make_outer(islands: int = 2, **kw) -> OuterOptimizer:
     torch.manual_seed(0)
     init = {n: torch.randn(s) for n, s in SHAPES.items()}
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
-    settings = OuterSettings(**{"min_quorum": 1, "grace_gamma": 0.0, "max_staleness": 1, **kw})
+    settings = outer_from_config(**{"min_quorum": 1, "grace_gamma": 0.0, "max_staleness": 1, **kw})
     outer = OuterOptimizer(init, plan, settings=settings,
                            embedding_names={"emb.weight"})
     for island in range(islands):

@@ -16,23 +16,22 @@ import pickle
 import pytest
 import torch
 
-from islands.island import IslandSpec, LearnerIsland
+from islands.island import LearnerIsland
 from islands.messages import FragmentUpdate
-from islands.trainer import InnerSettings
-from orchestrator.core.outer_optimizer import OuterSettings
 from policies.compression import decompress
 from tests.engine.nano import nano_world
+from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
-INNER = InnerSettings(lr=1e-2, warmup_steps=0, batch_size=2)
+INNER = inner_from_config(lr=1e-2, warmup_steps=0, batch_size=2)
 
 
 def setup(adoption: str, every: int = 0):
-    w = nano_world(OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
+    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
     shelved: list[bytes] = []
     islands = []
     for i in range(2):
-        spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
-                          sync_every_steps=8, seed=1, adoption=adoption, salvage_every_steps=every)  # a cut every 4 steps
+        spec = spec_from_config(island=i, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
+                                sync_every_steps=8, seed=1, adoption=adoption, salvage_every_steps=every)  # a cut every 4 steps
         islands.append(LearnerIsland(spec, w.data, w.latest, shelve=lambda step, blob: shelved.append(blob)))
         w.outer.register(i, 1)
     return w, islands, shelved
@@ -153,9 +152,9 @@ def test_overwrite_measures_from_the_new_version_once_a_round_replaced_the_fragm
 
 def test_a_flush_behind_a_cut_in_flight_puts_the_global_fragment_at_the_islands_parameters():
     # K = 2: the island's cut waits in the outer optimizer for a second island that never submits.
-    w = nano_world(OuterSettings(min_quorum=2, grace_gamma=float("inf"), grace_cap_s=float("inf")))
-    spec = IslandSpec(island=0, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
-                      sync_every_steps=8, seed=1)
+    w = nano_world(outer_from_config(min_quorum=2, grace_gamma=float("inf"), grace_cap_s=float("inf")))
+    spec = spec_from_config(island=0, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
+                            sync_every_steps=8, seed=1, adoption="overwrite")
     island = LearnerIsland(spec, w.data, w.latest)
     w.outer.register(0, 1)
     w.outer.register(1, 1)

@@ -10,23 +10,22 @@ import pickle
 import pytest
 import torch
 
-from islands.island import IslandSpec, LearnerIsland
-from islands.trainer import InnerSettings
-from orchestrator.core.outer_optimizer import OuterSettings
+from islands.island import LearnerIsland
 from policies.compression import decompress
 from policies.salvage import salvageable
 from tests.engine.nano import nano_world
+from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
-INNER = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=2)
+INNER = inner_from_config(lr=1e-3, warmup_steps=0, batch_size=2)
 
 
 def setup(every: int = 3, compression: str = "none"):
-    w = nano_world(OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
+    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
     shelved: list[tuple[int, bytes]] = []
     islands = []
     for i in range(2):
-        spec = IslandSpec(island=i, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
-                          sync_every_steps=8, seed=1, salvage_every_steps=every, compression=compression)  # P = 2: a cut every 4 steps
+        spec = spec_from_config(island=i, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
+                                sync_every_steps=8, seed=1, salvage_every_steps=every, compression=compression, adoption="overwrite")  # P = 2: a cut every 4 steps
         islands.append(LearnerIsland(spec, w.data, w.latest, shelve=(lambda step, blob: shelved.append((step, blob))) if i else None))
         w.outer.register(i, 1)
     return w.outer, islands, shelved

@@ -10,18 +10,17 @@ import dataclasses
 
 import pytest
 
-from islands.island import IslandSpec, LearnerIsland
-from islands.trainer import InnerSettings
-from orchestrator.core.outer_optimizer import OuterSettings
+from islands.island import LearnerIsland
 from tests.engine.nano import nano_world
 from tests.engine.test_outer_refusals import good, make_outer
+from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
 
 def island(schedule):
-    w = nano_world(OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
-    spec = IslandSpec(island=0, incarnation=1, pool="p", num_islands=1, model_config=w.cfg, plan=w.plan,
-                      inner=InnerSettings(lr=1e-3, batch_size=2), sync_every_steps=8, sync_every_schedule=schedule,
-                      seed=1, adoption="rebase")
+    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
+    spec = spec_from_config(island=0, incarnation=1, pool="p", num_islands=1, model_config=w.cfg, plan=w.plan,
+                            inner=inner_from_config(lr=1e-3, batch_size=2), sync_every_steps=8, sync_every_schedule=schedule,
+                            seed=1, adoption="rebase")
     return w, LearnerIsland(spec, w.data, w.latest)
 
 
@@ -59,9 +58,9 @@ def test_no_schedule_cuts_every_h_over_p_whatever_the_progress():
 
 
 def test_a_bad_schedule_is_refused_before_the_island_trains():
-    w = nano_world(OuterSettings())
-    spec = IslandSpec(island=0, incarnation=1, pool="p", num_islands=1, model_config=w.cfg, plan=w.plan,
-                      inner=InnerSettings(batch_size=2), sync_every_steps=8, sync_every_schedule=((0.5, 3),))
+    w = nano_world(outer_from_config())
+    spec = spec_from_config(island=0, incarnation=1, pool="p", num_islands=1, model_config=w.cfg, plan=w.plan,
+                            inner=inner_from_config(batch_size=2), sync_every_steps=8, sync_every_schedule=((0.5, 3),), adoption="overwrite")
     with pytest.raises(ValueError, match="not a multiple of num_fragments"):
         LearnerIsland(spec, w.data, w.latest)
 

@@ -13,16 +13,15 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from islands.island import IslandSpec
 from islands.messages import FragmentUpdate
 from islands.model import build_model, model_config
-from islands.trainer import InnerSettings
 from orchestrator.actors.remote import NAMESPACE, IslandActor, IslandWorkerActor
 from orchestrator.config import PoolConfig, build_config
 from orchestrator.run.driver import Run
 from orchestrator.core.eventlog import read_events
 from orchestrator.actors.placement import create_island_group, island_scheduling, release_group
 from policies.fragments import plan_fragments
+from tests.from_config import inner_from_config, spec_from_config
 from tests.integration.test_self_healing import actor, finish, start, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -38,9 +37,9 @@ def test_two_worker_island_trains_data_parallel_in_its_placement_group(ray_clust
     cfg = model_config("nano")
     init = {n: p.detach().clone() for n, p in build_model(cfg, seed=5).named_parameters()}
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
-    inner = InnerSettings(lr=1e-2, warmup_steps=0, batch_size=4)
-    spec = IslandSpec(island=0, incarnation=1, pool="a", num_islands=2, model_config=cfg, plan=plan, inner=inner,
-                      sync_every_steps=4, seed=5, workers=2)
+    inner = inner_from_config(lr=1e-2, warmup_steps=0, batch_size=4)
+    spec = spec_from_config(island=0, incarnation=1, pool="a", num_islands=2, model_config=cfg, plan=plan, inner=inner,
+                            sync_every_steps=4, seed=5, workers=2, adoption="overwrite")
     data = [ray.put(np.random.default_rng(0).integers(0, 256, size=40_000, dtype=np.uint8))]
     initial = [FragmentUpdate(p, 0, [ray.put([init[n] for n in frag])]) for p, frag in enumerate(plan.fragments)]
 

@@ -19,14 +19,14 @@ import pytest
 import ray
 import torch
 
-from islands.island import IslandSpec, LearnerIsland
+from islands.island import LearnerIsland
 from islands.model import build_model, model_config
-from islands.trainer import InnerSettings
 from orchestrator.actors.outer import _OuterShell
 from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
 from policies.fragments import plan_fragments
 from policies.network import Link, NetworkModel
+from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -101,14 +101,14 @@ async def run_shell(tmp_path, train_s: float, downlink: str = "none", publish_to
                     downlink_delta: str | None = None, network: NetworkModel = NETWORK, answers_status: bool = True,
                     ) -> tuple[dict, list, list[LocalIsland], list[int], list]:
     # K = 1 and no grace: a round closes the moment its submission reaches the core.
-    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000,
-                             downlink=downlink, publish_to=publish_to, downlink_delta=downlink_delta)
+    settings = outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000,
+                                 downlink=downlink, publish_to=publish_to, downlink_delta=downlink_delta)
     shell, cfg, plan, data = make_shell(tmp_path, settings, network)
-    inner = InnerSettings(lr=1e-3, warmup_steps=0, batch_size=4, emulated_slowdown=2.0)
+    inner = inner_from_config(lr=1e-3, warmup_steps=0, batch_size=4, emulated_slowdown=2.0)
     handles = []
     for i in REGIONS:
-        spec = IslandSpec(island=i, incarnation=1, pool=REGIONS[i], num_islands=2, model_config=cfg, plan=plan,
-                          inner=inner, sync_every_steps=40, seed=3)
+        spec = spec_from_config(island=i, incarnation=1, pool=REGIONS[i], num_islands=2, model_config=cfg, plan=plan,
+                                inner=inner, sync_every_steps=40, seed=3, adoption="overwrite")
         island = LearnerIsland(spec, data, await shell.latest(), resolve=ray.get)
         handles.append(LocalIsland(island, answers_status))
         await shell.register(i, 1, handles[-1])
@@ -276,14 +276,14 @@ def test_a_salvage_takes_its_islands_uplink_and_merges_after_the_slot_came_back(
     from orchestrator.actors.keeper import ProgressKeeper
 
     async def body():
-        settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000)
+        settings = outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, tau_steps=20.0, max_staleness=10_000)
         shell, cfg, plan, data = make_shell(tmp_path, settings, NETWORK)
         keeper = ProgressKeeper("eu-west")
         handles = []
         for i in REGIONS:
-            spec = IslandSpec(island=i, incarnation=1, pool=REGIONS[i], num_islands=2, model_config=cfg, plan=plan,
-                              inner=InnerSettings(lr=1e-3, warmup_steps=0, batch_size=4), sync_every_steps=40, seed=3,
-                              salvage_every_steps=5)
+            spec = spec_from_config(island=i, incarnation=1, pool=REGIONS[i], num_islands=2, model_config=cfg, plan=plan,
+                                    inner=inner_from_config(lr=1e-3, warmup_steps=0, batch_size=4), sync_every_steps=40, seed=3,
+                                    salvage_every_steps=5, adoption="overwrite")
             shelve = (lambda step, blob, i=i: keeper.keep(i, 1, step, blob)) if i == 1 else None
             handles.append(LocalIsland(LearnerIsland(spec, data, await shell.latest(), resolve=ray.get, shelve=shelve)))
             await shell.register(i, 1, handles[-1])
@@ -325,15 +325,15 @@ def test_a_salvage_takes_its_islands_uplink_and_merges_after_the_slot_came_back(
 
 
 def test_a_registering_island_is_seeded_only_when_it_surely_holds_a_remembered_whole_version(ray_cluster, tmp_path):
-    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, downlink="int8", downlink_delta="int4")
+    settings = outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, downlink="int8", downlink_delta="int4")
     none = NetworkModel("none", "local", {}, emulated=False)
 
     async def body():
         from islands.messages import FragmentUpdate
 
         shell, cfg, plan, data = make_shell(tmp_path, settings, none)
-        spec = IslandSpec(island=0, incarnation=1, pool="us-east", num_islands=2, model_config=cfg, plan=plan,
-                          inner=InnerSettings(batch_size=4), sync_every_steps=40, seed=3)
+        spec = spec_from_config(island=0, incarnation=1, pool="us-east", num_islands=2, model_config=cfg, plan=plan,
+                                inner=inner_from_config(batch_size=4), sync_every_steps=40, seed=3, adoption="overwrite")
 
         def island(incarnation: int) -> LocalIsland:
             return LocalIsland(LearnerIsland(dataclasses.replace(spec, incarnation=incarnation), data,
@@ -359,7 +359,7 @@ def test_a_registering_island_is_seeded_only_when_it_surely_holds_a_remembered_w
 
 
 def test_a_restarted_islands_fetch_of_the_model_is_counted_and_delayed_on_its_link(ray_cluster, tmp_path):
-    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, downlink="bf16")
+    settings = outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, downlink="bf16")
 
     async def body():
         shell, cfg, plan, data = make_shell(tmp_path, settings, NETWORK)
@@ -382,7 +382,7 @@ def test_a_restarted_islands_fetch_of_the_model_is_counted_and_delayed_on_its_li
 def test_link_counters_and_network_waits_survive_an_outer_optimizer_restart(ray_cluster, tmp_path):
     """A restarted shell restores its checkpoint's counts (summary.json reported only what crossed the links
     after the restart), then counts each island's resync fetch on top of them."""
-    settings = OuterSettings(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, downlink="bf16")
+    settings = outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, downlink="bf16")
 
     async def body():
         shell, cfg, plan, data = make_shell(tmp_path, settings, NETWORK)

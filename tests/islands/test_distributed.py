@@ -21,12 +21,13 @@ from islands.data import ShardSampler
 from islands.distributed import WorkerGroup
 from islands.follower import IslandFollower
 from islands.model import build_model, model_config
-from islands.trainer import InnerSettings, InnerTrainer
+from islands.trainer import InnerTrainer
 from policies.fragments import plan_fragments
+from tests.from_config import inner_from_config
 
 SEED, SHARD, SHARDS = 7, 1, 3
-INNER = InnerSettings(lr=1e-2, weight_decay=0.01, warmup_steps=0, grad_clip=1.0, batch_size=4, lr_schedule="cosine",
-                      lr_final_ratio=0.1)  # at progress 0 the cosine is the peak, so step 1's reference is plain AdamW
+INNER = inner_from_config(lr=1e-2, weight_decay=0.01, warmup_steps=0, grad_clip=1.0, batch_size=4, lr_schedule="cosine",
+                          lr_final_ratio=0.1)  # at progress 0 the cosine is the peak, so step 1's reference is plain AdamW
 PROGRESS = 0.7  # what the leader heard before its second step
 CFG = model_config("nano")
 

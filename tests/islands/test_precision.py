@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from islands.model import model_config
-from islands.trainer import InnerSettings, InnerTrainer, forward_backward
+from islands.trainer import InnerTrainer, forward_backward
+from tests.from_config import inner_from_config
 
 CFG = model_config("nano")
 
@@ -24,7 +25,7 @@ def _data() -> np.ndarray:
 
 
 def _train(precision: str, steps: int) -> tuple[list[float], InnerTrainer]:
-    t = InnerTrainer(CFG, _data(), settings=InnerSettings(lr=3e-3, warmup_steps=2, batch_size=8, precision=precision),
+    t = InnerTrainer(CFG, _data(), settings=inner_from_config(lr=3e-3, warmup_steps=2, batch_size=8, precision=precision),
                      shard_index=0, num_shards=1, seed=3)
     return [t.step().loss for _ in range(steps)], t
 
@@ -39,7 +40,7 @@ def test_tf32_on_cpu_is_fp32_bit_for_bit():
 
 
 def test_bf16_autocasts_the_forward_and_keeps_weights_gradients_and_state_fp32():
-    t = InnerTrainer(CFG, _data(), settings=InnerSettings(batch_size=8, precision="bf16"), shard_index=0,
+    t = InnerTrainer(CFG, _data(), settings=inner_from_config(batch_size=8, precision="bf16"), shard_index=0,
                      num_shards=1, seed=3)
     seen: list[torch.dtype] = []
     hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
@@ -67,7 +68,7 @@ def test_bf16_training_tracks_fp32_without_matching_it():
 
 
 def test_unknown_precision_is_refused_with_the_choices():
-    t = InnerTrainer(CFG, _data(), settings=InnerSettings(batch_size=2), shard_index=0, num_shards=1, seed=3)
+    t = InnerTrainer(CFG, _data(), settings=inner_from_config(batch_size=2), shard_index=0, num_shards=1, seed=3)
     x, y = t.sampler.next_batch()
     with pytest.raises(ValueError, match=r"precision='fp16'; use one of fp32, tf32, bf16"):
         forward_backward(t.model, x, y, precision="fp16")

@@ -1,0 +1,38 @@
+"""The outer optimizer's settings as plain values: no torch, no Ray, no defaults.
+
+Every field is declared once, in the config (orchestrator/config.py, `outer:` and `run:`); this class
+only carries the values. orchestrator/settings.py builds it from a RunConfig (`outer_settings`), so
+a field here never has a default of its own that could drift from the config's
+(tests/engine/test_settings_once.py checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    """Outer-optimizer hyperparameters as plain values (built from RunConfig by orchestrator.settings)."""
+
+    min_quorum: int  # K as a number ('all' resolved)
+    grace_gamma: float
+    grace_cap_s: float
+    tau_steps: float  # outer.tau_steps, or H/P when unset
+    tau_schedule: tuple[tuple[float, float], ...]  # (until progress, tau) pairs; tau_steps after the last
+    weighting: str
+    staleness_discount: float
+    merge_rule: str
+    lr: float
+    momentum: float
+    partial_momentum: float | None  # momentum of the clock rule's partial rounds; None = momentum
+    max_staleness: int
+    compression: str
+    step_scale: str
+    rda_across_rounds: bool  # lengthen partial rounds' outer gradients as RDA would over a full round
+    downlink: str  # wire format of published fragments (the actor shell applies it)
+    downlink_delta: str | None  # format of later versions as differences from an island's copy, or None
+    publish_to: str  # all | participants: which islands a new version goes to (the actor shell sends it)
+    compression_block_size: int  # elements per quantization scale block, both directions
+    topk_density: float  # fraction of each chunk a topk difference keeps (downlink_delta topk)
+    average_window: float | None  # served model: moving average over this fraction of merged tokens (None = raw)

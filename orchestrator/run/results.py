@@ -1,0 +1,133 @@
+"""What a finished driver session writes: the summary dict (summary.json) and the stop-time event tables.
+
+`Run._finish` (orchestrator/run/driver.py) gathers the outcome from the actors, then calls these.
+The summary's keys and order are what `diloco train`, the benchmarks and the notebooks read
+(docs/metrics.md names them).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from islands.spec import IslandStatus
+from orchestrator.config import RunConfig
+from orchestrator.core.eventlog import EventLog
+
+if TYPE_CHECKING:  # the driver imports this module
+    from orchestrator.run.driver import Run
+
+
+def emulation_note(cfg: RunConfig) -> str | None:
+    """The line every report carries when pool speeds are emulated by throttling."""
+    parts = [f"{p.name} x{p.emulated_slowdown:g}" + (f" ±{p.emulated_jitter:.0%}" if p.emulated_jitter else "")
+             for p in cfg.pools if p.emulated]
+    return f"EMULATION: pool speeds emulated by throttling on one machine ({', '.join(parts)})" if parts else None
+
+
+def record_stop_events(events: EventLog, snapshot: dict, live: list[IslandStatus], dead: list[IslandStatus],
+                       faults: list) -> None:
+    """Add the islands, timeline, faults, detections and salvages tables of a stopped run to `events`."""
+    events.add("islands", [{**asdict(s), "alive_at_stop": s in live} for s in live + dead])
+    events.add("timeline", [{"at": t, "island": i, "incarnation": inc, "state": st}
+                            for t, i, inc, st in snapshot["timeline"]])
+    events.add("faults", faults)
+    events.add("detections", snapshot.get("detections", []))
+    events.add("salvages", [{"island": s["island"], "incarnation": s["incarnation"], "step": s.get("step"),
+                             "tokens": list(s.get("tokens") or []), "seqs": list(s.get("seqs") or []),
+                             "skipped": json.dumps(s.get("skipped") or {}), "keeper_error": s.get("keeper_error")}
+                            for s in snapshot.get("salvages", [])])
+
+
+def run_summary(run: Run, *, tokens: int, live: list[IslandStatus], dead: list[IslandStatus], fates: dict,
+                good: dict, status: dict, final_eval: dict, wall: float, faults: list) -> dict:
+    """The summary of a finished session of `run`: losses, token fates, goodput, recovery, traffic, islands.
+
+    `tokens`: tokens processed; `live`, `dead`: the islands' last statuses. Token fates count once per
+    fragment: the fragment mean is reported."""
+    P = run.plan.num_fragments
+    mean = lambda xs: sum(xs) / P  # noqa: E731 - tokens count once per fragment; report the fragment mean
+    return {
+        "mode": run.cfg.mode,
+        "emulation": emulation_note(run.cfg),
+        "eval_loss": final_eval["eval_loss"],
+        "eval_loss_before_flush": run.before_flush_loss,  # None without run.final_flush
+        "eval_loss_raw": run.raw_loss,  # the raw global model's; None without run.average_window
+        "eval_bits_per_byte": final_eval["eval_bits_per_byte"],
+        "unigram_bits_per_byte": run.unigram_bpb,
+        "tokens_processed": tokens,
+        "tokens_merged": mean(fates["merged"]),
+        "tokens_refused": mean(fates["refused"]),
+        "tokens_lost": mean(fates["lost"]),
+        "tokens_in_flight": mean(fates["in_flight"]),
+        "tokens_overwritten": mean(fates["overwritten"]),  # replaced by an overwrite adoption before a cut
+        "token_ledger": fates,
+        "goodput": good["goodput"],
+        "uptime": good["uptime"],  # from the first version advance (policies/goodput.py)
+        "fill_s": good["fill_s"],  # run start to the first version advance: the pipeline fill
+        "time_by_state_s": good["time_by_state_s"],
+        "useful_s": good["useful_s"],
+        "allocated_s": good["allocated_s"],
+        **_recovery(run.snapshot, live + dead, faults, mean),
+        **_traffic(run, status),
+        "wall_s": wall,
+        "stopped_by": run.stopped_by,  # token_budget | max_wall_s | stop_at_eval_loss | stop request
+        "run_start": run.run_start,  # wall clock (time.time) that goodput, chaos tapes and `at` fields count from
+        "resumed": run.resume,
+        "corpus": run.corpus.source,
+        "islands": _island_rows(run),
+        "evals": run.eval_points,
+    }
+
+
+def _recovery(snapshot: dict, statuses: list[IslandStatus], faults: list,
+              mean: Callable[[list[int]], float]) -> dict:
+    """Failures, restarts, detection and rejoin times, and what salvage kept (`statuses`: live and dead)."""
+    slots = snapshot["slots"].values()
+    detect, rejoin = snapshot["detect_s"], snapshot["rejoin_s"]
+    salvages = snapshot.get("salvages", [])
+    return {
+        "failures": sum(s["failures"] for s in slots),
+        "restarts": sum(s["restarts"] for s in slots),
+        "faults_injected": sum(1 for f in faults if f["outcome"] == "fired"),
+        "mean_time_to_detect_s": sum(detect) / len(detect) if detect else None,
+        "mean_time_to_rejoin_s": sum(rejoin) / len(rejoin) if rejoin else None,
+        # Progress of dead incarnations merged instead of lost (health.salvage_every_steps), and what the
+        # islands' snapshots for it cost: inner-loop seconds and in-pool bytes (never over the WAN).
+        "salvaged_tokens": sum(mean(s["tokens"]) for s in salvages if s.get("tokens")),
+        "salvages": sum(1 for s in salvages if any(s.get("tokens") or [])),
+        "salvage_snapshot_s": sum(st.shelve_s for st in statuses),
+        "salvage_snapshot_bytes": sum(st.shelved_bytes for st in statuses),
+        "keeper_restarts": sum(snapshot.get("keeper_restarts", {}).values()),  # keepers that died, replaced
+    }
+
+
+def _traffic(run: Run, status: dict) -> dict:
+    """Rounds, versions and the bytes each direction and link carried, with the network that carried them."""
+    return {
+        "rounds": status["rounds"],
+        "refusals": status["refusals"],
+        "versions": status["versions"],
+        "bytes_up": status["bytes_up"],
+        "bytes_down": status["bytes_down"],
+        "bytes_sent": status["bytes_up"] + status["bytes_down"],
+        "bytes_by_link": status["bytes_by_link"],  # {region: {up, down}} bytes on each region's link to the hub
+        "transfers_by_link": status["transfers_by_link"],  # {region: {up, down}} transfers, as docs/network.md says
+        "network": run.network.describe(),
+        "network_emulated": run.network.emulated,
+        "network_wait_s": status["network_wait_s"],  # delivery delay the emulated links added, per direction
+    }
+
+
+def _island_rows(run: Run) -> list[dict]:
+    """One row per island slot: where and how it trained, its failures and its tokens."""
+    precision = {p.name: run.cfg.precision_of(p) for p in run.cfg.pools}
+    return [{"island": s["island"], "pool": s["pool"], "node": s["node"], "incarnation": s["incarnation"],
+             "failures": s["failures"], "restarts": s["restarts"], "state": s["state"],
+             "device": s["status"].device if s["status"] else None,  # where it trained: cpu, cuda:0 (card)
+             "precision": precision[s["pool"]],  # its inner steps' arithmetic (pool's, else inner.precision)
+             "steps": s["status"].steps if s["status"] else 0,
+             "tokens": (s["status"].tokens if s["status"] else 0) + sum(f.tokens for f in s["finals"])}
+            for s in run.snapshot["slots"].values()]

@@ -1,0 +1,114 @@
+"""Setting up one driver session: the run directory, checkpoint 0, and the control-plane actors.
+
+The driver (orchestrator/run/driver.py) calls these in order from `Run._setup`; each does one step
+and returns what the next needs. The control plane (outer optimizer, health monitor, chaos
+injector) is pinned to the driver's node: losing a worker node must never take it along.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import yaml
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from islands.spec import IslandSpec
+from orchestrator.actors.placement import remove_run_groups
+from orchestrator.actors.remote import (
+    NAMESPACE,
+    ChaosInjectorActor,
+    HealthMonitorActor,
+    IslandActor,
+    IslandWorkerActor,
+    ProgressKeeperActor,
+)
+from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
+from orchestrator.config import ConfigError, RunConfig, build_config, resume_conflict
+from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
+from orchestrator.core.outer_optimizer import OuterOptimizer
+from orchestrator.actors.monitor_settings import ActorClasses, RunAddress
+from orchestrator.settings import monitor_health, monitor_restart, monitor_timeouts, outer_settings
+from policies.fragments import FragmentPlan
+
+log = logging.getLogger(__name__)
+
+
+def kill_run_actors(run_id: str) -> int:
+    """Kill every named actor and placement group of a run (islands are detached: they would outlive a dead driver)."""
+    n = 0
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == NAMESPACE and run_id in entry["name"]:
+            try:
+                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+                n += 1
+            except ValueError:
+                pass  # already gone
+    return n + remove_run_groups(run_id)
+
+
+def prepare_run_dir(cfg: RunConfig, run_dir: Path, run_id: str, *, resume: bool) -> str:
+    """Check that `run_dir` may start (or, with `resume`, continue) this run, record the session in
+    run.json and the resolved config in config.yaml, and return the checkpoint URI.
+
+    Raises ConfigError (one line) before anything is written: a fresh run over existing checkpoints,
+    or a resume whose config changes what the checkpoints and data cursors depend on."""
+    meta_path = run_dir / "run.json"
+    previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
+    ckpt_uri = run_checkpoint_uri(cfg.checkpoint.uri, run_dir)
+    if not resume and CheckpointStore(ckpt_uri).list():
+        raise ConfigError(f"{run_dir} already holds checkpoints; continue it with --resume or pick a new --run-dir")
+    if resume:  # before anything is touched: a refused resume leaves the run directory as it was
+        saved = run_dir / "config.yaml"
+        conflict = resume_conflict(build_config(yaml.safe_load(saved.read_text())), cfg) if saved.is_file() else None
+        if conflict:
+            raise ConfigError(conflict)
+    if resume and previous:
+        killed = kill_run_actors(previous["run_id"])
+        log.warning("resuming run %s (killed %d leftover actors)", previous["run_id"], killed)
+    sessions = (previous or {}).get("sessions", []) + [{"run_id": run_id, "started": time.time()}]
+    meta_path.write_text(json.dumps({"run_id": run_id, "sessions": sessions}, indent=2))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return ckpt_uri
+
+
+def save_checkpoint_zero(cfg: RunConfig, initial: dict[str, torch.Tensor], plan: FragmentPlan, ckpt_uri: str) -> None:
+    """Checkpoint 0 of a fresh run: the initial global parameters, the outer optimizer's first state."""
+    seed = OuterOptimizer(initial, plan, settings=outer_settings(cfg))
+    tensors, meta = seed.state_dict()
+    CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
+
+
+def here() -> NodeAffinitySchedulingStrategy:
+    """Pins an actor to the driver's node. Hard affinity: soft affinity does not pin zero-CPU actors
+    (measured on Ray 2.60)."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def start_monitor(cfg: RunConfig, run_id: str, specs: list[IslandSpec], outer_name: str) -> tuple[str, Any]:
+    """Start the run's health monitor (which places and keeps the islands): (its name, its handle)."""
+    name = f"monitor-{run_id}"
+    monitor = HealthMonitorActor.options(name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here(),
+                                         runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote(
+        run=RunAddress(run_id=run_id, namespace=NAMESPACE, outer_name=outer_name), pools=cfg.pools, specs=specs,
+        actors=ActorClasses(island=IslandActor, worker=IslandWorkerActor, keeper=ProgressKeeperActor,
+                            island_runtime_env=dict(ray.get_runtime_context().runtime_env)),
+        timeouts=monitor_timeouts(cfg), health=monitor_health(cfg), restart=monitor_restart(cfg),
+        warm_spares=cfg.health.warm_spares,
+    )
+    return name, monitor
+
+
+def start_injector(tape: Any, run_id: str, monitor_name: str, run_start: float, timeout_s: float) -> Any:
+    """Start the chaos injector on `tape` (its clock counts from `run_start`) and return its handle."""
+    injector = ChaosInjectorActor.options(name=f"chaos-{run_id}", namespace=NAMESPACE, num_cpus=0,
+                                          scheduling_strategy=here(), runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote(
+        tape, namespace=NAMESPACE, monitor_name=monitor_name, run_start=run_start,
+        protected_node=ray.get_runtime_context().get_node_id())
+    ray.get(injector.start.remote(), timeout=timeout_s)
+    return injector

@@ -1,0 +1,109 @@
+"""The runtime settings of a run, built from its RunConfig: the one place config sections become plain values.
+
+Each setting is declared once, in the config (orchestrator/config.py). The classes the engine takes
+(OuterSettings, InnerSettings, IslandSpec) have no defaults of their own; one function per consumer
+here fills them from the config, so a default can only change in the config
+(tests/engine/test_settings_once.py checks both).
+
+No torch and no Ray at import: the CLI and the health monitor's process import the config's
+neighbours, and the data-parallel baseline builds its inner settings here too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from islands.spec import InnerSettings, IslandSpec, ModelConfig
+from orchestrator.actors.keeper import keeper_name
+from orchestrator.actors.monitor_settings import HealthThresholds, MonitorTimeouts
+from orchestrator.config import PoolConfig, RunConfig
+from orchestrator.core.settings import OuterSettings
+from policies.fragments import FragmentPlan
+from policies.restart import RestartBudget
+
+__all__ = ["inner_settings", "island_specs", "monitor_health", "monitor_restart", "outer_settings"]
+
+
+def outer_settings(cfg: RunConfig) -> OuterSettings:
+    """The outer optimizer's settings: the config's outer section, K resolved, tau from H/P when unset."""
+    o = cfg.outer
+    return OuterSettings(
+        min_quorum=cfg.min_quorum_count(), grace_gamma=o.grace_gamma, grace_cap_s=o.grace_cap_s,
+        tau_steps=o.effective_tau_steps(), tau_schedule=o.tau_schedule(), weighting=o.weighting,
+        staleness_discount=o.staleness_discount, merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum,
+        partial_momentum=o.partial_momentum, max_staleness=o.max_staleness, compression=o.compression,
+        step_scale=o.step_scale, rda_across_rounds=o.rda_across_rounds, downlink=o.downlink,
+        downlink_delta=o.downlink_delta, publish_to=o.publish_to, compression_block_size=o.compression_block_size,
+        topk_density=o.topk_density, average_window=cfg.run.average_window,
+    )
+
+
+def inner_settings(cfg: RunConfig, pool: PoolConfig | None = None) -> InnerSettings:
+    """The inner AdamW settings of the config, with `pool`'s precision override and speed emulation.
+
+    Without a pool (the data-parallel baseline, the step-time measurement): inner.precision and no
+    emulation, i.e. PoolConfig's own defaults for the emulation fields."""
+    i = cfg.inner
+    no_pool = PoolConfig.model_fields
+    return InnerSettings(
+        lr=i.lr, weight_decay=i.weight_decay, beta1=i.beta1, beta2=i.beta2, warmup_steps=i.warmup_steps,
+        lr_schedule=i.lr_schedule, lr_final_ratio=i.lr_final_ratio, grad_clip=i.grad_clip,
+        torch_threads=i.torch_threads, batch_size=cfg.data.batch_size,
+        precision=cfg.precision_of(pool) if pool else i.precision,
+        emulated_slowdown=pool.emulated_slowdown if pool else no_pool["emulated_slowdown"].default,
+        emulated_jitter=pool.emulated_jitter if pool else no_pool["emulated_jitter"].default,
+    )
+
+
+def island_specs(cfg: RunConfig, model_cfg: ModelConfig, plan: FragmentPlan,
+                 run_id: str | None = None) -> list[IslandSpec]:
+    """Incarnation-1 specs of every island slot, pools in config order.
+
+    With `run_id`, each names its pool's progress keeper when `health.salvage_every_steps` > 0."""
+    specs, island, total, o = [], 0, cfg.num_islands, cfg.outer
+    for pool in cfg.pools:
+        inner = inner_settings(cfg, pool)
+        keeper = _keeper(cfg, run_id, pool.name)
+        for _ in range(pool.islands):
+            specs.append(IslandSpec(
+                island=island, incarnation=1, pool=pool.name, num_islands=total, model_config=model_cfg, plan=plan,
+                inner=inner, sync_every_steps=o.sync_every_steps,
+                sync_every_schedule=tuple(tuple(e) for e in o.sync_every_schedule), adoption=o.adoption,
+                compression=o.compression, compression_block_size=o.compression_block_size,
+                topk_density=o.topk_density, feedback_decay=o.feedback_decay, wait_for_round=o.wait_for_round,
+                seed=cfg.run.seed, workers=pool.workers_per_island, accelerator=pool.accelerator,
+                salvage_every_steps=cfg.health.salvage_every_steps, keeper=keeper,
+            ))
+            island += 1
+    return specs
+
+
+def _keeper(cfg: RunConfig, run_id: str | None, pool: str) -> tuple[str, str] | None:
+    """(namespace, name) of `pool`'s progress keeper in run `run_id`, or None when nothing is salvaged."""
+    if not (run_id and cfg.health.salvage_every_steps):
+        return None
+    from orchestrator.actors.runtime import (
+        NAMESPACE,  # imports Ray: only a real run names keepers
+    )
+
+    return NAMESPACE, keeper_name(run_id, pool)
+
+
+def monitor_health(cfg: RunConfig) -> HealthThresholds:
+    """The health monitor's hang and reachability thresholds (policies.health.assess_island's keywords)."""
+    h = cfg.health
+    return HealthThresholds(factor=h.hang_factor, floor_s=h.hang_floor_s, startup_s=h.startup_s,
+                            unreachable_s=h.unreachable_s)
+
+
+def monitor_restart(cfg: RunConfig) -> RestartBudget:
+    """The health monitor's restart budget."""
+    h = cfg.health
+    return RestartBudget(base_s=h.backoff_base_s, cap_s=h.backoff_cap_s, reset_after_s=h.reset_after_s,
+                         max_restarts=h.max_restarts, reset_on_submission=h.reset_on_submission)
+
+
+def monitor_timeouts(cfg: RunConfig) -> MonitorTimeouts:
+    """How long the health monitor waits for placement, for control calls, and between health checks."""
+    return MonitorTimeouts(placement_s=cfg.run.placement_timeout_s, call_s=cfg.run.call_timeout_s,
+                           tick_s=cfg.health.tick_s)
