@@ -1,8 +1,9 @@
 """The house's layout, read from the source (AST only, nothing is imported).
 
 - No import circle anywhere in orchestrator/, islands/, policies/: every import counts (absolute,
-  relative, at the top or inside a function), except those under `if TYPE_CHECKING:`, which never
-  run. Any strongly connected component of more than one module fails, with its modules and edges.
+  relative, at the top, inside a function, and under `if TYPE_CHECKING:` too: those never run, but a
+  circle of annotations is still two modules that each need the other to be read). Any strongly
+  connected component of more than one module fails, with its modules and edges.
 - Imports go one way: orchestrator -> islands -> policies.
 - The command line lives in orchestrator/cli/ only: no other module imports argparse, builds a parser
   or defines a module-level `register(subparsers)`.
@@ -31,16 +32,6 @@ def find_modules(root: Path, packages: tuple[str, ...]) -> dict[str, tuple[Path,
     return modules
 
 
-def _type_checking_only(tree: ast.AST) -> set[int]:
-    """ids of the nodes under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports that never run."""
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            for child in node.body:
-                skipped.update(id(n) for n in ast.walk(child))
-    return skipped
-
-
 def _resolve(name: str, known: dict) -> str | None:
     """The longest prefix of dotted `name` that is one of our modules (None for a third-party import)."""
     while name and name not in known:
@@ -49,18 +40,15 @@ def _resolve(name: str, known: dict) -> str | None:
 
 
 def imports_of(module: str, tree: ast.AST, is_package: bool, known: dict) -> set[str]:
-    """Our modules that `module` imports anywhere in `tree` (not itself, not under TYPE_CHECKING).
+    """Our modules that `module` imports anywhere in `tree` (not itself).
 
     `from a.b import c` counts as an import of module a.b.c where that is a module, else of a.b. A
     package's own __init__ is not counted for `import a.b.c` (Python runs it, but a package that
     gathers its submodules would then be a circle with each of them, which it is not in use).
     """
     package = module if is_package else module.rpartition(".")[0]
-    skipped = _type_checking_only(tree)
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found.update(r for a in node.names if (r := _resolve(a.name, known)))
         elif isinstance(node, ast.ImportFrom):
@@ -148,8 +136,8 @@ def test_the_circle_finder_sees_relative_imports_in_functions_and_longer_circles
     (pkg / "sub" / "c.py").write_text("import pkg.a\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..d import x\n")
     (pkg / "d.py").write_text("from .sub import c\n")
     graph = import_graph(tmp_path, ("pkg",))
-    assert graph["pkg.sub.c"] == {"pkg.a"}  # the TYPE_CHECKING import is left out
-    assert circles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+    assert graph["pkg.sub.c"] == {"pkg.a", "pkg.d"}  # the TYPE_CHECKING import counts too
+    assert circles(graph) == [["pkg.a", "pkg.b", "pkg.d", "pkg.sub.c"]]
 
 
 def test_imports_go_one_way_orchestrator_islands_policies():

@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import Any
 
 from islands.spec import IslandStatus
 from orchestrator.config import RunConfig
 from orchestrator.core.eventlog import EventLog
 
-if TYPE_CHECKING:  # the driver imports this module
-    from orchestrator.run.driver import Run
+# `run` below is the driver's Run (orchestrator/run/driver.py), read by attribute: typed Any so that this module,
+# which the driver imports, never imports the driver back.
+Run = Any
 
 
 def emulation_note(cfg: RunConfig) -> str | None:

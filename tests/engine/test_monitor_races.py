@@ -214,7 +214,7 @@ def test_after_an_outer_restart_every_island_fetches_the_model_on_its_own_link_a
         cfg, plan = model_config("nano"), plan_fragments([("w", 4)], 1)
         specs = [spec_from_config(island=i, incarnation=1, pool="a", num_islands=3, model_config=cfg, plan=plan,
                                   inner=inner_from_config(), sync_every_steps=8, adoption="overwrite") for i in range(3)]
-            mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"),
+        mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"),
                             pools=[PoolConfig(name="a", islands=3)], specs=specs, data=[],
                             actors=ActorClasses(island=object),
                             timeouts=MonitorTimeouts(placement_s=10, call_s=5, tick_s=0.25),

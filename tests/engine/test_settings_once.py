@@ -15,6 +15,7 @@ import pytest
 
 from islands.island import LearnerIsland
 from islands.spec import InnerSettings, IslandSpec
+from orchestrator.actors.monitor_settings import HealthThresholds, MonitorTimeouts, RunAddress
 from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config
 from orchestrator.core.settings import OuterSettings
 from orchestrator.settings import (
@@ -22,6 +23,7 @@ from orchestrator.settings import (
     island_specs,
     monitor_health,
     monitor_restart,
+    monitor_timeouts,
     outer_settings,
 )
 from policies.fragments import plan_fragments
@@ -29,7 +31,7 @@ from policies.sync_schedule import check_fragments_divide_h
 from tests.engine.nano import nano_world
 from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
-RUNTIME_SETTINGS = (OuterSettings, InnerSettings, IslandSpec)
+RUNTIME_SETTINGS = (OuterSettings, InnerSettings, IslandSpec, HealthThresholds, MonitorTimeouts, RunAddress)
 
 # Fields that may keep a default because the config does not own them, each with its reason. Empty today:
 # even the run-only fields of IslandSpec (slot, incarnation, keeper) are set by the builder or the caller.
@@ -110,12 +112,17 @@ def test_every_outer_and_island_setting_follows_a_changed_config():
 
 
 def test_monitor_settings_are_the_config_health_section():
-    h = RunConfig().health
-    assert monitor_health(RunConfig()) == {"factor": h.hang_factor, "floor_s": h.hang_floor_s,
-                                           "startup_s": h.startup_s, "unreachable_s": h.unreachable_s}
-    assert monitor_restart(RunConfig()) == {"base_s": h.backoff_base_s, "cap_s": h.backoff_cap_s,
-                                            "reset_after_s": h.reset_after_s, "max_restarts": h.max_restarts,
-                                            "reset_on_submission": h.reset_on_submission}
+    cfg = RunConfig()
+    h = cfg.health
+    assert monitor_health(cfg) == HealthThresholds(factor=h.hang_factor, floor_s=h.hang_floor_s,
+                                                   startup_s=h.startup_s, unreachable_s=h.unreachable_s)
+    budget = monitor_restart(cfg)
+    assert (budget.base_s, budget.cap_s, budget.reset_after_s, budget.max_restarts, budget.reset_on_submission) == (
+        h.backoff_base_s, h.backoff_cap_s, h.reset_after_s, h.max_restarts, h.reset_on_submission)
+    assert monitor_timeouts(cfg) == MonitorTimeouts(placement_s=cfg.run.placement_timeout_s,
+                                                    call_s=cfg.run.call_timeout_s, tick_s=h.tick_s)
+    changed = build_config({"health": {"hang_factor": 7.0, "backoff_cap_s": 99.0}})
+    assert monitor_health(changed).factor == 7.0 and monitor_restart(changed).cap_s == 99.0
 
 
 def test_the_test_helpers_take_the_config_and_name_their_overrides():
