@@ -38,13 +38,13 @@ sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (orchestrator/__init__.py)
 import ray  # noqa: E402
 
+import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (orchestrator/__init__.py)
 from orchestrator.actors.remote import WORKER_ENV  # noqa: E402
 from orchestrator.config import ConfigError, RunConfig, load_config  # noqa: E402
-from orchestrator.run.driver import emulation_note, train  # noqa: E402
 from orchestrator.core.eventlog import read_events  # noqa: E402
+from orchestrator.run.driver import emulation_note, train  # noqa: E402
 from policies.chaos import fixed_tape  # noqa: E402
 
 

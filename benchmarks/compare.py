@@ -69,9 +69,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # a loaded 2-core box starts workers slowly
 
-import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (orchestrator/__init__.py)
 import ray  # noqa: E402
 
+import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (orchestrator/__init__.py)
 from orchestrator.actors.remote import WORKER_ENV, ignore_zero_copy_warnings  # noqa: E402
 from orchestrator.baselines.data_parallel import train_data_parallel  # noqa: E402
 from orchestrator.config import ConfigError, apply_overrides, build_config, load_config  # noqa: E402

@@ -65,7 +65,6 @@ from islands.trainer import InnerTrainer  # noqa: E402
 from orchestrator.config import build_config  # noqa: E402
 from orchestrator.settings import inner_settings  # noqa: E402
 
-
 _CORPUS: list[np.ndarray] = []
 
 

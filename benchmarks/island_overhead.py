@@ -56,8 +56,8 @@ from islands.data import ShardSampler, load_stdlib_corpus  # noqa: E402
 from islands.model import ModelConfig, build_model, model_config  # noqa: E402
 from islands.trainer import InnerSettings  # noqa: E402
 from orchestrator.actors.remote import WORKER_ENV, IslandActor, OuterOptimizerActor  # noqa: E402
-from orchestrator.core.checkpoint import CheckpointStore  # noqa: E402
 from orchestrator.config import build_config  # noqa: E402
+from orchestrator.core.checkpoint import CheckpointStore  # noqa: E402
 from orchestrator.core.outer_optimizer import OuterOptimizer  # noqa: E402
 from orchestrator.settings import inner_settings, island_specs, outer_settings  # noqa: E402
 from policies.fragments import plan_fragments  # noqa: E402

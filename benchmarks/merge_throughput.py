@@ -30,8 +30,8 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ctypes
+import dataclasses
 import datetime
 import gc
 import json
@@ -102,7 +102,7 @@ class PeakRss:
         self.enabled = enabled
         self.mb = None
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         if not self.enabled:
             return self
         _release_free_memory()

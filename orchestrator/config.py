@@ -95,7 +95,7 @@ class DataSection(_Section):
     batch_size: int = Field(16, gt=0, description="Sequences per inner step per island.")
 
     @model_validator(mode="after")
-    def _parquet_needs_path(self) -> "DataSection":
+    def _parquet_needs_path(self) -> DataSection:
         if self.source == "parquet":
             if not self.path:
                 raise ValueError("data.path is required when data.source is 'parquet'; set data.path=/path/to/data.parquet")
@@ -223,7 +223,7 @@ class OuterSection(_Section):
         return v
 
     @model_validator(mode="after")
-    def _fragments_divide_h(self) -> "OuterSection":
+    def _fragments_divide_h(self) -> OuterSection:
         # Fragments are submitted round-robin every H/P steps, so P must divide H (as torchft checks).
         check_sync_every(self.sync_every_steps, self.sync_every_schedule, self.num_fragments)
         return self
@@ -258,7 +258,7 @@ class PoolConfig(_Section):
     emulated_jitter: float = Field(0.0, ge=0.0, lt=1.0, description="EMULATION: random +- fraction on the stretched step time.")
 
     @model_validator(mode="after")
-    def _gpu_pools_reserve_gpus(self) -> "PoolConfig":
+    def _gpu_pools_reserve_gpus(self) -> PoolConfig:
         # Caught here rather than when the island first touches CUDA, minutes in, on a placement group
         # that holds no GPU.
         if self.accelerator != "cpu" and self.gpus_per_worker <= 0:
@@ -409,7 +409,7 @@ class RunConfig(_Section):
         return {**data, "outer": outer}
 
     @model_validator(mode="after")
-    def _pools(self) -> "RunConfig":
+    def _pools(self) -> RunConfig:
         if not self.pools:
             raise ValueError("pools is empty; define at least one pool with islands >= 1")
         names = [p.name for p in self.pools]

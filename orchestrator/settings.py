@@ -11,8 +11,6 @@ neighbours, and the data-parallel baseline builds its inner settings here too.
 
 from __future__ import annotations
 
-from typing import Any
-
 from islands.spec import InnerSettings, IslandSpec, ModelConfig
 from orchestrator.actors.keeper import keeper_name
 from orchestrator.actors.monitor_settings import HealthThresholds, MonitorTimeouts

@@ -23,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import yaml

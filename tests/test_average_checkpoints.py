@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from islands.model import build_model, model_config
-from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.config import build_config
+from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.run.trained import load_trained
 
 _spec = importlib.util.spec_from_file_location("average_checkpoints", Path(__file__).parents[1] / "benchmarks" / "average_checkpoints.py")

@@ -10,8 +10,7 @@ import os
 import sys
 
 from orchestrator.config import ConfigError
-from orchestrator.deploy.jobs import (DEFAULT_DASHBOARD, JobError, connect, format_view, live_runs, pick_run, plan_job,
-                                      run_view, submit)
+from orchestrator.deploy.jobs import DEFAULT_DASHBOARD, JobError, connect, format_view, live_runs, pick_run, plan_job, run_view, submit
 
 SUBMIT_EXAMPLES = """examples:
   diloco submit --address http://HEAD:8265 --config configs/default.yaml

@@ -19,7 +19,8 @@ Per fragment p (each inner step's tokens count once for every fragment), from in
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from policies.goodput import goodput_report, merge_timeline, uptime_window_from_rounds
 

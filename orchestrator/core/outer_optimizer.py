@@ -17,16 +17,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
 from islands.messages import Submission
 from orchestrator.core.checkpoint import PARAM_PREFIX
-from orchestrator.core.settings import OuterSettings  # re-exported: the outer optimizer's settings
 from orchestrator.core.round_merge import merge_round
 from orchestrator.core.rounds import OpenRound, Refusal, RoundRecord, RoundResult
 from orchestrator.core.served_average import ServedAverage
+from orchestrator.core.settings import OuterSettings  # re-exported: the outer optimizer's settings
 from orchestrator.core.submission_check import check_submission
 from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds

@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from orchestrator.config import ConfigError, PoolConfig, RunConfig
 from orchestrator.actors.placement import island_bundle
+from orchestrator.config import ConfigError, PoolConfig, RunConfig
 
 LOCAL_DASHBOARD_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_TOKEN_PATH = "~/.ray/auth_token"  # where Ray reads the token when RAY_AUTH_TOKEN(_PATH) is unset

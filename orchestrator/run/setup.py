@@ -19,6 +19,7 @@ import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from islands.spec import IslandSpec
+from orchestrator.actors.monitor_settings import ActorClasses, RunAddress
 from orchestrator.actors.placement import remove_run_groups
 from orchestrator.actors.remote import (
     NAMESPACE,
@@ -32,7 +33,6 @@ from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
 from orchestrator.config import ConfigError, RunConfig, build_config, resume_conflict
 from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.core.outer_optimizer import OuterOptimizer
-from orchestrator.actors.monitor_settings import ActorClasses, RunAddress
 from orchestrator.settings import monitor_health, monitor_restart, monitor_timeouts, outer_settings
 from policies.fragments import FragmentPlan
 

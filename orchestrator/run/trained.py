@@ -25,8 +25,8 @@ import torch
 import yaml
 
 from islands.model import ByteTransformer, ModelConfig, build_model
-from orchestrator.core.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
 from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig, apply_overrides, build_config
+from orchestrator.core.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
 
 __all__ = ["EXPORT_FORMAT", "TrainedModel", "TrainedModelError", "evaluate_trained", "export_model", "load_exported",
            "load_trained", "read_run_config"]
@@ -152,8 +152,8 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) 
     {"eval_loss" (nats per token), "eval_bits_per_token", "unigram_bits_per_token", "tokens", "source"}.
     """
     from islands.data import DataError, unigram_bits_per_byte
-    from orchestrator.run.driver import load_corpus  # imports Ray; only evaluation needs the corpus loader
     from orchestrator.core.evaluation import Evaluator
+    from orchestrator.run.driver import load_corpus  # imports Ray; only evaluation needs the corpus loader
 
     overrides = list(overrides or [])
     for item in overrides:

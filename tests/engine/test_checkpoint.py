@@ -11,8 +11,7 @@ import pickle
 import pytest
 import torch
 
-from orchestrator.core.checkpoint import (MANIFEST_FILE, PAYLOAD_FILE, TMP_SUFFIX, Checkpoint, CheckpointError,
-                                     CheckpointStore, checkpoint_dirname)
+from orchestrator.core.checkpoint import MANIFEST_FILE, PAYLOAD_FILE, TMP_SUFFIX, Checkpoint, CheckpointError, CheckpointStore, checkpoint_dirname
 
 LOGGER = "orchestrator.core.checkpoint"
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 import torch
 
 from islands.island import LearnerIsland
-import pytest
-
 from policies.compression import FEEDBACK_SCHEMES, compress, decompress
 from tests.engine.nano import nano_world
 from tests.from_config import inner_from_config, outer_from_config, spec_from_config

@@ -13,8 +13,8 @@ import subprocess
 import sys
 import time
 
-from orchestrator.deploy.cluster_check import local_problems
 from orchestrator.config import load_config
+from orchestrator.deploy.cluster_check import local_problems
 
 CPU_NODE = {"CPU": 2.0, "memory": 1e10, "object_store_memory": 1e9}
 

@@ -11,7 +11,7 @@ import torch
 
 from islands.messages import Submission
 from orchestrator.core.outer_optimizer import OuterOptimizer
-from policies.compression import Compressed, compress
+from policies.compression import compress
 from policies.fragments import plan_fragments
 from tests.from_config import outer_from_config
 

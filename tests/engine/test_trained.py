@@ -16,10 +16,9 @@ import yaml
 from islands.model import build_model, model_config
 from islands.sampling import generate
 from orchestrator.cli.main import main as diloco
-from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.config import build_config
-from orchestrator.run.trained import (EXPORT_FORMAT, TrainedModelError, evaluate_trained, export_model, load_exported,
-                                  load_trained)
+from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
+from orchestrator.run.trained import EXPORT_FORMAT, TrainedModelError, evaluate_trained, export_model, load_exported, load_trained
 
 
 def trained_params(seed: int) -> dict[str, torch.Tensor]:

@@ -19,12 +19,20 @@ import torch
 
 from islands.data import ShardSampler
 from islands.model import build_model, model_config
-from orchestrator.baselines.data_parallel import (WorkerSlot, assign_slots, parameter_checksum, scaling_config, steps_for_budget,
-                                      train_data_parallel, uses_gpus, worker_slots)
+from orchestrator.baselines.data_parallel import (
+    WorkerSlot,
+    assign_slots,
+    parameter_checksum,
+    scaling_config,
+    steps_for_budget,
+    train_data_parallel,
+    uses_gpus,
+    worker_slots,
+)
 from orchestrator.config import ConfigError, build_config
-from orchestrator.run.driver import load_corpus
 from orchestrator.core.evaluation import Evaluator
 from orchestrator.core.eventlog import read_events
+from orchestrator.run.driver import load_corpus
 from orchestrator.run.trained import evaluate_trained, load_trained
 from policies.network import NetworkModel, build_network
 from policies.stopping import target_reached

@@ -8,8 +8,8 @@ import pytest
 import ray
 
 from orchestrator.config import build_config
-from orchestrator.run.driver import train
 from orchestrator.core.eventlog import read_events
+from orchestrator.run.driver import train
 from orchestrator.run.trained import evaluate_trained, load_trained
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

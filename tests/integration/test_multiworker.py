@@ -15,11 +15,11 @@ from ray.util.placement_group import placement_group_table
 
 from islands.messages import FragmentUpdate
 from islands.model import build_model, model_config
+from orchestrator.actors.placement import create_island_group, island_scheduling, release_group
 from orchestrator.actors.remote import NAMESPACE, IslandActor, IslandWorkerActor
 from orchestrator.config import PoolConfig, build_config
-from orchestrator.run.driver import Run
 from orchestrator.core.eventlog import read_events
-from orchestrator.actors.placement import create_island_group, island_scheduling, release_group
+from orchestrator.run.driver import Run
 from policies.fragments import plan_fragments
 from tests.from_config import inner_from_config, spec_from_config
 from tests.integration.test_self_healing import actor, finish, start, wait_for

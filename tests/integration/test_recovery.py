@@ -14,8 +14,8 @@ import ray
 import yaml
 
 from orchestrator.actors.remote import NAMESPACE
-from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.config import apply_overrides, build_config
+from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.run.driver import Run, resume_config, train
 from tests.conftest import add_pool_node
 from tests.integration.test_self_healing import actor, finish, start, wait_for

@@ -7,16 +7,16 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import ray
 
 from orchestrator.actors.remote import NAMESPACE
-from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.config import build_config
-from orchestrator.run.driver import Run
+from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.core.eventlog import read_events
+from orchestrator.run.driver import Run
 from policies.chaos import Fault, FaultTape
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

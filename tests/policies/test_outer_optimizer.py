@@ -1,6 +1,7 @@
 """Outer optimizer: hand values, a manual Nesterov loop, FedAvg, and exact state round trips."""
 
 import copy
+
 import pytest
 import torch
 
