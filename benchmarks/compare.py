@@ -274,7 +274,8 @@ def analyse_wan(runs: list[dict[str, dict]], cap_s: float, budget: int) -> dict:
         for n, s in rep.items():
             t, toks = time_to_target(s["evals"], target)
             row["methods"][n] = {"time_to_target_s": t, "tokens_to_target": toks, "final_loss": final_loss(s),
-                                 "final_loss_own_eval": s["eval_loss"], "tokens": s["tokens_processed"], "bytes_per_token": s["bytes_sent"] / max(1, s["tokens_processed"]),
+                                 "final_loss_own_eval": s["eval_loss"], "tokens": s["tokens_processed"],
+                                 "bytes_per_token": s["bytes_sent"] / max(1, s["tokens_processed"]),
                                  "goodput": s.get("goodput"), "wall_s": s["wall_s"]}
         m = row["methods"]
         dp, ref, dec = m["data-parallel"], m["dp-no-network"], m["decoupled"]
@@ -411,7 +412,8 @@ def table_het(res: dict, notes: list[str]) -> str:
         lines.append(f"| {n} | {m['final_loss']:.4f} | {100 * m['gap_to_kall']:+.2f}% | {per} | {merged} | "
                      f"{m['goodput']:.3f} | {m['tokens']:,.0f} | {m['wall_s']:.0f} |")
     note = (f"- 'at ... tokens merged': held-out loss when {MERGED_CHECKPOINT:.0%} of the budget had reached the global "
-            "model (evaluations before the final flush; n/a if a run's last one had merged less); K = all's model lags its islands (the fast pool's submissions wait "
+            "model (evaluations before the final flush; n/a if a run's last one had merged less); K = all's model lags its "
+            "islands (the fast pool's submissions wait "
             "for the slow one), so equal tokens processed would flatter it.")
     return "\n".join(lines + [""] + checks_md(res) + [note, ""] + notes)
 
@@ -486,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="smoke run: 200k tokens, H=10, short evals, every run capped at 45 s of wall clock (DP at 30 s), 1 repeat")
     ap.add_argument("--compression", choices=SCHEMES, default="int4",
                     help="decoupled outer-gradient wire format (default int4; int2 / sign: 2 bits / 1 bit an element with "
-                         "error feedback; topk: the largest outer.topk_density of each chunk with error feedback, set the density with --set; see benchmarks/README.md)")
+                         "error feedback; topk: the largest outer.topk_density of each chunk with error feedback, set the density "
+                         "with --set; see benchmarks/README.md)")
     ap.add_argument("--downlink", choices=("none", "bf16", "int8"), default=None,
                     help="wire format of published fragments in the engine runs' decoupled settings (outer.downlink; "
                          "default int8 for wan-4-regions, where float32 fragments saturate the slow links, "
@@ -662,7 +665,12 @@ def main(argv: list[str] | None = None) -> int:
                if len(wide) == 1 and None not in wide else "its own last evaluation; ") +
               "the target loss and the times to it use the runs' own evaluations (eval.batches)"]
     notes += [f"{args.repeats} repeat(s), medians; token budget {args.budget:,} per run; model {args.model}; "
-              f"inner lr schedule {args.lr_schedule} (every run); decoupled outer gradients {args.compression}, downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, adoption {args.adoption}, step scale {args.step_scale}, RDA across rounds {'on' if rda else 'off'}, max staleness {args.max_staleness if args.max_staleness is not None else 'default'}{'; every run ' + ' '.join(args.all_overrides) if args.all_overrides else ''}{'; decoupled overrides ' + ' '.join(args.overrides) if args.overrides else ''}; started {args.started} UTC."]
+              f"inner lr schedule {args.lr_schedule} (every run); decoupled outer gradients {args.compression}, "
+              f"downlink {args.downlink} (differences {args.downlink_delta}) to {args.publish_to}, adoption {args.adoption}, "
+              f"step scale {args.step_scale}, RDA across rounds {'on' if rda else 'off'}, "
+              f"max staleness {args.max_staleness if args.max_staleness is not None else 'default'}"
+              f"{'; every run ' + ' '.join(args.all_overrides) if args.all_overrides else ''}"
+              f"{'; decoupled overrides ' + ' '.join(args.overrides) if args.overrides else ''}; started {args.started} UTC."]
     table = table_het(res, notes) if het else table_wan(res, notes)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -379,7 +379,8 @@ def summarise(rows: list[dict]) -> list[dict]:
     summary = []
     for label in dict.fromkeys(r["config"] for r in rows):
         mine = [r for r in rows if r["config"] == label]
-        med = lambda f: statistics.median(f(r) for r in mine)  # noqa: E731
+        def med(f, mine=mine) -> float:
+            return statistics.median(f(r) for r in mine)
         every = [p["ratio"] for r in mine for p in r["pairs"]]
         q = statistics.quantiles(every, n=4) if len(every) > 1 else [every[0]] * 3
         summary.append({

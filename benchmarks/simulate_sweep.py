@@ -67,9 +67,9 @@ def calibrate(seeds=(0, 1, 2), rounds: int = 3) -> tuple[float, float]:
 
     p, r = SimConfig().reconfig_s, SimConfig().recovery_mean_s
     for i in range(rounds):
-        p = _bisect(lambda x: goodput(method="decoupled", learners=8, reconfig_s=x, restart_s=x,
-                                      recovery_mean_s=r), 1.0, 60.0, 0.88)
-        r = _bisect(lambda x: goodput(method="dp", reconfig_s=p, restart_s=p, recovery_mean_s=x), 0.5, 150.0, 0.27)
+        p = _bisect(lambda x, r=r: goodput(method="decoupled", learners=8, reconfig_s=x, restart_s=x,
+                                           recovery_mean_s=r), 1.0, 60.0, 0.88)
+        r = _bisect(lambda x, p=p: goodput(method="dp", reconfig_s=p, restart_s=p, recovery_mean_s=x), 0.5, 150.0, 0.27)
         print(f"round {i}: reconfig_s = restart_s = {p:.2f}, recovery_mean_s = {r:.2f}")
     return p, r
 

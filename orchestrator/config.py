@@ -135,9 +135,11 @@ class OuterSection(_Section):
     num_fragments: int = Field(2, ge=1, description="P: fragments the parameters are split into (size-balanced).")
     sync_every_steps: int = Field(40, ge=1, description="H: inner steps between two submissions of the same fragment.")
     min_quorum: int | Literal["all"] = Field(1, description="K: submissions a round waits for; 'all' = every island.")
-    grace_gamma: float = Field(0.5, ge=0, description="gamma in grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, cap); inf = wait for all live islands.")
+    grace_gamma: float = Field(0.5, ge=0, description="gamma in grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, cap); "
+                               "inf = wait for all live islands.")
     grace_cap_s: float = Field(2.0, ge=0, description="Upper bound of the grace window, seconds (inf allowed).")
-    tau_steps: float | None = Field(None, gt=0, description="tau: inner steps a submission may be in flight; None = H/P (H as sync_every_schedule has it at the time).")
+    tau_steps: float | None = Field(None, gt=0, description="tau: inner steps a submission may be in flight; "
+                                      "None = H/P (H as sync_every_schedule has it at the time).")
     weighting: Literal["tokens", "uniform"] = Field("tokens", description="'tokens': w = tokens*tokens/steps; 'uniform'.")
     merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings) or 'mean'.")
     lr: float = Field(0.7, gt=0, description="Outer SGD learning rate.")
@@ -313,11 +315,14 @@ class HealthSection(_Section):
     backoff_base_s: float = Field(0.5, gt=0, description="First restart delay; doubles per consecutive failure.")
     backoff_cap_s: float = Field(30.0, gt=0, description="Longest restart delay, seconds.")
     reset_after_s: float = Field(60.0, gt=0, description="Healthy this long resets an island's backoff.")
-    reset_on_submission: bool = Field(True, description="A restarted island that cuts a submission resets its backoff at once: failures with work between them are not a crash loop.")
+    reset_on_submission: bool = Field(True, description="A restarted island that cuts a submission resets its backoff at once: "
+                                      "failures with work between them are not a crash loop.")
     max_restarts: int | None = Field(None, ge=0, description="Give up on an island slot after this many restarts (None = never).")
     tick_s: float = Field(0.25, gt=0, description="Seconds between health checks.")
-    warm_spares: int = Field(1, ge=0, description="Idle island processes kept ready per pool (imports done): a restart activates one in under a second instead of starting a process.")
-    salvage_every_steps: int = Field(5, ge=0, description="Every this many inner steps an island leaves its unsubmitted progress with its pool's keeper; when it dies that progress is merged instead of lost (policies/salvage.py). 0 = off.")
+    warm_spares: int = Field(1, ge=0, description="Idle island processes kept ready per pool (imports done): a restart "
+                             "activates one in under a second instead of starting a process.")
+    salvage_every_steps: int = Field(5, ge=0, description="Every this many inner steps an island leaves its unsubmitted progress with its "
+                                     "pool's keeper; when it dies that progress is merged instead of lost (policies/salvage.py). 0 = off.")
 
 
 class CheckpointSection(_Section):
@@ -337,9 +342,12 @@ class NetworkSection(_Section):
     """
 
     scenario: str = Field("none", description="none (no delay) | lan | wan-4-regions | wan-8-regions; pool regions must be in the scenario.")
-    hub_region: str | None = Field(None, description="Region of the outer optimizer (the star's hub); None = the scenario's (us-central for the WANs, the first pool's region otherwise).")
-    local_step_s: float | None = Field(None, gt=0, description="Inner-step compute time in seconds used for the scaling; None = measure a few inner steps of the model at setup.")
-    step_concurrency: int | None = Field(None, ge=1, description="Inner steps timed side by side when measuring local_step_s; None = every island worker of the config on a one-node Ray cluster, 1 on a multi-node one.")
+    hub_region: str | None = Field(None, description="Region of the outer optimizer (the star's hub); None = the scenario's "
+                                      "(us-central for the WANs, the first pool's region otherwise).")
+    local_step_s: float | None = Field(None, gt=0, description="Inner-step compute time in seconds used for the scaling; "
+                                         "None = measure a few inner steps of the model at setup.")
+    step_concurrency: int | None = Field(None, ge=1, description="Inner steps timed side by side when measuring local_step_s; None = every "
+                                          "island worker of the config on a one-node Ray cluster, 1 on a multi-node one.")
 
     @field_validator("scenario")
     @classmethod
@@ -354,9 +362,11 @@ class RunSection(_Section):
 
     token_budget: int = Field(3_000_000, gt=0, description="Stop when the islands together have processed this many tokens.")
     max_wall_s: float | None = Field(None, gt=0, description="Hard wall-clock stop in seconds (None = only the token budget).")
-    stop_at_eval_loss: float | None = Field(None, gt=0, description="Stop early once the held-out loss (nats/byte) is at or below this at 2 evaluations in a row (None = never); for timing a run to a target loss.")
+    stop_at_eval_loss: float | None = Field(None, gt=0, description="Stop early once the held-out loss (nats/byte) is at or below this at 2 "
+                                             "evaluations in a row (None = never); for timing a run to a target loss.")
     seed: int = Field(0, description="Seed for model init, data order and emulation jitter.")
-    final_flush: bool = Field(True, description="At stop, cut every island's unsubmitted progress into submissions and merge them whatever the quorum (otherwise that work is lost), as one step to their weighted mean (no RDA, no momentum).")
+    final_flush: bool = Field(True, description="At stop, cut every island's unsubmitted progress into submissions and merge them "
+                              "whatever the quorum (else that work is lost), as one step to their weighted mean (no RDA, no momentum).")
     placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for an island's placement group.")
     call_timeout_s: float = Field(60.0, gt=0, description="Timeout of control-plane calls (status, adopt, stop).")
 

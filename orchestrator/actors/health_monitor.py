@@ -73,7 +73,9 @@ class HealthMonitor:
         self.specs = {s.island: s for s in specs}
         self.health = health.as_kwargs() if health is not None else {}
         self.budget = restart if restart is not None else RestartBudget()
-        stopping = lambda: self._stopping  # the collaborators' view of this run stopping
+        def stopping() -> bool:  # the collaborators' view of this run stopping
+            return self._stopping
+
         self.launcher = IslandLauncher(run=run, pools=self.pools, slot_pools={s.island: s.pool for s in specs},
                                        actors=actors, timeouts=timeouts, warm_spares=warm_spares, stopping=stopping)
         self.outer = OuterLink(name=run.outer_name, namespace=run.namespace, call_timeout_s=timeouts.call_s)

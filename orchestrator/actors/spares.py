@@ -12,6 +12,7 @@ have to be a whole pre-joined worker group; they restart cold.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -77,8 +78,8 @@ class WarmSpares:
                 self._seq += 1
                 name = f"{self.run_id}-spare-{pool_name}-{self._seq}"
                 try:
-                    group = await loop.run_in_executor(None, lambda: create_island_group(
-                        pool, name=name, timeout_s=5.0, lifetime="detached"))
+                    group = await loop.run_in_executor(None, functools.partial(
+                        create_island_group, pool, name=name, timeout_s=5.0, lifetime="detached"))
                 except Exception as err:  # noqa: BLE001 - no room now; restarts will start cold
                     log.info("no warm spare for pool %s: %s", pool_name, err)
                     return

@@ -193,7 +193,8 @@ def register(subparsers) -> None:
     """Add ``simulate`` and ``simulate-sweep`` to the ``diloco`` parser's subparsers."""
     fmt = argparse.RawDescriptionHelpFormatter
     p = subparsers.add_parser("simulate", help="goodput of one method under chip failures",
-                              description="Simulate one training job's goodput and uptime under per-chip failures.", epilog=SIMULATE_EXAMPLES, formatter_class=fmt)
+                              description="Simulate one training job's goodput and uptime under per-chip failures.",
+                              epilog=SIMULATE_EXAMPLES, formatter_class=fmt)
     p.add_argument("--method", choices=METHODS, required=True, help="training method to simulate")
     p.add_argument("--chips", type=POS_INT, required=True, help="total chips, e.g. 1200000")
     p.add_argument("--learners", type=POS_INT, default=SimConfig().learners,

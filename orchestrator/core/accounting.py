@@ -95,7 +95,8 @@ def run_goodput(
     inside = [t for t in advances if run_start <= t <= until]
     window = uptime_window_from_rounds(inside)
     report = goodput_report(
-        intervals=merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end), useful_s=min(useful_s, islands * (run_end - run_start)),
+        intervals=merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end),
+        useful_s=min(useful_s, islands * (run_end - run_start)),
         run_start=run_start, run_end=run_end, islands=islands, version_advances=inside, uptime_window_s=window,
         tokens_merged=mean(fates["merged"]), tokens_lost=mean(fates["lost"]), tokens_refused=mean(fates["refused"]),
         tokens_in_flight=mean(fates["in_flight"]), tokens_overwritten=mean(fates["overwritten"]),

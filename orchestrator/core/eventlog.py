@@ -3,7 +3,8 @@
 Layout: `RUN_DIR/events/<kind>/part-00000.parquet`, ... with kind in `rounds`, `refusals`, `evals`,
 `islands` (final status of every incarnation), `timeline` (island state transitions), `faults`
 (injected faults), `detections` (each failure the health monitor acted on, with its reason) and
-`salvages` (a dead incarnation's progress handed from its keeper to the outer optimizer). Part files (not one file rewritten) so a crash loses at most the last unflushed batch, and
+`salvages` (a dead incarnation's progress handed from its keeper to the outer optimizer). Part files (not one
+file rewritten) so a crash loses at most the last unflushed batch, and
 `read_events` reads a whole kind back as one Arrow table.
 """
 

@@ -272,7 +272,8 @@ def format_view(view: dict) -> str:
     processed = view["extra"].get("tokens_processed", so_far["tokens_processed"])
     elapsed = f"{view['now'] - view['run_start']:.0f} s" if view["run_start"] else "not yet training"
     good = "n/a (islands not all training yet)" if so_far["goodput"] is None else (
-        f"{so_far['goodput']:.3f}, uptime {so_far['uptime']:.3f} (goodput's clock from when every island first trained, uptime's from the first version advance)")
+        f"{so_far['goodput']:.3f}, uptime {so_far['uptime']:.3f} "
+        "(goodput's clock from when every island first trained, uptime's from the first version advance)")
     lines = [
         f"run {view['run_id']} ({elapsed})",
         f"fragment versions   {st['versions']}",

@@ -4,7 +4,8 @@ A run's global parameters live in its checkpoints (orchestrator.core.checkpoint;
 RUN_DIR/checkpoints), beside their moving average when the run kept one (`run.average_window`). `diloco
 train` writes the last one after the final flush, so it holds exactly the model `summary.json`'s final
 held-out loss was measured on (the average where there is one); `diloco baseline-dp` saves its final
-parameters the same way. `--raw` loads the global parameters instead of the average. :func:`load_trained` rebuilds the model from the run's `config.yaml` and loads
+parameters the same way. `--raw` loads the global parameters instead of the average. :func:`load_trained`
+rebuilds the model from the run's `config.yaml` and loads
 the newest (or a chosen) checkpoint into it, refusing in one line anything that does not fit.
 
 `diloco sample RUN_DIR --prompt "def "` prints a continuation; `diloco evaluate RUN_DIR` scores the model

@@ -209,7 +209,8 @@ def test_submit_runs_on_the_cluster_status_attaches_and_metrics_export(head, tmp
         assert seen_status, f"diloco status never showed the live run; last: {last}"
         assert re.search(r"^fragment versions +\[\d+, \d+\]$", seen_status, re.M), seen_status
         assert "island 0 pool a: " in seen_status and "goodput so far" in seen_status
-        assert re.search(r"^salvaged +0 tokens of dead islands' unsubmitted progress \(0 salvages; progress keepers replaced 0 times\)$", seen_status, re.M), seen_status
+        salvaged = r"^salvaged +0 tokens of dead islands' unsubmitted progress \(0 salvages; progress keepers replaced 0 times\)$"
+        assert re.search(salvaged, seen_status, re.M), seen_status
         submit.wait(timeout=300)
     finally:
         if submit.poll() is None:

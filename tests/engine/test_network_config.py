@@ -54,7 +54,9 @@ def test_final_table_labels_an_emulated_network():
 
 
 def test_the_summary_names_the_moving_average_and_the_raw_models_loss_when_it_served_one():
-    loss = lambda s: next(ln for ln in format_summary({**s, "network_emulated": False}).splitlines() if ln.startswith("held-out loss"))
+    def loss(s: dict) -> str:
+        return next(ln for ln in format_summary({**s, "network_emulated": False}).splitlines() if ln.startswith("held-out loss"))
+
     assert loss(SUMMARY).split() == ["held-out", "loss", "(nats/byte)", "2.0000"]
     assert loss({**SUMMARY, "eval_loss_raw": 2.03125}).endswith("2.0000 (moving average; raw global model 2.0312)")
     assert loss({**SUMMARY, "eval_loss_raw": None}).endswith("2.0000"), "a run without averaging"

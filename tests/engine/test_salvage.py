@@ -25,7 +25,8 @@ def setup(every: int = 3, compression: str = "none"):
     islands = []
     for i in range(2):
         spec = spec_from_config(island=i, incarnation=1, pool="p", num_islands=2, model_config=w.cfg, plan=w.plan, inner=INNER,
-                                sync_every_steps=8, seed=1, salvage_every_steps=every, compression=compression, adoption="overwrite")  # P = 2: a cut every 4 steps
+                                sync_every_steps=8, seed=1, salvage_every_steps=every, compression=compression,
+                                adoption="overwrite")  # P = 2: a cut every 4 steps
         islands.append(LearnerIsland(spec, w.data, w.latest, shelve=(lambda step, blob: shelved.append((step, blob))) if i else None))
         w.outer.register(i, 1)
     return w.outer, islands, shelved

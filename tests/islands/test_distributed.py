@@ -127,7 +127,7 @@ def test_two_workers_step_like_one_process_on_both_batches_and_stay_identical():
     params1, loss1, tokens1, cursor1 = got["step1"]
     ref_grads, ref, ref_loss = reference_step()
     for n, g in ref_grads.items():
-        torch.testing.assert_close(torch.from_numpy(got["grads0"][0][n]), g, rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(torch.from_numpy(got["grads0"][0][n]), g, rtol=0, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
         assert np.array_equal(got["grads0"][0][n], got["grads1"][0][n]), f"{n}: workers hold different averaged gradients"
     assert tokens1 == 2 * INNER.batch_size * CFG.seq_len, "an island step counts every worker's tokens"
     assert cursor1 == 1, "the cursor counts island steps, not batches"
@@ -136,7 +136,7 @@ def test_two_workers_step_like_one_process_on_both_batches_and_stay_identical():
     init = dict(build_model(CFG, seed=SEED).named_parameters())
     for n, p in ref.items():
         assert not torch.equal(p, init[n].detach()), f"{n} did not move: the check would be vacuous"
-        torch.testing.assert_close(torch.from_numpy(params1[n]), p, rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(torch.from_numpy(params1[n]), p, rtol=0, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
     lead_params, lead_steps, lead_lr = got["leader"]
     foll_params, foll_steps, state, foll_lr = got["follower"]

@@ -39,7 +39,7 @@ def test_synchronous_diloco_two_outer_steps():
         all_in = decide_round(now=0.0, pending=3, min_quorum=3, live_islands=3, quorum_reached_at=0.0, grace_s=grace)
         assert all_in.close
 
-        deltas = [[g - l for g, l in zip(theta, local)] for local in islands]
+        deltas = [[g - t for g, t in zip(theta, local)] for local in islands]
         w = merge_weights(tokens=[10, 500, 7], steps=[1, 2, 3], scheme="uniform")
         opt.step(merge_fragment(deltas, w, rule="mean", embedding_mask=[False, False]))
 
