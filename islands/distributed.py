@@ -19,7 +19,7 @@ and the follower all import it and nothing imports back:
   concatenated (mean loss), which tests/integration/test_multiworker.py checks against a
   single-process reference.
 
-Torch only: the Ray side (actors, placement) is in orchestrator/actors/remote.py and health_monitor.py.
+Torch only: the Ray side (actors, placement) is in orchestrator/actors/remote.py and launcher.py.
 The NCCL path has run only up to NCCL's own refusal of two ranks on one card (one-GPU machine,
 benchmarks/gpu_check.py); a two-worker NCCL island needs two GPUs and has not run.
 """

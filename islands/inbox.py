@@ -138,7 +138,7 @@ class Inbox:
         with self._cv:
             if self.adoption.kind == "overwrite" and state.steps[p]:
                 # The fragment's progress since its last cut was just replaced: it never reaches the global
-                # parameters, so its tokens and compute are not the next cut's (DESIGN.md section 6, useful).
+                # parameters, so its tokens and compute are not the next cut's (docs/architecture.md section 6, useful).
                 state.overwritten[p] += state.tokens[p]
                 state.reset_progress(p)
             self._outbox.resolve(mine)

@@ -25,7 +25,7 @@ class SubmissionKey:
 
 @dataclass
 class Submission:
-    """One island's outer gradient for one fragment: delta = base[p] - theta[p] (DESIGN.md section 2)."""
+    """One island's outer gradient for one fragment: delta = base[p] - theta[p] (docs/architecture.md section 2)."""
 
     island: int
     incarnation: int

@@ -27,7 +27,7 @@ MODES = ("decoupled", "sync-diloco", "streaming-diloco")
 # it), named here so that the baseline and the readers of run directories share one spelling.
 DATA_PARALLEL_MODE = "data-parallel"
 
-# What `mode: sync-diloco` means (DESIGN.md section 3): K = all islands, unbounded grace, uniform
+# What `mode: sync-diloco` means (docs/architecture.md section 3): K = all islands, unbounded grace, uniform
 # weights, mean merge, P = 1, overwrite adoption, and islands wait for each round.
 SYNC_DILOCO_OUTER = {
     "min_quorum": "all",

@@ -1,4 +1,4 @@
-"""How an island adopts a newly published fragment (DESIGN.md section 3, island step 3).
+"""How an island adopts a newly published fragment (docs/architecture.md section 3, island step 3).
 
 - ``overwrite``: ``theta = Theta`` (the paper).
 - ``rebase``: ``theta = Theta + (theta - anchor)``, keeping local progress not yet merged.

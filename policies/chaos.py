@@ -1,4 +1,4 @@
-"""Chaos schedules: which fault hits which island, and when (DESIGN.md sections 4 and 7).
+"""Chaos schedules: which fault hits which island, and when (docs/architecture.md sections 4 and 7).
 
 A :class:`FaultTape` is a list of :class:`Fault` values decided up front, so a chaos run is
 reproducible: the injector replays the tape, the test asserts exact counts of injected faults.

@@ -1,6 +1,6 @@
 """Fragment planning: a fixed, size-balanced grouping of parameter tensors.
 
-A fragment is the unit of synchronization (DESIGN.md section 2). Islands submit fragments in a
+A fragment is the unit of synchronization (docs/architecture.md section 2). Islands submit fragments in a
 fixed global order, so every island and the outer optimizer must derive the same plan from the same
 model; the plan is therefore a pure, deterministic function of ``(name, nbytes)`` pairs.
 """

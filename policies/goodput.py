@@ -1,4 +1,4 @@
-"""Goodput accounting, exactly as DESIGN.md section 6 defines it.
+"""Goodput accounting, exactly as docs/architecture.md section 6 defines it.
 
 - Allocated time: every island slot, wall time from run start to run end:
   ``allocated_s = islands * (run_end - run_start)``.

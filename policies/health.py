@@ -1,6 +1,6 @@
 """Is an island healthy? The health monitor's verdict on one island at one moment.
 
-The health monitor (DESIGN.md section 4) polls each island's status and calls
+The health monitor (docs/architecture.md section 4) polls each island's status and calls
 :func:`assess_island` with what it measured; the answer is a :class:`HealthVerdict` it acts on
 (kill and restart when not healthy) and logs once. The hang timeout scales with the island's *own*
 measured inner step time, so a slow pool is never mistaken for a hung one. Time is an argument;

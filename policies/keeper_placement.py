@@ -17,14 +17,14 @@ Snapshots stay inside the pool or its region (they are a model's size every few 
 cross the WAN), so a node elsewhere is only the last resort for pools that have no labels to keep it in.
 
 Ray expresses the preferences as label selectors: the first is the actor's `label_selector`, the rest
-its `fallback_strategy`, tried in order (shared/notes/ray-2.60.md). A pool with labels is matched by its
+its `fallback_strategy`, tried in order (docs/architecture.md section 4). A pool with labels is matched by its
 own selector plus `ray.io/node-id: !in(...)`, so Ray alone interprets its label syntax when placing; a
 pool pinned by custom resources is matched by listing its nodes, found from their resources. `matches`
 re-implements Ray's four selector forms only to compare nodes when deciding whether to move a keeper.
 The choice is made when the keeper starts, with the islands placed so far. Islands restart and nodes
 come and go afterwards, so the health monitor also checks now and then whether a node of a more
 preferred kind than the keeper's own exists (`should_move`) and, if so, moves the keeper there with
-its snapshots (orchestrator/actors/health_monitor.py).
+its snapshots (orchestrator/actors/keepers.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 __all__ = ["NODE_ID_LABEL", "REGION_LABEL", "keeper_selectors", "matches", "pool_nodes", "should_move"]
 
 NODE_ID_LABEL = "ray.io/node-id"  # set by Ray on every node
-REGION_LABEL = "region"  # the node label pools name their region by (shared/notes/ray-2.60.md, cluster.yaml)
+REGION_LABEL = "region"  # the node label pools name their region by (docs/architecture.md section 4, cluster.yaml)
 
 
 def pool_nodes(resources: Mapping[str, float], nodes: Mapping[str, Mapping[str, float]]) -> list[str]:

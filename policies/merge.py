@@ -1,9 +1,9 @@
-"""Merge rules: how the outer gradients of one round become one (DESIGN.md section 3, step 5).
+"""Merge rules: how the outer gradients of one round become one (docs/architecture.md section 3, step 5).
 
 Radial-directional averaging (RDA) averages the norms and the unit directions separately, so
 near-orthogonal island updates keep their typical size instead of shrinking like ``1/sqrt(M)``
 under a plain mean. Embedding tensors use the plain weighted mean, as the design specifies
-(DESIGN.md section 3, outer step 5); the plain mean for every tensor is the other policy.
+(docs/architecture.md section 3, outer step 5); the plain mean for every tensor is the other policy.
 :class:`RdaAcrossRounds` carries RDA's norm rule across the rounds that merge fewer than every island.
 """
 

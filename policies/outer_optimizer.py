@@ -1,4 +1,4 @@
-"""The outer step of one fragment: SGD with Nesterov momentum (DESIGN.md section 3, step 6).
+"""The outer step of one fragment: SGD with Nesterov momentum (docs/architecture.md section 3, step 6).
 
 A thin wrapper over ``torch.optim.SGD``, as torchft's ``local_sgd.py`` does, so the Nesterov update
 of a full round is torch's own and not a rewrite; only a partial round under the ``clock`` step scale
@@ -29,7 +29,7 @@ def round_step_scale(rule: str, *, participants: int, live_islands: int) -> floa
     island; unscaled, those rounds add up to M times the step that synchronous DiLoCo takes once
     per H steps from the average of the same M deltas (and Nesterov amplifies the excess by up to
     1 / (1 - momentum)). Scaled, the rounds of one H add up to the synchronous step in expectation.
-    A round with every live island (K = all) gets 1, so the degenerate settings of DESIGN.md
+    A round with every live island (K = all) gets 1, so the degenerate settings of docs/architecture.md
     section 3 are unchanged. ``none``: always 1 (the paper's plain rule).
 
     The two scaled rules differ in what the factor scales (:meth:`FragmentOuterOptimizer.step`):

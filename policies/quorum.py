@@ -1,7 +1,7 @@
 """When a round closes: minimum quorum plus an adaptive grace window.
 
 The outer optimizer waits, per fragment, for at least ``min_quorum`` pending submissions and then
-up to ``grace_s`` seconds more for stragglers (DESIGN.md section 3, outer steps 1-2). These
+up to ``grace_s`` seconds more for stragglers (docs/architecture.md section 3, outer steps 1-2). These
 functions never read the clock: ``now`` and the measured times are arguments, and the answer is a
 :class:`RoundDecision` the caller acts on and logs once.
 """

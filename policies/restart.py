@@ -1,6 +1,6 @@
 """When to restart a failed island: exponential backoff over consecutive failures.
 
-The health monitor (DESIGN.md section 4) calls :meth:`RestartBudget.on_failure` when an island
+The health monitor (docs/architecture.md section 4) calls :meth:`RestartBudget.on_failure` when an island
 dies, hangs or diverges and restarts it at the returned time; it calls
 :meth:`RestartBudget.on_healthy` on every healthy check, so an island that stays healthy long
 enough earns its backoff back, and so does one that has cut a submission since its restart (work

@@ -1,7 +1,7 @@
 """Staleness: which submissions a round may accept, and the ring of recent versions.
 
 A submission was computed from fragment version ``base_version``; its staleness is
-``current_version - base_version`` (DESIGN.md section 3, outer step 3). The outer optimizer keeps
+``current_version - base_version`` (docs/architecture.md section 3, outer step 3). The outer optimizer keeps
 the last few versions of each fragment in a :class:`VersionRing` so it can anchor any submission
 it accepts.
 """

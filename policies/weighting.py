@@ -1,4 +1,4 @@
-"""Merge weights of the accepted submissions of one round (DESIGN.md section 3, outer step 4)."""
+"""Merge weights of the accepted submissions of one round (docs/architecture.md section 3, outer step 4)."""
 
 from __future__ import annotations
 

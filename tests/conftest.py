@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests that start Ray share one session-scoped labelled cluster (DESIGN.md section 7)."""
+"""Shared fixtures. Tests that start Ray share one session-scoped labelled cluster (docs/architecture.md section 7)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
 
-# Node death noticed in a few seconds instead of ~20-45 s (shared/notes/ray-2.60.md section 2.4). Not
+# Node death noticed in a few seconds instead of ~20-45 s (docs/architecture.md section 4, Testing). Not
 # the notes' 200 ms x 3: on a loaded 2-core machine a raylet can miss 600 ms of checks while processes
 # start, the GCS then declares the head node dead, its raylet exits and takes the test driver with it
 # (seen: pytest killed mid-suite). A node must stay silent for ~3.5 s here.

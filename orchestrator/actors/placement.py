@@ -1,7 +1,7 @@
 """Pools -> placement groups: one placement group per island, pinned to its pool.
 
 An island is its own failure domain: one group, created whole, removed whole (never partially
-rescheduled; see shared/notes/ray-2.60.md on ray-project/ray#65147). Pinning uses node labels
+rescheduled; docs/architecture.md section 4, ray-project/ray#65147). Pinning uses node labels
 (`bundle_label_selector`) and/or custom resources, both taken from the pool's config.
 
 An island of W workers (`workers_per_island`) reserves W bundles, one per worker, every one with the

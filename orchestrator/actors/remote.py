@@ -16,7 +16,7 @@ No module of a shell imports torch at import time: Ray imports an actor's class 
 process that holds a handle to it, and the control-plane processes (health monitor, chaos injector)
 run without torch.
 
-Ray facts that shape this are in DESIGN.md section 4 and shared/notes/ray-2.60.md.
+Ray facts that shape this are in docs/architecture.md section 4.
 """
 
 from __future__ import annotations

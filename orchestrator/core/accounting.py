@@ -1,4 +1,4 @@
-"""Every token has a fate, and goodput is useful time over allocated time (DESIGN.md section 6).
+"""Every token has a fate, and goodput is useful time over allocated time (docs/architecture.md section 6).
 
 Per fragment p (each inner step's tokens count once for every fragment), from independent sources:
 

@@ -1,4 +1,4 @@
-"""OuterOptimizer: the single source of truth for the global parameters (DESIGN.md section 3).
+"""OuterOptimizer: the single source of truth for the global parameters (docs/architecture.md section 3).
 
 A plain class, stepped with submissions and the current time. Per fragment p it keeps the global
 tensors, a Nesterov outer optimizer, the version, a ring of recent versions and the pending

@@ -1,4 +1,4 @@
-"""The merge of one round of one fragment: token weights, the merge rule, the outer step (DESIGN.md section 3).
+"""The merge of one round of one fragment: token weights, the merge rule, the outer step (docs/architecture.md section 3).
 
 `merge_round` turns a round's accepted submissions into one outer gradient (policies.weighting,
 policies.merge), lengthens it across partial rounds (policies.merge.RdaAcrossRounds) and applies the

@@ -1,4 +1,4 @@
-"""The checks a submission passes before it may join a round (DESIGN.md section 3).
+"""The checks a submission passes before it may join a round (docs/architecture.md section 3).
 
 In order: the sender's identity (a live or recently live incarnation), the fragment and counters,
 the wire format and shapes, staleness (policies.staleness), then the decoded values: shapes again

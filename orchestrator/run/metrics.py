@@ -144,7 +144,7 @@ class RunMetrics:
         self.record_goodput(so_far["goodput"], so_far["uptime"])
 
     def record_goodput(self, goodput: float | None, uptime: float | None) -> None:
-        """Goodput and uptime so far (DESIGN.md section 6); None (not known yet) records nothing."""
+        """Goodput and uptime so far (docs/architecture.md section 6); None (not known yet) records nothing."""
         if goodput is not None:
             self.goodput.set(float(goodput), tags=self._tags())
         if uptime is not None:

@@ -1,4 +1,4 @@
-"""Golden tests: degenerate settings of the engine reproduce known algorithms (DESIGN.md section 3).
+"""Golden tests: degenerate settings of the engine reproduce known algorithms (docs/architecture.md section 3).
 
 The engine side is the real LearnerIsland and OuterOptimizer, stepped in process. The reference
 side is written here from the papers' update rules, sharing only the model definition and the data

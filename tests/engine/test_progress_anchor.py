@@ -3,7 +3,7 @@
 A cut carries fragment p's progress since the previous cut. While it is in flight (taken by nobody yet, or
 not merged yet), a later cut, a salvage snapshot or the final flush must measure from the parameters at that
 cut, or they would carry its progress a second time. Adoption: `overwrite` replaces the local fragment (the
-paper), `rebase` keeps the progress not yet merged on top of the new version (DESIGN.md section 3).
+paper), `rebase` keeps the progress not yet merged on top of the new version (docs/architecture.md section 3).
 
 Real LearnerIslands and the real OuterOptimizer core, stepped in process (no Ray). The references are the
 island's own parameters recorded step by step and the outer optimizer's published fragments, combined here.

@@ -1,4 +1,4 @@
-"""Degenerate settings reproduce known algorithms (DESIGN.md section 3), composed from the policies."""
+"""Degenerate settings reproduce known algorithms (docs/architecture.md section 3), composed from the policies."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Goodput accounting on hand-made timelines with known answers (DESIGN.md section 6)."""
+"""Goodput accounting on hand-made timelines with known answers (docs/architecture.md section 6)."""
 
 import math
 
