@@ -5,7 +5,10 @@
 - Useful time: inner-step compute time whose effect reached the global parameters through a merged
   submission (the caller measures it and passes ``useful_s``).
 - Lost time: ``lost_s = allocated_s - useful_s``; :attr:`GoodputReport.by_state_s` breaks the
-  island timeline down by state (downtime is ``dead + restarting + reintegrating``).
+  island timeline down by state (downtime is ``starting + dead + restarting + reintegrating``).
+  ``starting`` is a slot's first start (placing its process, building the model, first fetch) and
+  ``restarting`` then ``reintegrating`` a start after a failure; a first start is downtime like a
+  reintegration: the slot is allocated but not yet useful, with or without failures.
 - ``goodput = useful_s / allocated_s``.
 - Uptime: fraction of wall time in which the global version advanced "recently" (within
   ``uptime_window_s`` after some advance), on a clock that starts at the run's first advance.
@@ -39,7 +42,8 @@ __all__ = [
     "uptime_window_from_rounds",
 ]
 
-TIMELINE_STATES = ("training", "blocked", "dead", "restarting", "reintegrating")
+# "starting": a slot's first start; "restarting" then "reintegrating": a start after a failure.
+TIMELINE_STATES = ("starting", "training", "blocked", "dead", "restarting", "reintegrating")
 
 _TOL = 1e-9
 

@@ -118,8 +118,9 @@ class HealthMonitor:
             log.warning("health monitor restored its state (%d timeline events)", len(self.record.timeline))
         adopted = set() if fresh else await self._adopt_existing()
         for slot in self.slots.values():
-            if saved and slot.island not in adopted and slot.state not in ("dead", "restarting"):
-                # It was live before this monitor restarted and is gone now: a failure nobody saw.
+            if saved and slot.island not in adopted and slot.state not in ("dead", "restarting", "starting"):
+                # It was live before this monitor restarted and is gone now: a failure nobody saw. A first
+                # start cut short by the restart ("starting") is no island failure: it simply starts again.
                 slot.failures += 1
                 self.record.mark(slot, "dead")
                 log.warning("island %d incarnation %d found dead after a monitor restart", slot.island, slot.incarnation)
@@ -155,16 +156,20 @@ class HealthMonitor:
 
         A warm spare of the pool is activated when there is one; otherwise a new process is placed
         (waiting for pool capacity without blocking the other islands): IslandLauncher.place.
+        The slot's first start is "starting" until its first step; a start after a failure is
+        "restarting" until placed, then "reintegrating" until its first step.
         """
+        first = slot.failures == 0  # a resumed run's new driver session starts its slots afresh too
         slot.incarnation += 1
-        self.record.mark(slot, "restarting")
+        self.record.mark(slot, "starting" if first else "restarting")
         outer = self.outer.handle()
         spec = dataclasses.replace(self.specs[slot.island], incarnation=slot.incarnation)
         placed = await self.launcher.place(slot, spec, outer, cursor, self.data)
         if placed is None:
             return  # the run stopped while the island waited for capacity
         handle, cursor = placed
-        self.record.mark(slot, "reintegrating")
+        if not first:  # a first start stays "starting" until its first step
+            self.record.mark(slot, "reintegrating")
         try:
             if self.pools[slot.pool].workers_per_island > 1:
                 await self.launcher.start_followers(slot, spec, handle, self.data)
@@ -297,7 +302,7 @@ class HealthMonitor:
             st = await asyncio.wait_for(handle.status.remote(), timeout=min(2.0, self.timeouts.call_s))
             if self._moved_on(slot, incarnation):
                 return  # the slot failed (or moved on) while we waited: this answer is about the past
-            if slot.observe(st, now) and slot.state == "reintegrating":
+            if slot.observe(st, now) and slot.state in ("starting", "reintegrating"):
                 self.budget.on_healthy(slot.island, now, submitted=has_submitted(st))
             self.record.mark(slot, "blocked" if st.state == "blocked" else ("training" if st.steps else slot.state))
         except RayTaskError as err:  # the call ran and raised: a bug, not a slow island; say what it is

@@ -34,11 +34,16 @@ class RecoveryRecord:
         self.detections: list[dict] = []
         self.rejoin_s: list[float] = []
         self.faults: dict[tuple[int, int], dict] = {}
+        self._last: dict[int, tuple[int, str]] = {}  # island -> (incarnation, state) of its latest timeline event
 
     def mark(self, slot: SlotState, state: str, at: float | None = None) -> None:
-        """Move `slot` to `state`, on the timeline at `at` (wall time; now when None); no-op if it is there."""
-        if slot.state != state:
-            slot.state = state
+        """Move `slot` to `state`, on the timeline at `at` (wall time; now when None); no event if the timeline
+        already has the slot's current incarnation in that state."""
+        slot.state = state
+        # Keyed on the timeline, not on slot.state: a slot is created "starting", and its first start must
+        # still put "starting" on the timeline (else goodput would not see the time before its first step).
+        if self._last.get(slot.island) != (slot.incarnation, state):
+            self._last[slot.island] = (slot.incarnation, state)
             self.timeline.append((at if at is not None else time.time(), slot.island, slot.incarnation, state))
 
     def note_fault(self, island: int, incarnation: int, kind: str, at: float, recovery_delay_s: float) -> None:
@@ -66,6 +71,7 @@ class RecoveryRecord:
     def restore(self, saved: dict) -> None:
         """Take back what a previous monitor parked (the keys the monitor's parked state gives these lists)."""
         self.timeline = list(saved["timeline"])
+        self._last = {island: (inc, state) for _, island, inc, state in self.timeline}
         self.detect_s, self.rejoin_s = list(saved["detect_s"]), list(saved["rejoin_s"])
         self.detections = list(saved["detections"])
         self.faults = dict(saved["faults"])

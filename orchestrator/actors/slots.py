@@ -19,7 +19,8 @@ class SlotState:
     island: int
     pool: str
     incarnation: int = 0
-    state: str = "restarting"  # training | blocked | dead | restarting | reintegrating | stopped
+    # starting (first start) | training | blocked | dead | restarting, reintegrating (after a failure) | stopped
+    state: str = "starting"
     name: str | None = None
     node: str | None = None
     steps: int = 0

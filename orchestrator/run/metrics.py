@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 STALENESS_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 8.5, 16.5]
 WEIGHT_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]
 SECONDS_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
-ISLAND_STATES = ("training", "blocked", "dead", "restarting", "reintegrating", "stopped")
+ISLAND_STATES = ("starting", "training", "blocked", "dead", "restarting", "reintegrating", "stopped")
 
 
 def refusal_kind(reason: str) -> str:

@@ -24,13 +24,15 @@ from typing import Any
 import pyarrow as pa
 
 from orchestrator.core.eventlog import read_events
+from orchestrator.run.summary import faults_cell
 from policies.goodput import TIMELINE_STATES, Interval, merge_timeline
 
 __all__ = ["ReportError", "write_report", "timeline_intervals"]
 
 log = logging.getLogger(__name__)
 
-STATE_COLORS = {"training": "#2ca02c", "blocked": "#bcbd22", "dead": "#d62728",
+# "starting" (a first start) in a light shade of "reintegrating" (a start after a failure): both are start-up.
+STATE_COLORS = {"starting": "#aec7e8", "training": "#2ca02c", "blocked": "#bcbd22", "dead": "#d62728",
                 "restarting": "#ff7f0e", "reintegrating": "#1f77b4"}
 assert tuple(STATE_COLORS) == TIMELINE_STATES
 
@@ -84,10 +86,12 @@ def timeline_intervals(rows: list[dict[str, Any]]) -> tuple[list[Interval], floa
 
 
 def _marks(intervals: list[Interval]) -> tuple[list[Interval], list[Interval]]:
-    """Failures (each "dead" interval) and rejoins (first "training" of an incarnation > 1)."""
+    """Failures (each "dead" interval) and rejoins (first "training" of an incarnation > 1 that was not a
+    first start: a resumed run's new session starts its slots above incarnation 1, "starting")."""
     first: dict[tuple[int, int], Interval] = {}
+    started = {(iv.island, iv.incarnation) for iv in intervals if iv.state == "starting"}
     for iv in sorted(intervals, key=lambda iv: iv.start):
-        if iv.state == "training" and iv.incarnation > 1:
+        if iv.state == "training" and iv.incarnation > 1 and (iv.island, iv.incarnation) not in started:
             first.setdefault((iv.island, iv.incarnation), iv)
     return [iv for iv in intervals if iv.state == "dead"], list(first.values())
 
@@ -189,15 +193,20 @@ def _island_rows(summary: dict, island_events: list[dict[str, Any]] | None) -> l
     return [{k: r.get(k) for k in ("island", "pool", "incarnation", "steps", "tokens")} for _, r in sorted(newest.items())]
 
 
-def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: list[dict] | None,
-                    written: dict[str, Path], missing: dict[str, str]) -> str:
-    """report.md's text: summary table, per-island table, injected faults, plot links (or why not)."""
-    s = summary.get
+def _summary_rows(summary: dict) -> tuple[list[tuple[str, str]], set[str]]:
+    """report.md's summary table as (field, value) rows, and the keys it read that summary.json lacks."""
+    absent: set[str] = set()  # keys this run's summary.json lacks (written by an older version)
+
+    def s(key: str) -> Any:
+        if key not in summary:
+            absent.add(key)
+        return summary.get(key)
+
     unigram, bpb = s("unigram_bits_per_byte"), s("eval_bits_per_byte")
     below = f", {unigram - bpb:.3f} below" if None not in (unigram, bpb) else ""
     pct = lambda v: f" ({v:.1%})" if isinstance(v, (int, float)) else ""  # noqa: E731
     mb = lambda v: f"{v / 1e6:,.1f} MB" if isinstance(v, (int, float)) else "n/a"  # noqa: E731
-    states = s("time_by_state_s")
+    states, fired = s("time_by_state_s"), faults_cell(summary)
     rows = [
         ("mode", _fmt(s("mode"))),
         ("held-out loss (nats/byte)", _fmt(s("eval_loss"), ".4f")),
@@ -211,14 +220,23 @@ def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: l
          + (f"; pipeline fill {s('fill_s'):.1f} s before it" if s("fill_s") is not None else "")),
         ("island time by state (s)", ", ".join(f"{k} {v:.1f}" for k, v in states.items()) if states else "n/a"),
         ("failures / restarts", f"{_fmt(s('failures'))} / {_fmt(s('restarts'))}"),
-        ("mean time to detect / to rejoin (s)",
+        ("mean time to detect / to rejoin (s)", "none (no failures)" if s("failures") == 0 else
          f"{_fmt(s('mean_time_to_detect_s'), '.2f')} / {_fmt(s('mean_time_to_rejoin_s'), '.2f')}"),
+        *([("faults fired", fired)] if fired else []),
         ("tokens salvaged from dead islands (salvages; progress keepers replaced)",
          f"{_fmt(s('salvaged_tokens'), ',.0f')} ({_fmt(s('salvages'))}; {_fmt(s('keeper_restarts'))})"),
         ("rounds (refusals)", f"{_fmt(s('rounds'))} ({_fmt(s('refusals'))})"),
         ("bytes sent (up + down)", f"{mb(s('bytes_sent'))} ({mb(s('bytes_up'))} up, {mb(s('bytes_down'))} down)"),
         ("wall time (s)", _fmt(s("wall_s"), ".0f")),
     ]
+    return rows, absent
+
+
+def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: list[dict] | None,
+                    written: dict[str, Path], missing: dict[str, str]) -> str:
+    """report.md's text: summary table, per-island table, injected faults, plot links (or why not)."""
+    rows, absent = _summary_rows(summary)
+    s = summary.get
     out = [f"# Run report: {run_dir.name}", "", f"Run directory: `{run_dir}`", ""]
     if s("emulation"):
         out += [s("emulation"), ""]
@@ -229,6 +247,8 @@ def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: l
             "|---|---|---|---|---|---|---|"]
     out += [f"| {_fmt(i.get('island'))} | {_fmt(i.get('pool'))} | {_fmt(i.get('incarnation'))} | {_fmt(i.get('failures'))} "
             f"| {_fmt(i.get('restarts'))} | {_fmt(i.get('steps'), ',')} | {_fmt(i.get('tokens'), ',')} |" for i in islands]
+    if islands and all("incarnations" in i for i in islands):  # older runs counted steps of the last incarnation
+        out += ["", "Steps and tokens count every incarnation of a slot; incarnation is the last one's number."]
     out += ["", "## Injected faults", ""]
     if faults is None:
         out.append("n/a: this run directory has no `faults` events (it predates them).")
@@ -244,7 +264,9 @@ def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: l
         else:
             out += [f"No {key}.png: {missing[key]}", ""]
     if any("n/a" in v for _, v in rows):
-        out.append("Fields shown as n/a are absent from this run's summary.json (an older run).")
+        # Only a summary.json that lacks keys is an older run's; a present None had nothing to measure.
+        out.append(f"Fields shown as n/a are absent from this run's summary.json (an older run: no {', '.join(sorted(absent))})."
+                   if absent else "Fields shown as n/a had nothing to measure in this run.")
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -72,6 +72,7 @@ def run_summary(run: Run, *, tokens: int, live: list[IslandStatus], dead: list[I
         "useful_s": good["useful_s"],
         "allocated_s": good["allocated_s"],
         **_recovery(run.snapshot, live + dead, faults, mean),
+        "faults_planned": len(run.tape),  # faults on this session's chaos tape; a run may end before all fire
         **_traffic(run, status),
         "wall_s": wall,
         "stopped_by": run.stopped_by,  # token_budget | max_wall_s | stop_at_eval_loss | stop request
@@ -93,6 +94,7 @@ def _recovery(snapshot: dict, statuses: list[IslandStatus], faults: list,
         "failures": sum(s["failures"] for s in slots),
         "restarts": sum(s["restarts"] for s in slots),
         "faults_injected": sum(1 for f in faults if f["outcome"] == "fired"),
+        "faults_skipped": sum(1 for f in faults if f["outcome"].startswith("skipped")),  # e.g. the driver's node
         "mean_time_to_detect_s": sum(detect) / len(detect) if detect else None,
         "mean_time_to_rejoin_s": sum(rejoin) / len(rejoin) if rejoin else None,
         # Progress of dead incarnations merged instead of lost (health.salvage_every_steps), and what the
@@ -123,12 +125,15 @@ def _traffic(run: Run, status: dict) -> dict:
 
 
 def _island_rows(run: Run) -> list[dict]:
-    """One row per island slot: where and how it trained, its failures and its tokens."""
+    """One row per island slot: where and how it trained, its failures, and its steps and tokens over every
+    incarnation of this session (the dead ones' as they last reported them)."""
     precision = {p.name: run.cfg.precision_of(p) for p in run.cfg.pools}
     return [{"island": s["island"], "pool": s["pool"], "node": s["node"], "incarnation": s["incarnation"],
+             # incarnations started this session, failed starts included (each one is a new process)
+             "incarnations": s["incarnation"] - run.first_inc.get(s["island"], 1) + 1,
              "failures": s["failures"], "restarts": s["restarts"], "state": s["state"],
              "device": s["status"].device if s["status"] else None,  # where it trained: cpu, cuda:0 (card)
              "precision": precision[s["pool"]],  # its inner steps' arithmetic (pool's, else inner.precision)
-             "steps": s["status"].steps if s["status"] else 0,
+             "steps": (s["status"].steps if s["status"] else 0) + sum(f.steps for f in s["finals"]),
              "tokens": (s["status"].tokens if s["status"] else 0) + sum(f.tokens for f in s["finals"])}
             for s in run.snapshot["slots"].values()]

@@ -12,7 +12,8 @@ import pytest
 
 from orchestrator.cli.main import main
 from orchestrator.core.eventlog import EventLog
-from orchestrator.run.report import ReportError, timeline_intervals, write_report
+from orchestrator.run.report import STATE_COLORS, ReportError, _marks, render_markdown, timeline_intervals, write_report
+from policies.goodput import TIMELINE_STATES
 
 EMULATION = "EMULATION: pool speeds emulated by throttling on one machine (slow x1.6 ±10%)"
 T0 = 1_700_000_000.0  # epoch seconds of the first timeline event
@@ -33,11 +34,14 @@ def summary() -> dict:
     return {
         "mode": "decoupled", "emulation": EMULATION, "eval_loss": 2.8, "eval_bits_per_byte": 2.8 / 0.6931471805599453,
         "unigram_bits_per_byte": 4.845, "tokens_processed": 133_120, "tokens_merged": 110_000.0,
-        "tokens_refused": 0.0, "tokens_lost": 12_000.0, "tokens_in_flight": 11_120.0,
+        "tokens_refused": 0.0, "tokens_lost": 12_000.0, "tokens_in_flight": 11_120.0, "tokens_overwritten": 0.0,
+        "fill_s": 2.5,
         "token_ledger": {"processed": [133_120], "merged": [110_000], "refused": [0], "in_flight": [11_120], "lost": [12_000]},
         "goodput": 0.625, "uptime": 0.9, "useful_s": 25.0, "allocated_s": 40.0,
-        "time_by_state_s": {"training": 32.0, "blocked": 0.0, "dead": 1.0, "restarting": 2.0, "reintegrating": 5.0},
-        "failures": 1, "restarts": 1, "faults_injected": 1, "mean_time_to_detect_s": 0.05, "mean_time_to_rejoin_s": 4.0,
+        "time_by_state_s": {"starting": 4.5, "training": 32.0, "blocked": 0.0, "dead": 1.0, "restarting": 2.0,
+                            "reintegrating": 1.0},
+        "failures": 1, "restarts": 1, "faults_injected": 1, "faults_skipped": 0, "faults_planned": 2,
+        "mean_time_to_detect_s": 0.05, "mean_time_to_rejoin_s": 4.0, "stopped_by": "token_budget",
         "salvaged_tokens": 8_192.0, "salvages": 1, "salvage_snapshot_s": 0.2, "salvage_snapshot_bytes": 3_000_000,
         "keeper_restarts": 2,
         "rounds": 6, "refusals": 0, "versions": [5, 5], "bytes_up": 2_000_000, "bytes_down": 6_000_000,
@@ -47,7 +51,7 @@ def summary() -> dict:
 
 
 # (seconds after T0, island, incarnation, state): island 0 fails at 8 s and rejoins as incarnation 2 at 12 s.
-TIMELINE = [(0.0, 0, 1, "reintegrating"), (0.0, 1, 1, "reintegrating"), (2.0, 0, 1, "training"),
+TIMELINE = [(0.0, 0, 1, "starting"), (0.0, 1, 1, "starting"), (2.0, 0, 1, "training"),
             (2.5, 1, 1, "training"), (8.0, 0, 1, "dead"), (9.0, 0, 2, "restarting"), (11.0, 0, 2, "reintegrating"),
             (12.0, 0, 2, "training"), (20.0, 0, 2, "stopped"), (20.0, 1, 1, "stopped")]
 
@@ -102,12 +106,46 @@ def test_report_md_carries_emulation_goodput_islands_and_faults(report):
     assert "![held-out loss](loss.png)" in md and "![island timeline](timeline.png)" in md
 
 
+def test_report_md_of_a_run_without_failures_blames_no_older_run():
+    """A new run with nothing to detect has no n/a field, so no note about older runs; the faults row says how
+    many of the tape's faults fired."""
+    quiet = {**summary(), "failures": 0, "restarts": 0, "mean_time_to_detect_s": None, "mean_time_to_rejoin_s": None,
+             "faults_planned": 0, "faults_injected": 0}
+    md = render_markdown(Path("runs/quiet"), quiet, quiet["islands"], [], {}, {"loss": "-", "timeline": "-"})
+    assert "| mean time to detect / to rejoin (s) | none (no failures) |" in md
+    assert "n/a" not in md and "older run" not in md and "faults fired" not in md
+    md = render_markdown(Path("runs/chaos"), summary(), summary()["islands"], [], {}, {"loss": "-", "timeline": "-"})
+    assert "| faults fired | 1 of 2 planned (the token budget ran out first) |" in md
+    assert "starting 4.5, training 32.0" in md, "the by-state row lists a first start as starting"
+
+
+def test_only_a_summary_that_lacks_fields_is_called_an_older_run():
+    old = {k: v for k, v in summary().items() if k not in ("goodput", "uptime")}
+    md = render_markdown(Path("runs/old"), old, old["islands"], [], {}, {"loss": "-", "timeline": "-"})
+    assert "| goodput | n/a |" in md
+    assert "Fields shown as n/a are absent from this run's summary.json (an older run: no goodput, uptime)." in md
+    unmeasured = {**summary(), "mean_time_to_rejoin_s": None}  # present, None: nothing to measure
+    md = render_markdown(Path("runs/new"), unmeasured, [], [], {}, {"loss": "-", "timeline": "-"})
+    assert "older run" not in md and "Fields shown as n/a had nothing to measure in this run." in md
+
+
+def test_a_resumed_runs_first_start_is_no_rejoin():
+    """Incarnation 3 of a resumed run's new session starts ("starting"): no rejoin; incarnation 4 after its
+    failure rejoins. Every timeline state has a colour in the Gantt chart."""
+    rows = [{"at": T0 + t, "island": 0, "incarnation": inc, "state": st} for t, inc, st in
+            [(0.0, 3, "starting"), (2.0, 3, "training"), (5.0, 3, "dead"), (6.0, 4, "restarting"),
+             (7.0, 4, "reintegrating"), (8.0, 4, "training"), (9.0, 4, "stopped")]]
+    fails, rejoins = _marks(timeline_intervals(rows)[0])
+    assert [iv.incarnation for iv in fails] == [3] and [(iv.incarnation, iv.start) for iv in rejoins] == [(4, 8.0)]
+    assert tuple(STATE_COLORS) == TIMELINE_STATES and "starting" in STATE_COLORS
+
+
 def test_timeline_intervals_mark_failure_and_rejoin():
     rows = [{"at": T0 + t, "island": i, "incarnation": inc, "state": st} for t, i, inc, st in TIMELINE]
     intervals, t0 = timeline_intervals(rows)
     assert t0 == T0
     island0 = [(iv.incarnation, iv.state, iv.start, iv.end) for iv in intervals if iv.island == 0]
-    assert island0 == [(1, "reintegrating", 0.0, 2.0), (1, "training", 2.0, 8.0), (1, "dead", 8.0, 9.0),
+    assert island0 == [(1, "starting", 0.0, 2.0), (1, "training", 2.0, 8.0), (1, "dead", 8.0, 9.0),
                        (2, "restarting", 9.0, 11.0), (2, "reintegrating", 11.0, 12.0), (2, "training", 12.0, 20.0)]
     assert all(iv.state != "stopped" for iv in intervals)
 
