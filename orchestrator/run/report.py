@@ -233,7 +233,8 @@ def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: l
         ("bytes sent (up + down)", f"{mb(s('bytes_sent'))} ({mb(s('bytes_up'))} up, {mb(s('bytes_down'))} down)"),
         ("wall time (s)", _fmt(s("wall_s"), ".0f")),
     ]
-    out = [f"# Run report: {run_dir.name}", "", f"Run directory: `{run_dir}`", ""]
+    # The resolved name: `diloco report runs/latest` names the run, not the link.
+    out = [f"# Run report: {run_dir.resolve().name}", "", f"Run directory: `{run_dir}`", ""]
     if s("emulation"):
         out += [s("emulation"), ""]
     if s("resumed"):
@@ -294,7 +295,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     pools = {r["island"]: r.get("pool") for r in (island_events or [])}
     pools.update({r["island"]: r.get("pool") for r in summary.get("islands", [])})
     labels = {i: f"island {i} ({p})" if p else f"island {i}" for i, p in pools.items()}
-    name = f"{summary.get('mode', 'run')} run {run_dir.name}"
+    name = f"{summary.get('mode', 'run')} run {run_dir.resolve().name}"
     written: dict[str, Path] = {}
     missing: dict[str, str] = {}
     if not plots:
