@@ -41,9 +41,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         print(f"diloco evaluate: {err}", file=sys.stderr)
         return 2
     print(_describe(args.run_dir, trained))
-    print(f"held-out loss {got['eval_loss']:.4f} nats/token, {got['eval_bits_per_token']:.3f} bits/token over "
-          f"{got['tokens']:,} tokens of {got['source']}")
-    print(f"unigram model of the same data: {got['unigram_bits_per_token']:.3f} bits/token")
+    unit = got["unit"]  # "byte" for byte-level text, as the README and `diloco train` say; else "token"
+    print(f"held-out loss {got['eval_loss']:.4f} nats/{unit}, {got['eval_bits_per_token']:.3f} bits/{unit} over "
+          f"{got['tokens']:,} {unit}s of {got['source']}")
+    print(f"unigram model of the same data: {got['unigram_bits_per_token']:.3f} bits/{unit}")
     return 0
 
 

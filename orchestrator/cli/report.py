@@ -7,7 +7,7 @@ import sys
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from orchestrator.run.report import ReportError, write_report  # matplotlib is imported only when plotting
+    from orchestrator.run.report import PLOTS_HINT, ReportError, have_matplotlib, write_report
 
     try:
         paths = write_report(args.run_dir, args.out)
@@ -16,6 +16,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return 2
     for path in paths.values():
         print(path)
+    if not have_matplotlib():  # the basic install: report.md is written, the plots need the extra
+        print(f"diloco report: no plots: {PLOTS_HINT}", file=sys.stderr)
     return 0
 
 

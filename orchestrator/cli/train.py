@@ -50,6 +50,52 @@ class ProgressBar:
             self.stream.write("\n")
 
 
+LATEST = "latest"
+"""Name of the link beside a run directory that points at the newest run (runs/latest for the default runs/<timestamp>)."""
+
+log = logging.getLogger(__name__)
+
+
+def link_latest(run_dir: Path) -> Path | None:
+    """Point `latest` beside `run_dir` at it; return the link, or None (with a warning) where none can be made.
+
+    The link is relative (the runs folder can move) and replaces an older link atomically (a new link
+    under a temporary name, renamed over it), so a reader never finds it missing. A real file or
+    directory named `latest` is left alone.
+    """
+    run_dir = Path(run_dir)
+    link = run_dir.parent / LATEST
+    if run_dir.name == LATEST:
+        return None
+    if link.exists() and not link.is_symlink():
+        log.warning("%s is not a link; left alone, so it does not point at %s", link, run_dir)
+        return None
+    tmp = run_dir.parent / f".{LATEST}.tmp-{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        os.symlink(run_dir.name, tmp, target_is_directory=True)
+        os.replace(tmp, link)
+    except (OSError, NotImplementedError) as err:  # no symlinks here (some Windows setups, some filesystems)
+        tmp.unlink(missing_ok=True)
+        log.warning("could not link %s to %s (%s); use the run directory printed at the end", link, run_dir, err)
+        return None
+    return link
+
+
+class _LinkLatestOnStart:
+    """The progress callback, which also links `latest` at the run once training has started writing it."""
+
+    def __init__(self, run_dir: Path, bar: ProgressBar | None) -> None:
+        self.run_dir, self.bar, self.linked = run_dir, bar, False
+
+    def __call__(self, p) -> None:
+        if not self.linked:
+            self.linked = True
+            link_latest(self.run_dir)
+        if self.bar:
+            self.bar(p)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from orchestrator.run.driver import emulation_note, resume_config, train  # imports Ray: keep `--help` fast
     from policies.chaos import parse_chaos_spec
@@ -75,7 +121,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     bar = ProgressBar(sys.stderr, emulation=emulation_note(cfg)) if not args.quiet else None
     address = args.address or os.environ.get("RAY_ADDRESS")
     try:
-        summary = train(cfg, run_dir, address=address, progress=bar, resume=bool(args.resume))
+        summary = train(cfg, run_dir, address=address, progress=_LinkLatestOnStart(run_dir, bar), resume=bool(args.resume))
     except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
         if bar:
             bar.close()
@@ -96,7 +142,8 @@ def register(subparsers) -> None:
                                           "  diloco train --run-dir runs/demo --set run.token_budget=3000000",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--config", help="YAML run config (default: built-in defaults, same as configs/default.yaml)")
-    t.add_argument("--run-dir", help="where to write the event log and summary (default: runs/<timestamp>)")
+    t.add_argument("--run-dir", help="where to write the event log and summary (default: runs/<timestamp>); "
+                                     "a link `latest` beside it points at it once training starts")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set outer.min_quorum=2 or one pool's: --set pools.slow.islands=3 (repeatable)")
     t.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")

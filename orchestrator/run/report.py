@@ -10,7 +10,8 @@ Reads `summary.json` and the Parquet event log (:mod:`orchestrator.core.eventlog
 - `report.md`: the numbers of summary.json in prose and tables, linking the two plots.
 
 No Ray here: a copied run directory reports anywhere. A run that predates an event kind gets its
-report without that plot, and report.md says why. matplotlib (the `plots` extra) is imported lazily.
+report without that plot, and report.md says why. matplotlib (the `plots` extra) is imported lazily;
+without it (the basic install) the report is report.md alone, which says how to get the plots.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from orchestrator.core.eventlog import read_events
 from orchestrator.run.summary import faults_cell
 from policies.goodput import TIMELINE_STATES, Interval, merge_timeline
 
-__all__ = ["ReportError", "write_report", "timeline_intervals"]
+__all__ = ["PLOTS_HINT", "ReportError", "have_matplotlib", "write_report", "timeline_intervals"]
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +38,28 @@ STATE_COLORS = {"starting": "#aec7e8", "training": "#2ca02c", "blocked": "#bcbd2
 assert tuple(STATE_COLORS) == TIMELINE_STATES
 
 
+# The README installs this checkout editable, so the extra is named the way that install spells it.
+PLOTS_HINT = 'matplotlib is not installed; pip install -e ".[plots]" for loss.png and timeline.png'
+
+
 class ReportError(ValueError):
     """A run directory the report cannot be built from; the message names the path and the fix."""
+
+
+def have_matplotlib() -> bool:
+    """Whether matplotlib imports: the plots need it, report.md does not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ReportError('matplotlib is not installed; pip install "decoupled-diloco[plots]"') from None
+        raise ReportError(PLOTS_HINT) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -237,7 +251,8 @@ def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: l
     """report.md's text: summary table, per-island table, injected faults, plot links (or why not)."""
     rows, absent = _summary_rows(summary)
     s = summary.get
-    out = [f"# Run report: {run_dir.name}", "", f"Run directory: `{run_dir}`", ""]
+    # The resolved name: `diloco report runs/latest` names the run, not the link.
+    out = [f"# Run report: {run_dir.resolve().name}", "", f"Run directory: `{run_dir}`", ""]
     if s("emulation"):
         out += [s("emulation"), ""]
     if s("resumed"):
@@ -273,12 +288,15 @@ def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: l
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
     """Write loss.png, timeline.png and report.md for a finished run; returns the paths written by name.
 
+    Without matplotlib only report.md is written (its Plots section says how to get the plots); a
+    caller tells the user with :data:`PLOTS_HINT` when "report" is the only name returned.
+
     Args:
         run_dir: a run directory written by `diloco train` (summary.json plus events/).
         out_dir: where to write; default `RUN_DIR/report`.
 
     Raises:
-        ReportError: no such directory, no or unreadable summary.json or events, or no matplotlib.
+        ReportError: no such directory, no or unreadable summary.json or events.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -290,7 +308,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
         summary = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ReportError(f"{path} is not valid JSON ({err}); the run may have died while writing it") from None
-    _pyplot()  # fail before writing anything when matplotlib is missing
+    plots = have_matplotlib()
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     evals = _events(run_dir, "evals") or summary.get("evals") or []
@@ -299,24 +317,27 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     pools = {r["island"]: r.get("pool") for r in (island_events or [])}
     pools.update({r["island"]: r.get("pool") for r in summary.get("islands", [])})
     labels = {i: f"island {i} ({p})" if p else f"island {i}" for i, p in pools.items()}
-    name = f"{summary.get('mode', 'run')} run {run_dir.name}"
+    name = f"{summary.get('mode', 'run')} run {run_dir.resolve().name}"
     written: dict[str, Path] = {}
     missing: dict[str, str] = {}
-    if evals:
+    if not plots:
+        missing["loss"] = missing["timeline"] = PLOTS_HINT + "."
+    elif evals:
         written["loss"] = out / "loss.png"
         plot_loss(evals, summary, _fault_times(faults or [], t0 if timeline else None), written["loss"],
                   f"Held-out loss, {name}")
     else:
         missing["loss"] = "no `evals` events and no evals in summary.json."
-    if intervals:
+    if plots and intervals:
         written["timeline"] = out / "timeline.png"
         fails, rejoins = _marks(intervals)
         plot_timeline(intervals, labels, summary, written["timeline"],
                       f"Island timeline, {name}: {len(fails)} failures, {len(rejoins)} rejoins")
-    else:
+    elif plots:
         missing["timeline"] = "no `timeline` events, so the timeline is missing (older runs predate them)."
     for key, why in missing.items():
-        log.warning("%s: skipping %s.png, %s", run_dir, key, why)
+        if plots:  # without matplotlib the caller says so, once
+            log.warning("%s: skipping %s.png, %s", run_dir, key, why)
     written["report"] = out / "report.md"
     islands = _island_rows(summary, island_events)
     written["report"].write_text(render_markdown(run_dir, summary, islands, faults, written, missing))

@@ -150,7 +150,8 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) 
     `overrides` are `data.*` and `eval.*` fields (`--set` syntax) applied to the run's config: another
     corpus (`data.source=parquet`, `data.path=...`), more or fewer windows (`eval.batches`). The
     windows are the ones a run's own evaluations score (orchestrator.core.evaluation). Returns
-    {"eval_loss" (nats per token), "eval_bits_per_token", "unigram_bits_per_token", "tokens", "source"}.
+    {"eval_loss" (nats per token), "eval_bits_per_token", "unigram_bits_per_token", "tokens", "source",
+    "unit"}: "unit" is "byte" where the corpus is text read as bytes (a token IS a byte), else "token".
     """
     from islands.data import DataError, unigram_bits_per_byte
     from orchestrator.core.evaluation import Evaluator
@@ -175,7 +176,8 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) 
     loss, bits = evaluator.evaluate(dict(trained.model.named_parameters()))
     return {"eval_loss": loss, "eval_bits_per_token": bits,
             "unigram_bits_per_token": unigram_bits_per_byte(corpus.train, corpus.heldout, vocab_size=corpus.vocab_size),
-            "tokens": sum(x.numel() for x, _ in evaluator.batches), "source": corpus.source}
+            "tokens": sum(x.numel() for x, _ in evaluator.batches), "source": corpus.source,
+            "unit": "byte" if corpus.train.dtype.itemsize == 1 else "token"}  # uint8 = byte text (islands.data)
 
 
 def export_model(trained: TrainedModel, path: str | Path, *, overwrite: bool = False) -> Path:

@@ -232,6 +232,14 @@ def test_evaluate_scores_the_run_held_out_windows_or_another_corpus(tmp_path, ca
 
     assert diloco(["evaluate", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert f"held-out loss {got['eval_loss']:.4f} nats/token" in out and "over 1,024 tokens of Python" in out
+    # A byte-level model's tokens are bytes: the CLI says "per byte", as the README and `diloco train` do.
+    assert got["unit"] == other["unit"] == "byte"
+    assert f"held-out loss {got['eval_loss']:.4f} nats/byte, {got['eval_bits_per_token']:.3f} bits/byte" in out
+    assert "over 1,024 bytes of Python" in out and "bits/token" not in out
+    # A corpus of token ids is scored per token.
+    pq.write_table(pa.table({"ids": [[(7 * i + j) % 200 for j in range(300)] for i in range(100)]}), tmp_path / "ids.parquet")
+    assert evaluate_trained(t, ["data.source=parquet", f"data.path={tmp_path / 'ids.parquet'}",
+                                "data.token_column=ids", "data.heldout_fraction=0.4"])["unit"] == "token"
+    assert f"unigram model of the same data: {got['unigram_bits_per_token']:.3f} bits/byte" in out
     assert diloco(["evaluate", str(tmp_path / "run"), "--set", "run.seed=3"]) == 2
     assert capsys.readouterr().err.startswith("diloco evaluate: --set 'run.seed=3': evaluation takes")
