@@ -26,12 +26,15 @@ import platform
 import sysconfig
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
-import torch
+
+if TYPE_CHECKING:  # torch is imported where batches are built: the preflight reads schemas without it
+    import torch
 
 # Installed third-party code is not the standard library, and its size varies by machine.
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
@@ -218,6 +221,54 @@ def _read_column(fs: pafs.FileSystem, files: list[str], column: str, path: str,
     return dataset.to_table(columns=[column]).column(column)
 
 
+def dataset_schema(path: str) -> pa.Schema:
+    """The schema of the dataset at ``path`` (its first file's, as :func:`load_parquet_corpus` reads
+    it), from the Parquet footer or Arrow header only: no rows are read. Raises :class:`DataError` for
+    a path that does not exist, a directory without data files or a file that is not Parquet/Arrow."""
+    import pyarrow.parquet as pq  # lazily, as pyarrow.dataset in _open_file
+
+    fs, inner = _resolve(path)
+    first = _dataset_files(fs, inner, path)[0]
+    try:
+        if not first.endswith(_ARROW_SUFFIXES):
+            return pq.read_schema(first, filesystem=fs)
+        try:
+            return pa.ipc.open_file(fs.open_input_file(first)).schema
+        except pa.ArrowInvalid:  # the IPC stream format (Hugging Face caches)
+            with fs.open_input_stream(first) as stream:
+                return pa.ipc.open_stream(stream).schema
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"cannot read {first!r} as a Parquet/Arrow file ({str(exc).splitlines()[0]}); "
+                        f"fix or remove it") from exc
+
+
+def token_id_range(path: str, column: str, *, max_files: int = 16) -> tuple[int, int] | None:
+    """Smallest and largest token id of list<int> ``column`` from the Parquet row-group statistics of
+    the dataset's first ``max_files`` files (footers only; no rows are read), or None when a file is
+    Arrow or lacks the statistics: then only loading the data tells."""
+    import pyarrow.parquet as pq
+
+    fs, inner = _resolve(path)
+    low = high = None
+    for file in _dataset_files(fs, inner, path)[:max_files]:
+        if file.endswith(_ARROW_SUFFIXES):
+            return None
+        meta = pq.read_metadata(file, filesystem=fs)
+        leaves = [j for j in range(meta.num_columns) if meta.schema.column(j).path.startswith(column + ".")]
+        if len(leaves) != 1:
+            return None
+        for g in range(meta.num_row_groups):
+            chunk = meta.row_group(g).column(leaves[0])
+            if chunk.num_values == 0:
+                continue
+            stats = chunk.statistics
+            if stats is None or not stats.has_min_max:
+                return None
+            low = stats.min if low is None else min(low, stats.min)
+            high = stats.max if high is None else max(high, stats.max)
+    return None if low is None else (int(low), int(high))
+
+
 def _row_hash_unit(n_rows: int, salt: int = 0) -> np.ndarray:
     """A stable pseudo-random float in [0, 1) per row index (splitmix64 finalizer).
 
@@ -313,6 +364,8 @@ def load_parquet_corpus(path: str, *, text_column: str | None = None,
 
 def _windows(data: np.ndarray, offsets: np.ndarray, seq_len: int):
     """Inputs and next-token targets, each (B, T), from (T+1)-token windows at ``offsets`` (B,)."""
+    import torch  # lazily: see the imports
+
     index = offsets[:, None] + np.arange(seq_len + 1)  # (B, T+1)
     tokens = torch.from_numpy(data[index].astype(np.int64))  # (B, T+1)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T), (B, T)

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.baselines.data_parallel import WIRE_BYTES, train_data_parallel
 from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, load_config
 from orchestrator.run.summary import held_out_loss_cell
 
@@ -41,7 +40,14 @@ def _show(p: dict) -> None:
           file=sys.stderr)
 
 
+# data_parallel.WIRE_BYTES's keys (tests/engine/test_preflight.py): that module imports torch, which
+# building the `diloco` parser, for `diloco train` too, must not pay for.
+WIRES = ("bf16", "fp32")
+
+
 def _cmd_baseline_dp(args: argparse.Namespace) -> int:
+    from orchestrator.baselines.data_parallel import train_data_parallel
+
     try:
         cfg = load_config(args.config, args.set, also_mode=DATA_PARALLEL_MODE)  # a DP run dir's own config.yaml too
     except ConfigError as err:
@@ -75,7 +81,7 @@ def register(subparsers) -> None:
     p.add_argument("--config", help="YAML run config (default: built-in defaults); pools, model, data, inner, eval, run and network apply")
     p.add_argument("--run-dir", help="where to write summary.json and the event log (default: runs/dp-<timestamp>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)")
-    p.add_argument("--wire", choices=sorted(WIRE_BYTES), default="bf16", help="gradient format on the EMULATED wire (default bf16)")
+    p.add_argument("--wire", choices=WIRES, default="bf16", help="gradient format on the EMULATED wire (default bf16)")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_cmd_baseline_dp)

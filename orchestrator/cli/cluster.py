@@ -10,12 +10,14 @@ import argparse
 import sys
 
 from orchestrator.config import ConfigError, load_config
-from orchestrator.deploy.cluster_check import check, load_cluster_yaml, pool_placements
 
 EXAMPLE = "example: diloco check-cluster --cluster cluster.yaml --config configs/multi-region.yaml"
 
 
 def _cmd_check_cluster(args: argparse.Namespace) -> int:
+    # Imported here (it imports Ray): building the `diloco` parser, for `diloco train` too, stays light.
+    from orchestrator.deploy.cluster_check import check, load_cluster_yaml, pool_placements
+
     # The lines keep their `cluster_check:` prefix: docs and tests quote them.
     try:
         cluster_yaml = load_cluster_yaml(args.cluster)

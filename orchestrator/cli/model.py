@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from islands.sampling import generate
-from orchestrator.run.trained import TrainedModel, TrainedModelError, evaluate_trained, export_model, load_trained
+# orchestrator.run.trained and islands.sampling import torch: loaded by the commands that use them, so
+# that building the `diloco` parser (for `diloco train` too) stays light.
+if TYPE_CHECKING:
+    from orchestrator.run.trained import TrainedModel
 
 
 def _describe(run_dir: str, t: TrainedModel) -> str:
@@ -18,6 +21,9 @@ def _describe(run_dir: str, t: TrainedModel) -> str:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
+    from islands.sampling import generate
+    from orchestrator.run.trained import TrainedModelError, load_trained
+
     try:
         trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
         prompt = args.prompt.encode("utf-8")
@@ -34,6 +40,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from orchestrator.run.trained import TrainedModelError, evaluate_trained, load_trained
+
     try:
         trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
         got = evaluate_trained(trained, args.set)
@@ -49,6 +57,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from orchestrator.run.trained import TrainedModelError, export_model, load_trained
+
     try:
         trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
         path = export_model(trained, args.out, overwrite=args.force)

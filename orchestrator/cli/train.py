@@ -97,7 +97,7 @@ class _LinkLatestOnStart:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from orchestrator.run.driver import emulation_note, resume_config, train  # imports Ray: keep `--help` fast
+    from orchestrator.run.preflight import preflight, resume_config  # no Ray, no torch: bad input fails fast
     from policies.chaos import parse_chaos_spec
 
     try:
@@ -114,10 +114,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.chaos:
             spec = parse_chaos_spec(args.chaos)
             cfg = cfg.model_copy(update={"chaos": type(cfg.chaos)(mode=spec.pop("mode"), horizon_s=cfg.chaos.horizon_s, params=spec)})
+        run_dir = Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        preflight(cfg, run_dir, resume=bool(args.resume))  # before Ray starts and before RUN_DIR exists
     except (ConfigError, ValueError) as err:
         print(f"diloco train: {err}", file=sys.stderr)
         return 2
-    run_dir = Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    from orchestrator.run.driver import RayStartError, RunNotStarted, emulation_note, train  # Ray, torch: after the checks
+
     bar = ProgressBar(sys.stderr, emulation=emulation_note(cfg)) if not args.quiet else None
     address = args.address or os.environ.get("RAY_ADDRESS")
     try:
@@ -126,6 +129,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if bar:
             bar.close()
         logging.getLogger(__name__).debug("train failed", exc_info=True)
+        if isinstance(err, ConfigError):  # what only a started Ray could tell (check_local_fit): still bad input
+            print(f"diloco train: {err}", file=sys.stderr)
+            return 2
+        if isinstance(err, (RayStartError, RunNotStarted)):  # their messages name the cause already
+            print(f"diloco train: {err}", file=sys.stderr)
+            return 1
         print(f"diloco train: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     if bar:

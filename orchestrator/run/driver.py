@@ -14,6 +14,8 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -24,7 +26,6 @@ from typing import Any
 
 import ray
 import torch
-import yaml
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from islands.data import (
@@ -41,11 +42,12 @@ from orchestrator.actors.remote import (
     OuterOptimizerActor,
     ignore_zero_copy_warnings,
 )
-from orchestrator.config import ConfigError, RunConfig, build_config
+from orchestrator.config import ConfigError, RunConfig
 from orchestrator.core.accounting import run_goodput, token_fates
 from orchestrator.core.evaluation import Evaluator
 from orchestrator.core.eventlog import EventLog
 from orchestrator.run.metrics import RunMetrics
+from orchestrator.run.preflight import preflight, resume_config
 from orchestrator.run.results import emulation_note, record_stop_events, run_summary
 from orchestrator.run.setup import (
     here,
@@ -64,6 +66,7 @@ from policies.stopping import target_reached
 # Re-exported: callers import these from the driver (the CLI, benchmarks, tests).
 __all__ = [
     "Progress",
+    "RayStartError",
     "Run",
     "build_run_network",
     "check_local_fit",
@@ -73,6 +76,7 @@ __all__ = [
     "load_corpus",
     "measure_step_s",
     "resume_config",
+    "start_local_ray",
     "step_concurrency",
     "step_device",
     "train",
@@ -81,6 +85,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _TRANSIENT = (RayActorError, RayTaskError, GetTimeoutError)
+
+
+class RayStartError(RuntimeError):
+    """A local Ray did not start, on the retry either; the message says what to do."""
+
+
+class RunNotStarted(RuntimeError):
+    """A run failed before its islands trained; its run directory was removed (the message says where
+    driver.log went). The cause is chained."""
 
 
 def _warn_transient(err: Exception) -> None:
@@ -211,19 +224,59 @@ def build_run_network(cfg: RunConfig, model_bytes: int, step_s: Callable[[], flo
     return network, regions
 
 
-def ensure_ray(cfg: RunConfig, address: str | None) -> bool:
-    """Connect to `address` or start a local Ray; returns True when this call started it."""
+def ensure_ray(cfg: RunConfig, address: str | None, *, init: Callable[..., Any] | None = None) -> bool:
+    """Connect to `address` or start a local Ray (retried once: `start_local_ray`); returns True when
+    this call started or joined it. `init` stands in for ray.init (tests inject a failing start)."""
+    init = init or ray.init
     if ray.is_initialized():
         return False
     if address:
-        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING)
+        init(address=address, runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING)
         return True
     # Logical CPUs may exceed physical cores: islands are throttled or small; Ray only counts.
     needed = math.ceil(sum(p.cpus_per_island * p.reserved_bundles(cfg.health.warm_spares) for p in cfg.pools))
     # address="local": never join some other cluster running on this machine by accident.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
-             runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING)
+    start_local_ray(init, address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
+                    runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING)
     return True
+
+
+# Retry of a local start. Ray 2.60 waits a fixed 30 s for the new node to register (ray/_private/node.py,
+# "The current node timed out during startup": seen on a busy 2-core machine) and nothing lengthens that
+# wait; the retry gives the start a second 30 s after a pause for the first attempt's processes to go, and
+# triples the next timeout a busy machine trips, the workers' registration (60 s by default).
+RAY_RETRY_PAUSE_S = 5.0
+_RETRY_SYSTEM_CONFIG = {"worker_register_timeout_seconds": 180}
+
+
+def start_local_ray(init: Callable[..., Any], *, pause_s: float = RAY_RETRY_PAUSE_S,
+                    shutdown: Callable[[], None] | None = None, **kwargs: Any) -> None:
+    """`init(**kwargs)` (ray.init starting a local Ray); a start that fails is retried once, after
+    `pause_s`, with longer timeouts. Raises RayStartError (one line: the cause and what to do) when the
+    retry fails too; TypeError/ValueError (bad arguments, not a busy machine) are not retried.
+    `shutdown` (ray.shutdown) clears what a failed attempt left connected."""
+    shutdown = shutdown or ray.shutdown
+    try:
+        init(**kwargs)
+        return
+    except (TypeError, ValueError):
+        raise
+    except Exception as err:  # noqa: BLE001 - Ray raises plain Exception for a node that did not start
+        log.warning("the local Ray did not start (%s); retrying once with longer timeouts", _first_line(err))
+    shutdown()
+    time.sleep(pause_s)
+    try:
+        init(**kwargs, _system_config=_RETRY_SYSTEM_CONFIG)
+    except Exception as err:
+        shutdown()
+        raise RayStartError(f"the local Ray did not start, twice ({_first_line(err)}); the machine is probably "
+                            f"busy: let other jobs finish (`ray stop` ends a leftover local Ray) and run again, "
+                            f"or pass --address of a running cluster") from err
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:300] if lines else type(err).__name__
 
 
 def check_local_fit(cfg: RunConfig) -> None:
@@ -261,6 +314,7 @@ class Run:
         self.tokens_before = 0
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self._stop_requested = False
+        self.training_began = False  # set once every island of the first placement trains
         self.stopped_by = "token_budget"
         self.metrics = RunMetrics(self.run_id)  # Prometheus metrics via ray.util.metrics (docs/metrics.md)
 
@@ -290,6 +344,7 @@ class Run:
         self.data_ref = ray.put(self.corpus.train)
         self.monitor_name, self.monitor = start_monitor(cfg, self.run_id, specs, self.outer_name)
         self._start_islands(initial)
+        self.training_began = True  # from here a failure leaves a run directory worth keeping (train())
         # Goodput's clock starts when every island of the first placement trains (startup is the same
         # for every method and is reported apart in driver.log); the chaos tape counts from here too.
         self.run_start = time.time()
@@ -537,31 +592,63 @@ class Run:
 
 def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
           progress: Callable[[Progress], None] | None = None, resume: bool = False) -> dict:
-    """Run one training job: start or join Ray, train to the token budget, write RUN_DIR, return the summary."""
+    """Run one training job: start or join Ray, train to the token budget, write RUN_DIR, return the summary.
+
+    Bad input is refused before Ray starts (orchestrator.run.preflight: ConfigError, nothing written).
+    RUN_DIR is created only once Ray is up and can host the run. A fresh run that fails before its
+    islands train leaves no RUN_DIR that it created: RunNotStarted (ConfigError for a config problem)
+    names the cause and where its driver.log was kept.
+    """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / "driver.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    logging.getLogger().addHandler(handler)
+    preflight(cfg, run_dir, resume=resume)
     cfg = with_measured_step(cfg, address)
     started = ensure_ray(cfg, address)
     if started and not address:  # a Ray of our own never grows: what it cannot host now, it never will
         check_local_fit(cfg)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "driver.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(handler)
     ignore_zero_copy_warnings()
-    run = Run(cfg, run_dir, progress=progress, resume=resume)
+    run: Run | None = None
     try:
-        return run.train()
+        run = Run(cfg, run_dir, progress=progress, resume=resume)
+        summary = run.train()
+    except BaseException as err:
+        _end_session(run, handler, started)
+        if not created or resume or (run is not None and run.training_began):
+            raise
+        kept = _discard_run_dir(run_dir)
+        if not isinstance(err, Exception):  # Ctrl-C: nothing to explain
+            raise
+        kind, cause = ((ConfigError, "") if isinstance(err, ConfigError) else (RunNotStarted, f"{type(err).__name__}: "))
+        raise kind(f"{cause}{_first_line(err)} (nothing trained, so {run_dir} was removed; its driver.log is "
+                   f"{kept})") from err
+    _end_session(run, handler, started)
+    return summary
+
+
+def _end_session(run: Run | None, handler: logging.Handler, started: bool) -> None:
+    """Kill the run's actors, close driver.log, and shut down a Ray this driver started."""
+    try:
+        if run is not None:
+            run.teardown()
     finally:
-        run.teardown()
         logging.getLogger().removeHandler(handler)
         handler.close()
         if started:
             ray.shutdown()
 
 
-def resume_config(run_dir: str | Path) -> RunConfig:
-    """The config a run directory was started with (for `diloco train --resume RUN_DIR`)."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} has no config.yaml; --resume needs the directory of an earlier run")
-    return build_config(yaml.safe_load(path.read_text()))
+def _discard_run_dir(run_dir: Path) -> str:
+    """Remove a run directory whose run never trained (a config and checkpoint 0 without progress would
+    look like a run), keeping its driver.log in the temp directory; returns where it went, in words."""
+    kept = Path(tempfile.gettempdir()) / f"diloco-{run_dir.name}-driver.log"
+    try:
+        shutil.move(run_dir / "driver.log", kept)
+        where = str(kept)
+    except OSError as err:
+        where = f"lost ({err})"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return where
