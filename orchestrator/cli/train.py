@@ -11,18 +11,26 @@ from pathlib import Path
 from typing import TextIO
 
 from orchestrator.config import ConfigError, apply_overrides, build_config, load_config, resume_conflict
+from orchestrator.run.startup import Stage
 from orchestrator.run.summary import format_summary
 
 
 class ProgressBar:
     """One status line on a terminal (redrawn in place), or a line every 10 s when not a terminal."""
 
-    def __init__(self, stream: TextIO, *, emulation: str | None) -> None:
+    def __init__(self, stream: TextIO, *, emulation: str | None, started: float | None = None) -> None:
         self.stream = stream
         self.tty = stream.isatty()
         self._last = 0.0
+        self._started = time.monotonic() if started is None else started  # start-up lines count from here
         if emulation:
             stream.write(f"{emulation}\n")
+            stream.flush()
+
+    def stage(self, s: Stage) -> None:
+        """One line per start-up stage as it happens, e.g. `start-up   3.1s  islands ready 2 of 4`."""
+        self.stream.write(f"start-up {time.monotonic() - self._started:5.1f}s  {s.text}\n")
+        self.stream.flush()
 
     def __call__(self, p) -> None:  # p: orchestrator.run.driver.Progress
         now = time.monotonic()
@@ -48,13 +56,17 @@ class ProgressBar:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from orchestrator.run.driver import emulation_note, resume_config, train  # imports Ray: keep `--help` fast
+    started = time.monotonic()
+    # Not the driver yet: it imports torch and Ray (seconds), and the first lines come before that.
+    from orchestrator.run.results import emulation_note
     from policies.chaos import parse_chaos_spec
 
     try:
         if args.resume:
             if args.config:
                 raise ConfigError("--resume takes the run directory's own config.yaml; drop --config")
+            from orchestrator.run.driver import resume_config
+
             saved = resume_config(args.resume)
             cfg = build_config(apply_overrides(saved.model_dump(mode="json"), args.set))
             conflict = resume_conflict(saved, cfg)
@@ -69,10 +81,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"diloco train: {err}", file=sys.stderr)
         return 2
     run_dir = Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    bar = ProgressBar(sys.stderr, emulation=emulation_note(cfg)) if not args.quiet else None
+    bar = ProgressBar(sys.stderr, emulation=emulation_note(cfg), started=started) if not args.quiet else None
+    if bar:
+        bar.stage(Stage("load", "loading torch and Ray"))
+    from orchestrator.run.driver import train
+
     address = args.address or os.environ.get("RAY_ADDRESS")
     try:
-        summary = train(cfg, run_dir, address=address, progress=bar, resume=bool(args.resume))
+        summary = train(cfg, run_dir, address=address, progress=bar, resume=bool(args.resume),
+                        stages=bar.stage if bar else None)
     except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
         if bar:
             bar.close()
