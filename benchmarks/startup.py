@@ -122,7 +122,7 @@ class CpuSampler:
 def _kind(title: str) -> str:
     """A short name for a process of a run, from its command line."""
     if title.startswith("ray::"):
-        return title[5:].split(".")[0].split()[0]
+        return title[5:].split()[0].split(":")[-1].split(".")[0]  # ray::NAME:Class.method -> Class
     for known in ("orchestrator.cli", "gcs_server", "raylet", "log_monitor", "dashboard", "runtime_env", "monitor.py"):
         if known in title:
             return "driver" if known == "orchestrator.cli" else known
