@@ -118,10 +118,19 @@ class FragmentOuterOptimizer:
             if not p.is_leaf:
                 raise ValueError(f"params[{i}] is not a leaf tensor; pass p.detach() so it can be updated in place")
         self._params = params
-        # torch accepts leaves with requires_grad=False; the step runs under no_grad either way.
-        self._sgd = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+        self._lr, self._momentum, self._nesterov = lr, momentum, nesterov and momentum > 0
+        # Built on first use: constructing any torch optimizer imports torch._dynamo (~1.5 s of CPU), which a
+        # process that only writes a fresh optimizer's checkpoint (the driver's checkpoint 0) never needs.
+        self._built: torch.optim.SGD | None = None
         # Kept as asked and capped at step time: load_state_dict may bring another momentum.
         self._partial_momentum = partial_momentum
+
+    @property
+    def _sgd(self) -> torch.optim.SGD:
+        if self._built is None:
+            # torch accepts leaves with requires_grad=False; the step runs under no_grad either way.
+            self._built = torch.optim.SGD(self._params, lr=self._lr, momentum=self._momentum, nesterov=self._nesterov)
+        return self._built
 
     @property
     def params(self) -> list[Tensor]:
@@ -215,6 +224,23 @@ class FragmentOuterOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """Momentum buffers and hyperparameters, deep-copied so later steps do not alter it."""
         return {"sgd": copy.deepcopy(self._sgd.state_dict())}
+
+    def momentum_buffers(self) -> list[Tensor | None]:
+        """Each parameter's momentum buffer (None before its first step), not copied; builds nothing new."""
+        if self._built is None:
+            return [None] * len(self._params)
+        return [self._built.state.get(p, {}).get("momentum_buffer") for p in self._params]
+
+    def load_momentum(self, buffers: Sequence[Tensor | None]) -> None:
+        """Set each parameter's momentum buffer to a copy of `buffers[i]` (None: no buffer, as before a first step)."""
+        buffers = list(buffers)
+        if len(buffers) != len(self._params):
+            raise ValueError(f"got {len(buffers)} momentum buffers for {len(self._params)} parameters; pass one per parameter")
+        if self._built is None and all(b is None for b in buffers):
+            return  # torch's state of an optimizer not yet built is empty already
+        sgd = self.state_dict()["sgd"]
+        sgd["state"] = {i: {"momentum_buffer": b} for i, b in enumerate(buffers) if b is not None}
+        self.load_state_dict({"sgd": sgd})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (hyperparameters included); parameters are not touched."""

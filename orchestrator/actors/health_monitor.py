@@ -91,6 +91,7 @@ class HealthMonitor:
         self.restarting: dict[int, asyncio.Task] = {}
         self._failing: set[int] = set()  # slots inside _fail(), before their restart task exists
         self._loop_task: asyncio.Task | None = None
+        self._spares_task: asyncio.Task | None = None
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -128,6 +129,16 @@ class HealthMonitor:
         # Keepers start once their islands are placed, so that they can be placed away from them; islands
         # look their keeper up by name at each snapshot and skip snapshots until it exists.
         await asyncio.gather(*starts, self.keepers.start(self.launcher.placed))
+        self._spares_task = asyncio.get_running_loop().create_task(self._spares_once_training())
+
+    async def _spares_once_training(self) -> None:
+        """Start the pools' warm spares once every island has stepped (or a placement timeout later): each spare
+        is a process importing torch, which started beside the islands took CPU from their first steps on a
+        small machine. A failure before then restarts cold, as it does while spares start."""
+        deadline = time.monotonic() + self.timeouts.placement_s
+        while not self._stopping and time.monotonic() < deadline and any(
+                slot.steps == 0 and slot.state not in ("dead", "stopped") for slot in self.slots.values()):
+            await asyncio.sleep(self.timeouts.tick_s)
         for pool in self.pools:
             self.launcher.spares.refill(pool, self.data)
 

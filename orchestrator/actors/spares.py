@@ -87,7 +87,8 @@ class WarmSpares:
                 try:
                     await asyncio.wait_for(handle.ping.remote(), timeout=self.placement_timeout_s)
                 except Exception as err:  # noqa: BLE001
-                    log.warning("warm spare %s failed to start: %s", name, err)
+                    # A run that stops while a spare starts kills it: nothing went wrong, so not a console warning.
+                    (log.info if self._stopping() else log.warning)("warm spare %s failed to start: %s", name, err)
                     ray.kill(handle, no_restart=True)
                     release_group(group)
                     return

@@ -20,30 +20,59 @@ import argparse
 import logging
 import sys
 
+# Command -> the module of orchestrator.cli that registers it, in `diloco --help` order.
+COMMANDS = {
+    "train": "train",
+    "report": "report",
+    "simulate": "simulate", "simulate-sweep": "simulate",  # the goodput simulator, no Ray
+    "submit": "jobs", "status": "jobs",  # Ray Jobs API, live runs
+    "baseline-dp": "baseline",  # Ray Train TorchTrainer baseline
+    "sample": "model", "evaluate": "model", "export": "model",  # a run's trained model
+    "check-cluster": "cluster",  # a cluster.yaml against a config
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `diloco` argument parser with every subcommand."""
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `diloco` argument parser: with every subcommand, or only with `command`'s module when it names one."""
     # Each command group's module is imported here, not at the top: importing `orchestrator.cli` (for
     # `orchestrator.cli.simulate`, say) then stays light, and `python -m orchestrator.cli.simulate` runs cleanly.
-    from orchestrator.cli import baseline, cluster, jobs, model, report, simulate, train
-
+    # Only the named command's module: others import torch or Ray (seconds on a small machine), and
+    # `diloco train` prints its first lines before it loads either.
+    modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
     parser = argparse.ArgumentParser(prog="diloco", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    train.register(sub)  # `diloco train`
-    report.register(sub)  # `diloco report`
-    simulate.register(sub)  # `diloco simulate`, `simulate-sweep` (the goodput simulator, no Ray)
-    jobs.register(sub)  # `diloco submit` and `diloco status` (Ray Jobs API, live runs)
-    baseline.register(sub)  # `diloco baseline-dp` (Ray Train TorchTrainer baseline; Ray imported lazily)
-    model.register(sub)  # `diloco sample`, `evaluate`, `export` (a run's trained model)
-    cluster.register(sub)  # `diloco check-cluster` (a cluster.yaml against a config)
+    for name in modules:
+        _module(name).register(sub)
     return parser
+
+
+def _module(name: str):
+    """The command module `orchestrator.cli.<name>`, imported by name here so that import walks see every edge."""
+    if name == "train":
+        from orchestrator.cli import train as module
+    elif name == "report":
+        from orchestrator.cli import report as module
+    elif name == "simulate":
+        from orchestrator.cli import simulate as module
+    elif name == "jobs":
+        from orchestrator.cli import jobs as module
+    elif name == "baseline":
+        from orchestrator.cli import baseline as module
+    elif name == "model":
+        from orchestrator.cli import model as module
+    elif name == "cluster":
+        from orchestrator.cli import cluster as module
+    else:
+        raise ValueError(f"no command module {name!r}; add it to COMMANDS and here")
+    return module
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `diloco` console script."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=[_stderr_handler()])
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     return args.func(args)
 
 

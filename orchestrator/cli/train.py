@@ -11,18 +11,26 @@ from pathlib import Path
 from typing import TextIO
 
 from orchestrator.config import ConfigError, apply_overrides, build_config, load_config, resume_conflict
+from orchestrator.run.startup import Stage
 from orchestrator.run.summary import format_summary
 
 
 class ProgressBar:
     """One status line on a terminal (redrawn in place), or a line every 10 s when not a terminal."""
 
-    def __init__(self, stream: TextIO, *, emulation: str | None) -> None:
+    def __init__(self, stream: TextIO, *, emulation: str | None, started: float | None = None) -> None:
         self.stream = stream
         self.tty = stream.isatty()
         self._last = 0.0
+        self._started = time.monotonic() if started is None else started  # start-up lines count from here
         if emulation:
             stream.write(f"{emulation}\n")
+            stream.flush()
+
+    def stage(self, s: Stage) -> None:
+        """One line per start-up stage as it happens, e.g. `start-up   3.1s  islands ready 2 of 4`."""
+        self.stream.write(f"start-up {time.monotonic() - self._started:5.1f}s  {s.text}\n")
+        self.stream.flush()
 
     def __call__(self, p) -> None:  # p: orchestrator.run.driver.Progress
         now = time.monotonic()
@@ -97,7 +105,10 @@ class _LinkLatestOnStart:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    # Not the driver yet: it imports torch and Ray (seconds); bad input and the first lines come before that.
     from orchestrator.run.preflight import preflight, resume_config  # no Ray, no torch: bad input fails fast
+    from orchestrator.run.results import emulation_note
     from policies.chaos import parse_chaos_spec
 
     try:
@@ -119,12 +130,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as err:
         print(f"diloco train: {err}", file=sys.stderr)
         return 2
-    from orchestrator.run.driver import RayStartError, RunNotStarted, emulation_note, train  # Ray, torch: after the checks
+    bar = ProgressBar(sys.stderr, emulation=emulation_note(cfg), started=started) if not args.quiet else None
+    if bar:
+        bar.stage(Stage("load", "loading torch and Ray"))
+    from orchestrator.run.driver import RayStartError, RunNotStarted, train  # Ray, torch: after the checks
 
-    bar = ProgressBar(sys.stderr, emulation=emulation_note(cfg)) if not args.quiet else None
     address = args.address or os.environ.get("RAY_ADDRESS")
     try:
-        summary = train(cfg, run_dir, address=address, progress=_LinkLatestOnStart(run_dir, bar), resume=bool(args.resume))
+        summary = train(cfg, run_dir, address=address, progress=_LinkLatestOnStart(run_dir, bar),
+                        resume=bool(args.resume), stages=bar.stage if bar else None)
     except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
         if bar:
             bar.close()

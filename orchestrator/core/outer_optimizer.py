@@ -279,10 +279,9 @@ class OuterOptimizer:
         tensors: dict[str, torch.Tensor] = {}
         windows = [None if w is None else w.state_dict() for w in self._rda_windows]
         for p, (names, frag) in enumerate(zip(self.plan.fragments, self.params)):
-            state = self._opts[p].state_dict()["sgd"]["state"]
-            for i, (name, t) in enumerate(zip(names, frag)):
+            buffers = self._opts[p].momentum_buffers()
+            for name, t, buf in zip(names, frag, buffers):
                 tensors[PARAM_PREFIX + name] = t.clone()
-                buf = state.get(i, {}).get("momentum_buffer")
                 if buf is not None:
                     tensors[f"momentum/{name}"] = buf.clone()
             if self.average is not None:
@@ -317,10 +316,7 @@ class OuterOptimizer:
             with torch.no_grad():
                 for t, name in zip(self.params[p], names):
                     t.copy_(tensors[PARAM_PREFIX + name])
-            sgd = self._opts[p].state_dict()
-            sgd["sgd"]["state"] = {i: {"momentum_buffer": tensors[f"momentum/{n}"].clone()}
-                                   for i, n in enumerate(names) if f"momentum/{n}" in tensors}
-            self._opts[p].load_state_dict(sgd)
+            self._opts[p].load_momentum([tensors.get(f"momentum/{n}") for n in names])
             norms = (meta.get("rda_window_norms") or [None] * len(self.plan.fragments))[p]
             if self._rda_windows[p] is not None and norms is not None:  # else the window starts empty
                 self._rda_windows[p].load_state_dict(

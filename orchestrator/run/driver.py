@@ -57,6 +57,7 @@ from orchestrator.run.setup import (
     start_injector,
     start_monitor,
 )
+from orchestrator.run.startup import Stage, islands_ready, placing_text
 from orchestrator.settings import inner_settings, island_specs, outer_settings
 from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
@@ -68,6 +69,7 @@ __all__ = [
     "Progress",
     "RayStartError",
     "Run",
+    "Stage",
     "build_run_network",
     "check_local_fit",
     "emulation_note",
@@ -297,13 +299,14 @@ class Run:
     """One driver session of a training run, from placement to summary. `train()` is the entry point."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: Callable[[Progress], None] | None = None,
-                 resume: bool = False) -> None:
+                 resume: bool = False, stages: Callable[[Stage], None] | None = None) -> None:
         self.cfg = cfg
         # Absolute: the actors that write under it (the outer optimizer's checkpoints) run with the Ray
         # worker's working directory, not the driver's (a relative path broke a notebook that joined a
         # running cluster).
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.progress = progress
+        self.stages = stages  # start-up stages as they happen (orchestrator/run/startup.py)
         self.resume = resume
         self.run_id = f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}"
         self.events = EventLog(self.run_dir)
@@ -311,12 +314,20 @@ class Run:
         self.eval_points: list[dict] = []
         self.before_flush_loss: float | None = None  # held-out loss just before the final flush (summary)
         self.raw_loss: float | None = None  # final held-out loss of the raw global model, under run.average_window
+        # A fresh run's starting point (parameters, versions, read time), scored once an island has stepped: off
+        # the start-up's critical path, where the driver's scoring took CPU from the island processes starting.
+        self._start_point: tuple[dict, list[int], float] | None = None
+        self._first_step_seen = False
         self.tokens_before = 0
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self._stop_requested = False
         self.training_began = False  # set once every island of the first placement trains
         self.stopped_by = "token_budget"
         self.metrics = RunMetrics(self.run_id)  # Prometheus metrics via ray.util.metrics (docs/metrics.md)
+
+    def _stage(self, name: str, text: str, done: int = 0, of: int = 0) -> None:
+        if self.stages is not None:
+            self.stages(Stage(name, text, done, of))
 
     def request_stop(self) -> None:
         """Ask a running `train()` to finish now (from another thread, e.g. a notebook or a test)."""
@@ -332,6 +343,7 @@ class Run:
         initial, embedding_names, island_regions = self._build_world()
         if not self.resume:
             save_checkpoint_zero(cfg, initial, self.plan, ckpt_uri)
+        self._stage("placing", placing_text(cfg))
         self.outer_name = f"outer-{self.run_id}"
         self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0,
                                                  scheduling_strategy=here()).remote(
@@ -365,12 +377,12 @@ class Run:
         self.network, island_regions = build_run_network(
             cfg, model_bytes, lambda: measure_step_s(cfg, self.model_cfg, self.corpus.train))
         log.info("%s", self.network.describe())
-        self.unigram_bpb = unigram_bits_per_byte(self.corpus.train, self.corpus.heldout, vocab_size=self.corpus.vocab_size)
+        self.unigram_bpb: float | None = None  # scored with the starting point, after start-up (_score_start)
         self.evaluator = Evaluator(self.model_cfg, self.corpus.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
         self.tape = tape_from_config(cfg.chaos.spec(), islands=cfg.num_islands, horizon_s=cfg.chaos.horizon_s)
-        log.info("corpus: %s; model %s (%d params); %d fragments; unigram %.3f bits/byte; %d faults on the tape",
+        log.info("corpus: %s; model %s (%d params); %d fragments; %d faults on the tape",
                  self.corpus.source, cfg.model.preset, sum(t.numel() for t in initial.values()),
-                 self.plan.num_fragments, self.unigram_bpb, len(self.tape))
+                 self.plan.num_fragments, len(self.tape))
         return initial, model.embedding_parameter_names(), island_regions
 
     def _restore(self) -> dict[int, int]:
@@ -391,25 +403,57 @@ class Run:
         return last_inc
 
     def _start_islands(self, initial: dict[str, torch.Tensor]) -> None:
-        """Have the monitor start the islands, evaluate the starting point meanwhile, and wait for both."""
+        """Have the monitor start the islands and wait for them (and a fresh run's outer optimizer), reporting
+        each island as it comes up; note the starting point to score."""
         started = self.monitor.ensure_started.remote(fresh=not self.resume, data=[self.data_ref])
-        if not self.resume:  # (a resumed run asked it for its metadata above)
-            # The outer optimizer is up (or says why not) while islands start. A process start, not a
-            # control call: on a loaded machine it can take longer than call_timeout_s.
-            self._get(self.outer.restored_extra.remote(), timeout=self._start_timeout_s())
         # The starting point, how far the loss fell from. A fresh run evaluates the parameters it seeded
         # (version 0 of every fragment): asking the outer optimizer raced the islands, which on a quick
-        # start had merged a few rounds before it answered (seen in a notebook). A resumed run's islands
-        # start only below, so the outer's restored parameters are the starting point.
+        # start had merged a few rounds before it answered (seen in a notebook). It is scored once an island
+        # has stepped (_score_start). A resumed run's islands start only below, so the outer's restored
+        # parameters are the starting point, scored now.
         if self.resume:
             self._evaluate(time.monotonic())
+            self.unigram_bpb = self._unigram()
         else:
-            self._evaluate(time.monotonic(), start=(initial, [0] * self.plan.num_fragments))
-        try:
-            self._get(started, timeout=self._start_timeout_s())
-        except RayTaskError as err:
-            cause = str(err).strip().splitlines()[-1]
-            raise RuntimeError(f"islands failed to start: {cause}") from None
+            self._start_point = (initial, [0] * self.plan.num_fragments, time.time())
+        # A fresh run's outer optimizer is up (or says why not) while islands start; a resumed run's was asked
+        # for its metadata above. Process starts, not control calls: on a loaded machine they can take longer
+        # than call_timeout_s.
+        waits = [started] + ([] if self.resume else [self.outer.restored_extra.remote()])
+        deadline, ready = time.monotonic() + self._start_timeout_s(), 0
+        while waits:
+            left = max(0.0, deadline - time.monotonic())
+            done, waits = ray.wait(waits, num_returns=len(waits), timeout=min(0.25, left) if self.stages else left)
+            for ref in done:
+                try:
+                    self._get(ref, timeout=max(1.0, deadline - time.monotonic()))
+                except RayTaskError as err:
+                    if ref != started:
+                        raise
+                    cause = str(err).strip().splitlines()[-1]
+                    raise RuntimeError(f"islands failed to start: {cause}") from None
+            if self.stages is not None:
+                now_ready = self.cfg.num_islands if started not in waits else islands_ready(
+                    self._get(self.monitor.snapshot.remote()), self.first_inc)
+                if now_ready > ready:
+                    ready = now_ready
+                    self._stage("islands", f"islands ready {ready} of {self.cfg.num_islands}", ready, self.cfg.num_islands)
+            if waits and time.monotonic() > deadline:
+                raise GetTimeoutError(f"islands or the outer optimizer not up after {self._start_timeout_s():.0f} s")
+
+    def _unigram(self) -> float:
+        return unigram_bits_per_byte(self.corpus.train, self.corpus.heldout, vocab_size=self.corpus.vocab_size)
+
+    def _score_start(self) -> None:
+        """Score a fresh run's starting point (and the corpus's unigram baseline) if not done yet. Its `wall_s`
+        is 0 and `at` is when the islands were asked to start: the parameters are those the run seeded."""
+        if self._start_point is None:
+            return
+        params, versions, at = self._start_point
+        self._start_point = None
+        self._evaluate(self._t0, start=(params, versions), read=(self._t0, at, self.tokens_before))
+        self.unigram_bpb = self._unigram()
+        log.info("unigram baseline %.3f bits/byte", self.unigram_bpb)
 
     def _start_timeout_s(self) -> float:
         """How long a process start may take (the outer optimizer's, the first islands'): placement's bound."""
@@ -436,14 +480,16 @@ class Run:
         live, dead = self._statuses()
         return self.tokens_before + sum(s.tokens for s in live) + sum(s.tokens for s in dead)
 
-    def _evaluate(self, t0: float, start: tuple[dict, list[int]] | None = None) -> dict:
+    def _evaluate(self, t0: float, start: tuple[dict, list[int]] | None = None,
+                  read: tuple[float, float, int] | None = None) -> dict:
         """Evaluate the run's model now (the global parameters, or their moving average under
-        run.average_window), or `start` = (parameters, versions) before anything merged.
+        run.average_window), or `start` = (parameters, versions) before anything merged, read at `read` =
+        (monotonic time, wall time, tokens processed then; default now).
 
         The point's `wall_s`/`at` are when the parameters were read, not when scoring them ended: the
         first evaluation in a process is slow (seconds under load), and the starting point must sort first.
         """
-        read_mono, read_at, tokens = time.monotonic(), time.time(), self._tokens()
+        read_mono, read_at, tokens = read or (time.monotonic(), time.time(), self._tokens())
         if start is None:
             params = self._get(self.outer.served_parameters.remote())
             status = self._get(self.outer.status.remote())
@@ -480,7 +526,7 @@ class Run:
     def train(self) -> dict:
         """Run to the token budget (or max_wall_s) and return the summary (also written to summary.json)."""
         self._setup()
-        t0 = time.monotonic()
+        t0 = self._t0 = time.monotonic()
         next_eval, next_flush = t0 + self.cfg.eval.interval_s, t0 + 5.0
         status = {"versions": [], "rounds": 0}
         while True:
@@ -495,9 +541,12 @@ class Run:
                 _warn_transient(err)
                 time.sleep(0.5)
                 continue
+            self._note_first_step()
             self._report(t0, status)
             self.metrics.record_status(status, self.snapshot, tokens_processed=self._tokens())
             now = time.monotonic()
+            if self._start_point is not None and (self._first_step_seen or now >= next_eval):
+                self._score_start()  # before any periodic evaluation: the starting point comes first
             if self._tokens() >= self.cfg.run.token_budget or self._stop_requested:
                 self.stopped_by = "token_budget" if not self._stop_requested else "stop request"
                 break
@@ -510,6 +559,15 @@ class Run:
                 break
             time.sleep(0.5)
         return self._finish(t0)
+
+    def _note_first_step(self) -> None:
+        """Report the "first_step" stage the first time an island's status shows a step."""
+        if self._first_step_seen:
+            return
+        stepped = sorted(s.island for s in self._statuses()[0] if s.steps > 0)
+        if stepped:
+            self._first_step_seen = True
+            self._stage("first_step", f"first step (island {', '.join(map(str, stepped))})")
 
     def _periodic(self, t0: float, now: float, next_eval: float, next_flush: float, status: dict) -> tuple[float, float, bool]:
         """Evaluate and drain events when due: (next eval time, next drain time, whether the eval target stops the
@@ -535,6 +593,7 @@ class Run:
 
     def _finish(self, t0: float) -> dict:
         """Stop the islands, flush and stop the outer optimizer, record the outcome, write summary.json."""
+        self._score_start()  # a run stopped before any island stepped still has its starting point
         flush = self.cfg.run.final_flush
         stop_began = time.time()  # uptime's clock ends here: from now on versions are held on purpose
         if flush:  # no round closes between the islands' last cuts and the final merge
@@ -591,8 +650,12 @@ class Run:
 
 
 def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
-          progress: Callable[[Progress], None] | None = None, resume: bool = False) -> dict:
+          progress: Callable[[Progress], None] | None = None, resume: bool = False,
+          stages: Callable[[Stage], None] | None = None) -> dict:
     """Run one training job: start or join Ray, train to the token budget, write RUN_DIR, return the summary.
+
+    `progress` gets a `Progress` at every tick of the run; `stages` gets each start-up `Stage` as it happens
+    (orchestrator/run/startup.py): Ray, placing, islands ready n of M, the first step.
 
     Bad input is refused before Ray starts (orchestrator.run.preflight: ConfigError, nothing written).
     RUN_DIR is created only once Ray is up and can host the run. A fresh run that fails before its
@@ -602,6 +665,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     run_dir = Path(run_dir)
     preflight(cfg, run_dir, resume=resume)
     cfg = with_measured_step(cfg, address)
+    if stages is not None:
+        stages(Stage("ray", _ray_text(cfg, address)))
     started = ensure_ray(cfg, address)
     if started and not address:  # a Ray of our own never grows: what it cannot host now, it never will
         check_local_fit(cfg)
@@ -613,7 +678,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     ignore_zero_copy_warnings()
     run: Run | None = None
     try:
-        run = Run(cfg, run_dir, progress=progress, resume=resume)
+        run = Run(cfg, run_dir, progress=progress, resume=resume, stages=stages)
         summary = run.train()
     except BaseException as err:
         _end_session(run, handler, started)
@@ -652,3 +717,12 @@ def _discard_run_dir(run_dir: Path) -> str:
         where = f"lost ({err})"
     shutil.rmtree(run_dir, ignore_errors=True)
     return where
+
+
+def _ray_text(cfg: RunConfig, address: str | None) -> str:
+    """What the "ray" stage says: joining a cluster, using this process's Ray, or starting a local one."""
+    if ray.is_initialized():
+        return "using the Ray this process already runs"
+    if address:
+        return f"joining Ray at {address}"
+    return "starting a local Ray"

@@ -1,0 +1,44 @@
+"""What a run's start-up is doing, as it happens: the stages the driver reports before (and at) the first step.
+
+The driver (orchestrator/run/driver.py) hands each `Stage` to the `stages` callable of `train()` / `Run`;
+`diloco train` prints them on the progress bar's stream (orchestrator/cli/train.py). Imports neither
+torch nor Ray, so the CLI can announce the first stage before it loads the driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.config import RunConfig
+
+__all__ = ["STAGES", "Stage", "islands_ready", "placing_text"]
+
+# In the order a run reports them; "islands" repeats as more islands come up.
+STAGES = ("load", "ray", "placing", "islands", "first_step")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One start-up stage, reported when it begins (or, for "islands" and "first_step", when it happened).
+
+    name: one of STAGES. text: one line for a person, e.g. "islands ready 2 of 4".
+    done, of: for "islands", how many of how many islands are up (their processes built, training).
+    """
+
+    name: str
+    text: str
+    done: int = 0
+    of: int = 0
+
+
+def placing_text(cfg: RunConfig) -> str:
+    """"placing 4 islands in 2 pools (fast 2, slow 2)": what the "placing" stage says."""
+    pools = ", ".join(f"{p.name} {p.islands}" for p in cfg.pools)
+    return f"placing {cfg.num_islands} islands in {len(cfg.pools)} pools ({pools})"
+
+
+def islands_ready(snapshot: dict, first_incarnation: dict[int, int]) -> int:
+    """How many island slots of a health monitor's `snapshot` hold a started process of this session: placed,
+    built and answering (the monitor sets a slot's node once the process's constructor has returned)."""
+    return sum(1 for i, slot in snapshot["slots"].items()
+               if slot.get("node") and slot["incarnation"] >= first_incarnation.get(int(i), 1))
