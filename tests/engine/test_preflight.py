@@ -163,7 +163,7 @@ class FailingRun:
 
     began = False
 
-    def __init__(self, cfg, run_dir, *, progress=None, resume=False) -> None:
+    def __init__(self, cfg, run_dir, *, progress=None, resume=False, stages=None) -> None:
         self.run_dir, self.training_began = Path(run_dir), self.began
 
     def train(self) -> dict:
