@@ -54,6 +54,7 @@ import torch  # noqa: E402
 
 from islands.data import ShardSampler, load_stdlib_corpus  # noqa: E402
 from islands.model import ModelConfig, build_model, model_config  # noqa: E402
+from islands.model_api import default_loss, embedding_parameter_names  # noqa: E402
 from islands.trainer import InnerSettings  # noqa: E402
 from orchestrator.actors.remote import WORKER_ENV, IslandActor, OuterOptimizerActor  # noqa: E402
 from orchestrator.config import build_config  # noqa: E402
@@ -102,7 +103,7 @@ class BareLoop:
                 x, y = self.sampler.next_batch()  # [B, T], [B, T]
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.inner.lr * min(1.0, (self.steps + 1) / warm) if warm > 0 else self.inner.lr
-                loss = self.model.loss(x, y)
+                loss = default_loss(self.model, (x, y))
                 loss.backward()
                 if self.inner.grad_clip is not None:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
@@ -222,7 +223,7 @@ def island_side(cfg: ModelConfig, data_ref, inner: InnerSettings, variant: Varia
     cleanup.append(ckpt_dir)
     tensors, meta = OuterOptimizer(initial, plan, settings=settings).state_dict()
     CheckpointStore(ckpt_dir, keep=3).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
-    outer = OuterOptimizerActor.options(num_cpus=0).remote(plan, settings, model.embedding_parameter_names(),
+    outer = OuterOptimizerActor.options(num_cpus=0).remote(plan, settings, embedding_parameter_names(model),
                                                            ckpt_dir, args.checkpoint_every_s, 3)
     actors.append(outer)
     spec = replace(island_specs(build_config({}), cfg, plan)[0], island=0, incarnation=1, pool="bench", num_islands=1,

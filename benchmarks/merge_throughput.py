@@ -53,6 +53,7 @@ import torch  # noqa: E402
 
 from islands.messages import Submission  # noqa: E402
 from islands.model import ModelConfig, build_model, model_config  # noqa: E402
+from islands.model_api import embedding_parameter_names  # noqa: E402
 from orchestrator.config import build_config  # noqa: E402
 from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings  # noqa: E402
 from orchestrator.settings import outer_settings  # noqa: E402
@@ -261,7 +262,7 @@ def load_model(args: argparse.Namespace) -> Model:
     cfg = model_config(args.preset)
     model = build_model(cfg, seed=args.seed)
     initial = {n: p.detach() for n, p in model.named_parameters()}
-    return Model(cfg=cfg, initial=initial, embedding_names=model.embedding_parameter_names(),
+    return Model(cfg=cfg, initial=initial, embedding_names=embedding_parameter_names(model),
                  model_bytes=sum(t.numel() * t.element_size() for t in initial.values()),
                  n_params=sum(t.numel() for t in initial.values()))
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from islands.model_api import default_loss, embedding_parameter_names
 from islands.spec import PRESETS, ModelConfig, model_config
 
 # PRESETS and model_config are re-exported: the shapes live in islands.spec (no torch), the model here.
@@ -115,18 +116,12 @@ class ByteTransformer(nn.Module):
             return self.lm_head(x.float())  # (B, T, V)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Scalar mean cross-entropy in nats of ``targets`` (B, T) given ``idx`` (B, T)."""
-        logits = self(idx)  # (B, T, V)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        """Scalar mean cross-entropy in nats of ``targets`` (B, T) given ``idx`` (B, T): the engine's default loss."""
+        return default_loss(self, (idx, targets))
 
     def embedding_parameter_names(self) -> frozenset[str]:
-        """Names (as in ``named_parameters()``) of the token and position embedding tables."""
-        return frozenset(
-            f"{module_name}.{param_name}"
-            for module_name, module in self.named_modules()
-            if isinstance(module, nn.Embedding)
-            for param_name, _ in module.named_parameters(recurse=False)
-        )
+        """Names (as in ``named_parameters()``) of the token and position embedding tables (both ``nn.Embedding``)."""
+        return embedding_parameter_names(self)
 
 
 def _init_parameters(model: ByteTransformer, generator: torch.Generator) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from islands.data import ShardSampler
 from islands.model import ModelConfig, build_model
+from islands.model_api import LossFn, default_loss
 from islands.spec import InnerSettings  # noqa: F401 - re-exported: the settings live in islands.spec
 from policies.lr_schedule import lr_factor
 
@@ -45,8 +46,9 @@ def _tf32(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, precision: str = "fp32") -> torch.Tensor:
-    """The batch's mean loss, with its gradients accumulated into the (fp32) parameters, in `precision`.
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, precision: str = "fp32",
+                     loss_fn: LossFn = default_loss) -> torch.Tensor:
+    """The batch's loss `loss_fn(model, (x, y))`, with its gradients accumulated into the (fp32) parameters, in `precision`.
 
     'fp32': plain. 'tf32': GPU matmuls in TF32 (no effect on CPU). 'bf16': the forward pass under
     bfloat16 autocast, except the output head and the loss, which stay fp32 (islands/model.py);
@@ -57,7 +59,7 @@ def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *
         raise ValueError(f"precision={precision!r}; use one of {', '.join(PRECISIONS)}")
     with _tf32(precision == "tf32" and x.device.type == "cuda"):
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = model.loss(x, y)
+            loss = loss_fn(model, (x, y))
         loss.backward()
     return loss
 
@@ -82,6 +84,8 @@ class InnerTrainer:
     c reads batch `c * W + rank` of the shard, gradients are averaged over the W workers before the
     clip and the AdamW step, and a step counts the tokens of all W batches. The sampler's cursor
     still counts island steps, so resuming from a cursor works as with one worker.
+
+    `loss_fn(model, (x, y))` is the loss it steps on (islands/model_api.py; default: cross-entropy).
     """
 
     def __init__(
@@ -95,8 +99,10 @@ class InnerTrainer:
         seed: int,
         group: WorkerGroup | None = None,
         device: torch.device | str = "cpu",
+        loss_fn: LossFn = default_loss,
     ) -> None:
         self.settings = settings
+        self.loss_fn = loss_fn
         self.group = group
         self.world = group.world_size if group is not None else 1
         self.rank = group.rank if group is not None else 0
@@ -138,7 +144,7 @@ class InnerTrainer:
         x, y = self.next_batch()  # [B, T], [B, T]
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.steps)
-        loss = forward_backward(self.model, x, y, precision=self.settings.precision)
+        loss = forward_backward(self.model, x, y, precision=self.settings.precision, loss_fn=self.loss_fn)
         mean_loss = loss.detach()
         if self.group is not None:  # every worker now holds the island's mean gradient (and loss)
             mean_loss = self.group.average_gradients(self.model.parameters(), mean_loss)

@@ -33,13 +33,14 @@ def _warm_up() -> None:
     import torch
 
     from islands.model import build_model
+    from islands.model_api import default_loss
     from islands.spec import model_config
 
     cfg = model_config("nano")
     model = build_model(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters())
     x = torch.zeros(1, cfg.seq_len, dtype=torch.long)
-    model.loss(x, x).backward()
+    default_loss(model, (x, x)).backward()
     opt.step()
 
 

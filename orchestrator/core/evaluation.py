@@ -9,12 +9,16 @@ import torch
 
 from islands.data import heldout_batches
 from islands.model import ModelConfig, build_model
+from islands.model_api import LossFn, default_loss
 
 
 class Evaluator:
     """Loads global parameters into a private model and measures held-out loss and bits per byte."""
 
-    def __init__(self, model_config: ModelConfig, heldout: np.ndarray, *, batches: int, batch_size: int) -> None:
+    def __init__(self, model_config: ModelConfig, heldout: np.ndarray, *, batches: int, batch_size: int,
+                 loss_fn: LossFn = default_loss) -> None:
+        """`loss_fn(model, (x, y))` is the loss measured (islands/model_api.py; default: cross-entropy)."""
+        self.loss_fn = loss_fn
         self.model = build_model(model_config, seed=0)
         self.model.eval()
         self.batches = heldout_batches(heldout, seq_len=model_config.seq_len, batch_size=batch_size, num_batches=batches)
@@ -31,6 +35,6 @@ class Evaluator:
             raise ValueError(f"global parameters lack {sorted(missing)[:3]}; they do not belong to this model")
         for name, p in named.items():
             p.copy_(params[name])
-        losses = [float(self.model.loss(x, y)) for x, y in self.batches]
+        losses = [float(self.loss_fn(self.model, (x, y))) for x, y in self.batches]
         loss = sum(losses) / len(losses)
         return loss, loss / math.log(2)

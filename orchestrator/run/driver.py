@@ -35,6 +35,7 @@ from islands.data import (
     unigram_bits_per_byte,
 )
 from islands.model import build_model
+from islands.model_api import embedding_parameter_names
 from islands.trainer import InnerTrainer
 from orchestrator.actors.remote import (
     NAMESPACE,
@@ -383,7 +384,7 @@ class Run:
         log.info("corpus: %s; model %s (%d params); %d fragments; %d faults on the tape",
                  self.corpus.source, cfg.model.preset, sum(t.numel() for t in initial.values()),
                  self.plan.num_fragments, len(self.tape))
-        return initial, model.embedding_parameter_names(), island_regions
+        return initial, embedding_parameter_names(model), island_regions
 
     def _restore(self) -> dict[int, int]:
         """A resumed run's starting point from the restored outer optimizer (token count, ledger baseline) and
