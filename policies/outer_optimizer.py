@@ -125,6 +125,12 @@ class FragmentOuterOptimizer:
         # Kept as asked and capped at step time: load_state_dict may bring another momentum.
         self._partial_momentum = partial_momentum
 
+    def build(self) -> None:
+        """Build the torch optimizer now rather than at the first step: the outer optimizer's actor calls this at
+        start, so the import it costs (~1.5 s of CPU) never delays a round, which with K = 1 would let a backlog
+        of submissions close rounds in a burst and leave a waiting submission too stale."""
+        _ = self._sgd
+
     @property
     def _sgd(self) -> torch.optim.SGD:
         if self._built is None:

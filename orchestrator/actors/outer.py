@@ -63,6 +63,7 @@ class _OuterShell:
         self.core = OuterOptimizer(latest.parameters(), plan, settings=settings, embedding_names=embedding_names,
                                    now=0.0)
         self.core.load_state_dict(latest.tensors, latest.meta["outer"])
+        self.core.build_optimizers()  # off the first round's path (policies/outer_optimizer.py, build)
         self.epoch = latest.meta.get("epoch", -1) + 1  # the seed checkpoint carries epoch -1
         self.extra: dict = latest.meta.get("extra", {})  # driver metadata saved with each checkpoint
         self.core.progress = self._progress()

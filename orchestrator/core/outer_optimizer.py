@@ -308,6 +308,12 @@ class OuterOptimizer:
                 out[(sub.island, sub.incarnation)][sub.fragment] -= sub.tokens
         return out
 
+    def build_optimizers(self) -> None:
+        """Build each fragment's torch optimizer now (see FragmentOuterOptimizer.build): the actor does this at
+        start so the first round is not delayed; a driver that only writes checkpoint 0 never pays for it."""
+        for opt in self._opts:
+            opt.build()
+
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore from `state_dict()` output; refuses a checkpoint of another model or fragment plan."""
         if [list(f) for f in self.plan.fragments] != meta.get("fragments"):
