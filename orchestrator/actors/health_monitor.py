@@ -118,29 +118,14 @@ class HealthMonitor:
             restore_parked(saved, self.slots, self.record, self.keepers)
             log.warning("health monitor restored its state (%d timeline events)", len(self.record.timeline))
         adopted = set() if fresh else await self._adopt_existing()
-        for slot in self.slots.values():
-            if saved and slot.island not in adopted and slot.state not in ("dead", "restarting", "starting"):
-                # It was live before this monitor restarted and is gone now: a failure nobody saw. A first
-                # start cut short by the restart ("starting") is no island failure: it simply starts again.
-                slot.failures += 1
-                self.record.mark(slot, "dead")
-                log.warning("island %d incarnation %d found dead after a monitor restart", slot.island, slot.incarnation)
+        if saved:
+            self.record.mark_lost_in_restart(self.slots.values(), adopted)
         starts = [self._start(slot) for slot in self.slots.values() if slot.island not in adopted]
         # Keepers start once their islands are placed, so that they can be placed away from them; islands
         # look their keeper up by name at each snapshot and skip snapshots until it exists.
         await asyncio.gather(*starts, self.keepers.start(self.launcher.placed))
-        self._spares_task = asyncio.get_running_loop().create_task(self._spares_once_training())
-
-    async def _spares_once_training(self) -> None:
-        """Start the pools' warm spares once every island has stepped (or a placement timeout later): each spare
-        is a process importing torch, which started beside the islands took CPU from their first steps on a
-        small machine. A failure before then restarts cold, as it does while spares start."""
-        deadline = time.monotonic() + self.timeouts.placement_s
-        while not self._stopping and time.monotonic() < deadline and any(
-                slot.steps == 0 and slot.state not in ("dead", "stopped") for slot in self.slots.values()):
-            await asyncio.sleep(self.timeouts.tick_s)
-        for pool in self.pools:
-            self.launcher.spares.refill(pool, self.data)
+        self._spares_task = asyncio.get_running_loop().create_task(self.launcher.spares.refill_once_islands_step(
+            self.slots.values(), self.data, wait_s=self.timeouts.placement_s, tick_s=self.timeouts.tick_s))
 
     async def _adopt_existing(self) -> set[int]:
         """Take back the islands, followers and spares a previous monitor of this run left; returns the slots."""

@@ -6,7 +6,9 @@ of the state the monitor parks with the outer optimizer, so that it survives a m
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from orchestrator.actors.slots import SlotState
@@ -15,6 +17,8 @@ if TYPE_CHECKING:
     from orchestrator.actors.keepers import ProgressKeepers
 
 __all__ = ["RecoveryRecord", "parked_state", "restore_parked"]
+
+log = logging.getLogger(__name__)
 
 
 class RecoveryRecord:
@@ -45,6 +49,16 @@ class RecoveryRecord:
         if self._last.get(slot.island) != (slot.incarnation, state):
             self._last[slot.island] = (slot.incarnation, state)
             self.timeline.append((at if at is not None else time.time(), slot.island, slot.incarnation, state))
+
+    def mark_lost_in_restart(self, slots: Iterable[SlotState], adopted: set[int]) -> None:
+        """After this monitor restarted from parked state: a slot that was live then and was not re-adopted
+        died unseen, so it counts as a failure and goes dead. A first start cut short by the restart
+        ("starting") is no island failure: it simply starts again."""
+        for slot in slots:
+            if slot.island not in adopted and slot.state not in ("dead", "restarting", "starting"):
+                slot.failures += 1
+                self.mark(slot, "dead")
+                log.warning("island %d incarnation %d found dead after a monitor restart", slot.island, slot.incarnation)
 
     def note_fault(self, island: int, incarnation: int, kind: str, at: float, recovery_delay_s: float) -> None:
         """Remember a fault the chaos injector caused (for time-to-detect and the recovery delay)."""

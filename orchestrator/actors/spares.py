@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -60,6 +61,19 @@ class WarmSpares:
         pool = name.split("-spare-")[1].rsplit("-", 1)[0] if "-spare-" in name else None
         if pool in self.ready:
             self.ready[pool].append((name, handle, get_placement_group(name)))
+
+    async def refill_once_islands_step(self, slots: Iterable[Any], data: list[Any], *, wait_s: float,
+                                       tick_s: float) -> None:
+        """Fill every pool's spares once each island slot (a live view of the monitor's `SlotState`s) has stepped,
+        or `wait_s` later: each spare is a process importing torch, which started beside the islands took CPU
+        from their first steps on a small machine. A failure before then restarts cold, as it does while
+        spares start."""
+        deadline = time.monotonic() + wait_s
+        while not self._stopping() and time.monotonic() < deadline and any(
+                slot.steps == 0 and slot.state not in ("dead", "stopped") for slot in slots):
+            await asyncio.sleep(tick_s)
+        for pool in self.pools:
+            self.refill(pool, data)
 
     def refill(self, pool: str, data: list[Any]) -> None:
         """Start spares for `pool` in the background until it has `count` (no-op while that is under way)."""
