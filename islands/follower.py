@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
-import numpy as np
 import torch
 
 from islands.distributed import WorkerGroup
-from islands.model import ModelConfig
+from islands.spec import ModelRecipe
 from islands.trainer import InnerSettings, InnerTrainer
 from policies.fragments import FragmentPlan
 
@@ -31,12 +31,12 @@ class IslandFollower:
     "failed", which the shell turns into the end of its process (so the leader fails at once too).
     """
 
-    def __init__(self, *, model_config: ModelConfig, inner: InnerSettings, plan: FragmentPlan, data: np.ndarray,
+    def __init__(self, *, model: ModelRecipe, inner: InnerSettings, plan: FragmentPlan, data: Any,
                  shard_index: int, num_shards: int, seed: int, group: WorkerGroup) -> None:
         if group.rank == 0:
             raise ValueError("rank 0 is the island's leader (LearnerIsland); followers have rank >= 1")
         self.group = group
-        self.trainer = InnerTrainer(model_config, np.asarray(data), settings=inner, shard_index=shard_index,
+        self.trainer = InnerTrainer(model, data, settings=inner, shard_index=shard_index,
                                     num_shards=num_shards, seed=seed, group=group, device=group.device)
         self._fragments = [[self.trainer.params[n] for n in frag] for frag in plan.fragments]
         self.state = "starting"  # starting | training | stopped | failed

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from islands.distributed import WorkerGroup, describe_device, island_device
@@ -64,13 +63,13 @@ def _build_trainer(spec: IslandSpec, train: Any, *, cursor: int, group: WorkerGr
                    device: torch.device) -> InnerTrainer:
     """The island's inner trainer on its shard, its sampler at `cursor`; the plan must cover the model."""
     trainer = InnerTrainer(
-        spec.model_config, np.asarray(train), settings=spec.inner,
+        spec.model, train, settings=spec.inner,
         shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed, group=group, device=device,
     )
     trainer.sampler.load_state_dict({**trainer.sampler.state_dict(), "cursor": cursor})
     missing = set(trainer.params) - {n for frag in spec.plan.fragments for n in frag}
     if missing:
-        raise ValueError(f"fragment plan does not cover parameters {sorted(missing)[:3]}...; rebuild the plan from this model")
+        raise ValueError(f"fragment plan does not cover state tensors {sorted(missing)[:3]}...; rebuild the plan from this model")
     return trainer
 
 

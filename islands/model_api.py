@@ -8,7 +8,11 @@ user's ``torch.nn.Module`` take the same path. The contract is written up in doc
   yielded once, under its first name, so it is one entry of every fragment plan and every message;
 - the loss is ``loss_fn(model, batch) -> scalar tensor``, :func:`default_loss` unless the user passes one;
 - embeddings are the parameters owned by ``nn.Embedding`` modules (:func:`embedding_parameter_names`);
-- a model comes from a zero-argument factory, a callable or an import path (:func:`resolve_factory`).
+- a model comes from a zero-argument factory, a callable or an import path (:func:`resolve_factory`);
+  :func:`instantiate` builds it under the run's seed, the same model in every process;
+- the state the engine trains and merges is :func:`state_tensors`: the parameters plus the persistent
+  floating-point buffers (BatchNorm running statistics and the like), see :func:`buffer_names`;
+- the inner optimizer is ``optimizer_factory(parameters) -> torch.optim.Optimizer``, AdamW by default.
 
 No Ray and no project imports: torch only, so the CLI can check a factory before Ray starts.
 """
@@ -26,6 +30,10 @@ import torch.nn.functional as F
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """A loss: ``loss_fn(model, batch) -> scalar tensor``; the engine's batch is an ``(inputs, targets)`` pair."""
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+"""An inner optimizer: ``optimizer_factory(parameters) -> torch.optim.Optimizer`` (the engine scales each
+group's lr by the schedule of ``inner.lr_schedule``)."""
 
 _PATH_FORM = "'package.module:function'"
 
@@ -103,28 +111,27 @@ def check_model(model: Any, origin: str = "the model factory") -> nn.Module:
     return model
 
 
-def _import_target(path: str) -> Callable[..., Any]:
-    """The callable an import path ``package.module:attr`` (attr may be dotted) names."""
+def _import_target(path: str, role: str = "model factory") -> Callable[..., Any]:
+    """The callable an import path ``package.module:attr`` (attr may be dotted) names; `role` names it in errors."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ModelError(f"model factory {path!r} is not an import path; write it as {_PATH_FORM}")
+        raise ModelError(f"{role} {path!r} is not an import path; write it as {_PATH_FORM}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        raise ModelError(f"cannot import module {module_name!r} of model factory {path!r} ({err}); check the "
+        raise ModelError(f"cannot import module {module_name!r} of {role} {path!r} ({err}); check the "
                          "spelling and that the package is installed or on PYTHONPATH") from err
     except Exception as err:  # noqa: BLE001 - the user's module failed while importing: say so in one line
-        raise ModelError(f"importing module {module_name!r} of model factory {path!r} failed: "
+        raise ModelError(f"importing module {module_name!r} of {role} {path!r} failed: "
                          f"{type(err).__name__}: {err}; fix that module") from err
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise ModelError(f"module {module_name!r} has no attribute {attr!r} (model factory {path!r}); "
+            raise ModelError(f"module {module_name!r} has no attribute {attr!r} ({role} {path!r}); "
                              f"name a function defined there, as {_PATH_FORM}")
         target = getattr(target, part)
     if not callable(target):
-        raise ModelError(f"model factory {path!r} is a {type(target).__name__}, not callable; point it at a "
-                         "function that takes no arguments and returns a torch.nn.Module")
+        raise ModelError(f"{role} {path!r} is a {type(target).__name__}, not callable; point it at a function")
     return target
 
 
@@ -164,3 +171,152 @@ def resolve_factory(spec: Any) -> ModelFactory:
     if callable(spec):
         return ModelFactory(spec)
     raise ModelError(f"a model factory is a callable or an import path {_PATH_FORM}, got a {type(spec).__name__}")
+
+
+def resolve_callable(spec: Any, role: str) -> Callable[..., Any] | None:
+    """None for None; else the callable `spec` is, or the one its import path ``"package.module:function"`` names.
+
+    `role` ("loss", "optimizer factory") names it in the one-line :class:`ModelError` a bad spec raises.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return _import_target(spec.strip(), role)
+    if callable(spec):
+        return spec
+    raise ModelError(f"a {role} is a callable or an import path {_PATH_FORM}, got a {type(spec).__name__}")
+
+
+def instantiate(model: Any, seed: int) -> nn.Module:
+    """The model a factory (callable or import path) builds with torch's RNG seeded with `seed`, checked.
+
+    Every process that builds the run's model (the driver, each island, a restarted island, the
+    evaluator, a resumed run) gets the same initial weights; the caller's RNG is left as it was.
+    """
+    factory = resolve_factory(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory()
+
+
+def buffer_names(model: nn.Module) -> list[str]:
+    """Names of the buffers the engine trains with the parameters: persistent and floating point.
+
+    The rule (docs/models.md): a persistent floating-point buffer (BatchNorm's ``running_mean`` and
+    ``running_var``) is state the data shapes, so it travels in its fragment like a parameter and the
+    outer optimizer sets it to the islands' weighted mean (no outer learning rate, no momentum: running
+    statistics are averages, not gradients to accelerate). An integer buffer (``num_batches_tracked``)
+    and a non-persistent buffer (a causal mask, rotary tables) stay as the factory builds them in
+    each process: never sent, never merged, never checkpointed.
+    """
+    names = []
+    for module_name, module in model.named_modules():
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in skip and buf.is_floating_point():
+                names.append(f"{module_name}.{name}" if module_name else name)
+    return names
+
+
+def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the engine trains, sends, merges and checkpoints, by name: parameters, then buffers.
+
+    Parameters come from ``named_parameters()`` (a tied weight once, under its first name); buffers
+    are :func:`buffer_names`. The tensors are the model's own (changing them changes the model).
+    """
+    state: dict[str, torch.Tensor] = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    for name in buffer_names(model):
+        state[name] = buffers[name]
+    return state
+
+
+def load_state_tensors(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Copy `values` (as :func:`state_tensors` names them) into `model` in place; tied weights stay tied.
+
+    Every state tensor of the model must be there; extra names are refused too, so a checkpoint of
+    another model fails here with the names rather than training on half-loaded weights.
+    """
+    state = state_tensors(model)
+    missing, extra = sorted(set(state) - set(values)), sorted(set(values) - set(state))
+    if missing or extra:
+        raise ModelError(f"the tensors do not fit this model: missing {missing[:3]}, unexpected {extra[:3]}; "
+                         "load tensors saved from the same model factory")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            tensor.copy_(values[name])
+
+
+def move_batch(batch: Any, device: torch.device) -> Any:
+    """`batch` with every tensor in it (in tuples, lists, dicts, at any depth) moved to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: move_batch(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move_batch(v, device) for v in batch)
+    return batch
+
+
+def build_optimizer(factory: Any, model: nn.Module, *, lr: float, weight_decay: float,
+                    betas: tuple[float, float]) -> torch.optim.Optimizer:
+    """The inner optimizer over `model`'s trainable parameters: `factory(parameters)`, or AdamW with these settings.
+
+    A user's factory (callable or import path) must return a ``torch.optim.Optimizer``; its groups'
+    learning rates are the peaks the engine's lr schedule scales (InnerTrainer.lr_at).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    make = resolve_callable(factory, "optimizer factory")
+    if make is None:
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    optimizer = make(params)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ModelError(f"optimizer factory {getattr(make, '__qualname__', make)!r} returned a "
+                         f"{type(optimizer).__name__}, not a torch.optim.Optimizer; make it return "
+                         "e.g. torch.optim.AdamW(parameters, lr=...)")
+    return optimizer
+
+
+def check_loss(value: Any, origin: str) -> torch.Tensor:
+    """`value` if it is a finite-or-not scalar float tensor with a gradient; else a one-line ModelError."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ModelError(f"{origin} returned {shape}, not a scalar float tensor; return e.g. "
+                         "loss.mean() (one number per batch)")
+    if not value.requires_grad:
+        raise ModelError(f"{origin} returned a tensor with no gradient; compute it from the model's outputs "
+                         "without .item(), .detach() or torch.no_grad()")
+    return value.reshape(())
+
+
+def batch_tokens(batch: Any) -> int:
+    """How many tokens a batch counts for token-weighted merging and the token budget.
+
+    - ``(inputs, targets)``: ``targets.numel()`` (B*T for a causal LM; B for a classifier's labels);
+    - a mapping: the sum of ``attention_mask`` if it has one (padding does not count), else the
+      elements of ``labels``, else of ``input_ids``;
+    - anything else: the leading dimension (examples) of the first tensor found in it.
+    """
+    if isinstance(batch, Mapping):
+        for key in ("attention_mask", "labels", "input_ids"):
+            value = batch.get(key)
+            if isinstance(value, torch.Tensor):
+                return int(value.sum()) if key == "attention_mask" else value.numel()
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+        return batch[1].numel()
+    first = _first_tensor(batch)
+    if first is None:
+        raise ModelError(f"a batch of {type(batch).__name__} holds no tensor; make the dataset's examples tensors "
+                         "(or dicts/tuples of tensors)")
+    return int(first.shape[0]) if first.dim() else 1
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None

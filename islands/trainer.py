@@ -12,15 +12,24 @@ import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from islands.data import ShardSampler
-from islands.model import ModelConfig, build_model
-from islands.model_api import LossFn, default_loss
-from islands.spec import InnerSettings  # noqa: F401 - re-exported: the settings live in islands.spec
+from islands.model import ModelConfig
+from islands.model_api import (
+    LossFn,
+    batch_tokens,
+    build_optimizer,
+    check_loss,
+    instantiate,
+    move_batch,
+    resolve_callable,
+    state_tensors,
+)
+from islands.spec import InnerSettings, ModelRecipe, as_recipe
 from policies.lr_schedule import lr_factor
 
 if TYPE_CHECKING:
@@ -46,9 +55,12 @@ def _tf32(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, precision: str = "fp32",
-                     loss_fn: LossFn = default_loss) -> torch.Tensor:
-    """The batch's loss `loss_fn(model, (x, y))`, with its gradients accumulated into the (fp32) parameters, in `precision`.
+def forward_backward(model: torch.nn.Module, batch: Any, *, precision: str = "fp32",
+                     loss_fn: LossFn | None = None) -> torch.Tensor:
+    """The batch's loss `loss_fn(model, batch)`, with its gradients accumulated into the (fp32) parameters, in `precision`.
+
+    `loss_fn` None is islands.model_api.default_loss; the loss must be a scalar float tensor with a
+    gradient (else a one-line ModelError naming the fix).
 
     'fp32': plain. 'tf32': GPU matmuls in TF32 (no effect on CPU). 'bf16': the forward pass under
     bfloat16 autocast, except the output head and the loss, which stay fp32 (islands/model.py);
@@ -57,11 +69,32 @@ def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}; use one of {', '.join(PRECISIONS)}")
-    with _tf32(precision == "tf32" and x.device.type == "cuda"):
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = loss_fn(model, (x, y))
+    loss_fn = resolve_loss(loss_fn)
+    device = next(model.parameters()).device
+    with _tf32(precision == "tf32" and device.type == "cuda"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = check_loss(loss_fn(model, batch), f"the loss {getattr(loss_fn, '__qualname__', loss_fn)!r}")
         loss.backward()
     return loss
+
+
+def resolve_loss(spec: Any) -> LossFn:
+    """The loss a spec names: None is the default (islands.model_api.default_loss), else a callable or import path."""
+    from islands.model_api import default_loss
+
+    return resolve_callable(spec, "loss") or default_loss
+
+
+def make_sampler(data: Any, *, shard_index: int, num_shards: int, seq_len: int, batch_size: int, seed: int) -> Any:
+    """The sampler of one island's shard: token windows of a 1-D token array (islands.data.ShardSampler),
+    else batches of a map-style dataset's examples (islands.examples.ExampleSampler). Both resume
+    exactly from a cursor."""
+    if isinstance(data, np.ndarray):
+        return ShardSampler(data, shard_index=shard_index, num_shards=num_shards, seq_len=seq_len,
+                            batch_size=batch_size, seed=seed)
+    from islands.examples import ExampleSampler
+
+    return ExampleSampler(data, shard_index=shard_index, num_shards=num_shards, batch_size=batch_size, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -75,23 +108,24 @@ class StepResult:
 
 
 class InnerTrainer:
-    """A model replica, its AdamW inner optimizer and its data shard sampler.
+    """A model replica, its inner optimizer (AdamW by default) and its data shard sampler.
 
-    The model is built from `seed` only to get its shapes; the island overwrites every parameter with
-    the global ones before the first step.
+    `model` is the run's ModelRecipe (factory, loss, optimizer; islands/spec.py), or a built-in shape
+    (a ModelConfig: the byte transformer with `loss_fn`, AdamW and `seed`). The model is built only to get
+    its shapes; the island overwrites every state tensor with the global ones before the first step.
+    `data` is a 1-D token array or a map-style dataset (:func:`make_sampler`).
 
     With a `group` (islands/distributed.py) this is one worker of a data-parallel island: island step
     c reads batch `c * W + rank` of the shard, gradients are averaged over the W workers before the
     clip and the AdamW step, and a step counts the tokens of all W batches. The sampler's cursor
     still counts island steps, so resuming from a cursor works as with one worker.
 
-    `loss_fn(model, (x, y))` is the loss it steps on (islands/model_api.py; default: cross-entropy).
     """
 
     def __init__(
         self,
-        model_config: ModelConfig,
-        data: np.ndarray,
+        model: ModelRecipe | ModelConfig,
+        data: Any,
         *,
         settings: InnerSettings,
         shard_index: int,
@@ -99,32 +133,28 @@ class InnerTrainer:
         seed: int,
         group: WorkerGroup | None = None,
         device: torch.device | str = "cpu",
-        loss_fn: LossFn = default_loss,
+        loss_fn: LossFn | None = None,
     ) -> None:
+        recipe = as_recipe(model, seed=seed, loss=loss_fn)
+        self.recipe = recipe
         self.settings = settings
-        self.loss_fn = loss_fn
+        self.loss_fn = resolve_loss(recipe.loss)
         self.group = group
         self.world = group.world_size if group is not None else 1
         self.rank = group.rank if group is not None else 0
         self.device = torch.device(device)
-        self.model = build_model(model_config, seed=seed)
+        self.model = instantiate(recipe.model, recipe.seed)
         if self.device.type != "cpu":
             self.model.to(self.device)  # before the optimizer is built, so its state lives there too
-        self.params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=settings.lr,
-            betas=(settings.beta1, settings.beta2),
-            weight_decay=settings.weight_decay,
-        )
-        self.sampler = ShardSampler(
-            data,
-            shard_index=shard_index,
-            num_shards=num_shards,
-            seq_len=model_config.seq_len,
-            batch_size=settings.batch_size,
-            seed=seed,
-        )
+        self.model.train()
+        # Parameters and trained buffers (islands/model_api.py state_tensors): what fragments carry.
+        self.params: dict[str, torch.Tensor] = state_tensors(self.model)
+        self.optimizer = build_optimizer(recipe.optimizer, self.model, lr=settings.lr,
+                                         betas=(settings.beta1, settings.beta2), weight_decay=settings.weight_decay)
+        # Each group's own lr is its peak; the schedule scales it (a user's optimizer may set several).
+        self._peak_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.sampler = make_sampler(data, shard_index=shard_index, num_shards=num_shards, seq_len=recipe.seq_len,
+                                    batch_size=settings.batch_size, seed=seed)
         # Jitter draws are seeded per island so an emulated run replays the same pacing.
         self._jitter_rng = random.Random(seed * 1_000_003 + shard_index)
         self.steps = 0
@@ -132,19 +162,24 @@ class InnerTrainer:
         # followers: from their leader). Only a decaying lr schedule reads it.
         self.progress = 0.0
 
-    def lr_at(self, step: int) -> float:
-        """The learning rate of inner step `step` at the run progress this trainer was last told (`progress`)."""
+    def lr_factor_at(self, step: int) -> float:
+        """The schedule's factor on every group's peak lr at inner step `step` and the run progress last told."""
         s = self.settings
-        return s.lr * lr_factor(s.lr_schedule, step=step, warmup_steps=s.warmup_steps, progress=self.progress,
-                                final_ratio=s.lr_final_ratio)
+        return lr_factor(s.lr_schedule, step=step, warmup_steps=s.warmup_steps, progress=self.progress,
+                         final_ratio=s.lr_final_ratio)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of inner step `step` (of the first parameter group) at the run progress last told."""
+        return self._peak_lrs[0] * self.lr_factor_at(step)
 
     def step(self) -> StepResult:
-        """Run one AdamW step on the next batch of this island's shard, then the emulated slowdown."""
+        """Run one inner-optimizer step on the next batch of this island's shard, then the emulated slowdown."""
         t0 = time.perf_counter()
-        x, y = self.next_batch()  # [B, T], [B, T]
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(self.steps)
-        loss = forward_backward(self.model, x, y, precision=self.settings.precision, loss_fn=self.loss_fn)
+        batch = self.next_batch()
+        factor = self.lr_factor_at(self.steps)
+        for group, peak in zip(self.optimizer.param_groups, self._peak_lrs):
+            group["lr"] = peak * factor
+        loss = forward_backward(self.model, batch, precision=self.settings.precision, loss_fn=self.loss_fn)
         mean_loss = loss.detach()
         if self.group is not None:  # every worker now holds the island's mean gradient (and loss)
             mean_loss = self.group.average_gradients(self.model.parameters(), mean_loss)
@@ -164,19 +199,18 @@ class InnerTrainer:
             time.sleep(compute * (stretch - 1.0))
         return StepResult(
             loss=value if math.isfinite(value) else math.nan,
-            tokens=int(x.numel()) * self.world,
+            tokens=batch_tokens(batch) * self.world,
             compute_s=compute,
             wall_s=time.perf_counter() - t0,
         )
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This worker's next (inputs, targets) of its shard, [B, T] each, on the trainer's device."""
+    def next_batch(self) -> Any:
+        """This worker's next batch of its shard on the trainer's device: (inputs, targets) [B, T] each
+        for a token stream, the collated examples for a dataset."""
         if self.world == 1:
-            x, y = self.sampler.next_batch()
+            batch = self.sampler.next_batch()
         else:  # island step c: batches c*W .. c*W+W-1 of the shard, one per worker; the cursor counts island steps
             c = self.sampler.cursor
-            x, y = self.sampler.batch_at(c * self.world + self.rank)
+            batch = self.sampler.batch_at(c * self.world + self.rank)
             self.sampler.load_state_dict({**self.sampler.state_dict(), "cursor": c + 1})
-        if self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        return x, y
+        return batch if self.device.type == "cpu" else move_batch(batch, self.device)

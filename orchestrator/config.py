@@ -61,17 +61,25 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """Which model every island trains."""
+    """Which model every island trains: the built-in byte transformer (a preset), or the user's own."""
 
+    factory: str | None = Field(None, description="Import path 'package.module:function' of a zero-argument function "
+                                "returning the torch.nn.Module to train; None = the built-in byte transformer (preset).")
+    loss: str | None = Field(None, description="Import path of loss(model, batch) -> scalar tensor; None = Hugging Face "
+                             "style outputs.loss for dict batches with labels, else cross-entropy of the logits.")
+    optimizer: str | None = Field(None, description="Import path of optimizer(parameters) -> torch.optim.Optimizer, the "
+                                  "inner optimizer; None = AdamW with the inner section's settings.")
     preset: str = Field("tiny", description="Model size preset from islands.model.PRESETS (nano, tiny, small, 50m).")
-    seq_len: int | None = Field(None, gt=0, description="Override the preset's context length in tokens.")
+    seq_len: int | None = Field(None, gt=0, description="Override the preset's context length in tokens (also the "
+                                "training window of a token corpus for a user's model).")
     d_model: int | None = Field(None, gt=0, description="Override the preset's hidden size.")
     n_layers: int | None = Field(None, gt=0, description="Override the preset's number of transformer blocks.")
     n_heads: int | None = Field(None, gt=0, description="Override the preset's number of attention heads.")
 
     def overrides(self) -> dict[str, int]:
         """The non-empty overrides, as keyword arguments for islands.model.model_config."""
-        return {k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None}
+        return {k: v for k, v in self.model_dump(exclude={"preset", "factory", "loss", "optimizer"}).items()
+                if v is not None}
 
     def shape(self) -> ModelConfig:
         """The model's shape: the preset with the non-empty overrides applied (islands.spec.model_config)."""

@@ -11,7 +11,9 @@ neighbours, and the data-parallel baseline builds its inner settings here too.
 
 from __future__ import annotations
 
-from islands.spec import InnerSettings, IslandSpec, ModelConfig
+from typing import Any
+
+from islands.spec import ByteTransformerFactory, InnerSettings, IslandSpec, ModelConfig, ModelRecipe
 from orchestrator.actors.keeper import keeper_name
 from orchestrator.actors.monitor_settings import HealthThresholds, MonitorTimeouts
 from orchestrator.config import PoolConfig, RunConfig
@@ -19,7 +21,7 @@ from orchestrator.core.settings import OuterSettings
 from policies.fragments import FragmentPlan
 from policies.restart import RestartBudget
 
-__all__ = ["inner_settings", "island_specs", "monitor_health", "monitor_restart", "outer_settings"]
+__all__ = ["inner_settings", "island_specs", "model_recipe", "monitor_health", "monitor_restart", "outer_settings"]
 
 
 def outer_settings(cfg: RunConfig) -> OuterSettings:
@@ -53,7 +55,20 @@ def inner_settings(cfg: RunConfig, pool: PoolConfig | None = None) -> InnerSetti
     )
 
 
-def island_specs(cfg: RunConfig, model_cfg: ModelConfig, plan: FragmentPlan,
+def model_recipe(cfg: RunConfig, *, shape: ModelConfig | None = None, model: Any = None, loss: Any = None,
+                 optimizer: Any = None) -> ModelRecipe:
+    """The run's model recipe: Python objects given here (the public API's callables) first, else the config's
+    import paths (model.factory, model.loss, model.optimizer), else the built-in byte transformer of
+    `shape` (default: the config's preset with its overrides), the default loss and AdamW."""
+    m = cfg.model
+    shape = shape or m.shape()
+    return ModelRecipe(model=model if model is not None else m.factory or ByteTransformerFactory(shape),
+                       loss=loss if loss is not None else m.loss,
+                       optimizer=optimizer if optimizer is not None else m.optimizer, seed=cfg.run.seed,
+                       seq_len=shape.seq_len)
+
+
+def island_specs(cfg: RunConfig, recipe: ModelRecipe, plan: FragmentPlan,
                  run_id: str | None = None) -> list[IslandSpec]:
     """Incarnation-1 specs of every island slot, pools in config order.
 
@@ -64,7 +79,7 @@ def island_specs(cfg: RunConfig, model_cfg: ModelConfig, plan: FragmentPlan,
         keeper = _keeper(cfg, run_id, pool.name)
         for _ in range(pool.islands):
             specs.append(IslandSpec(
-                island=island, incarnation=1, pool=pool.name, num_islands=total, model_config=model_cfg, plan=plan,
+                island=island, incarnation=1, pool=pool.name, num_islands=total, model=recipe, plan=plan,
                 inner=inner, sync_every_steps=o.sync_every_steps,
                 sync_every_schedule=tuple(tuple(e) for e in o.sync_every_schedule), adoption=o.adoption,
                 compression=o.compression, compression_block_size=o.compression_block_size,

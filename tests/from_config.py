@@ -13,7 +13,7 @@ from typing import Any
 from islands.spec import InnerSettings, IslandSpec, ModelConfig
 from orchestrator.config import build_config
 from orchestrator.core.settings import OuterSettings
-from orchestrator.settings import inner_settings, island_specs, outer_settings
+from orchestrator.settings import inner_settings, island_specs, model_recipe, outer_settings
 from policies.fragments import FragmentPlan
 
 
@@ -29,6 +29,9 @@ def inner_from_config(config: dict[str, Any] | None = None, **overrides: Any) ->
 
 def spec_from_config(config: dict[str, Any] | None = None, *, model_config: ModelConfig | None, plan: FragmentPlan | None,
                      **overrides: Any) -> IslandSpec:
-    """The first island slot's spec of `config` for `model_config` and `plan`, `overrides` replaced (the
+    """The first island slot's spec of `config` for the built-in model of shape `model_config` (None: the config's)
+    and `plan`, `overrides` replaced (the
     slot, incarnation, pool and data shards included). No run id: the spec names no progress keeper."""
-    return replace(island_specs(build_config(config or {}), model_config, plan)[0], **overrides)
+    cfg = build_config(config or {})
+    recipe = model_recipe(cfg, shape=model_config)
+    return replace(island_specs(cfg, recipe, plan)[0], **overrides)

@@ -197,7 +197,7 @@ class _IslandWorker:
         self.spec, self.rank = spec, rank
         group = WorkerGroup(rank=rank, world_size=spec.workers, addr=addr, port=port, backend=backend_for(spec.accelerator))
         self._follower = IslandFollower(
-            model_config=spec.model_config, inner=spec.inner, plan=spec.plan, data=ray.get(data[0]),
+            model=spec.model, inner=spec.inner, plan=spec.plan, data=ray.get(data[0]),
             shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed, group=group,
         )
         self._thread = threading.Thread(target=self._run, name=f"island-{spec.island}-w{rank}", daemon=True)

@@ -49,7 +49,8 @@ class _OuterShell:
 
     def __init__(self, plan: FragmentPlan, settings: OuterSettings, embedding_names: frozenset[str],
                  checkpoint_uri: str, checkpoint_every_s: float = 30.0, checkpoint_keep: int = 3,
-                 network: NetworkModel | None = None, island_regions: dict[int, str] | None = None) -> None:
+                 network: NetworkModel | None = None, island_regions: dict[int, str] | None = None,
+                 buffer_names: frozenset[str] = frozenset()) -> None:
         quiet_worker()
         from orchestrator.actors.published import PublishedFragments
         from orchestrator.core.outer_optimizer import OuterOptimizer
@@ -61,7 +62,7 @@ class _OuterShell:
         self._checkpoints = CheckpointWriter(checkpoint_uri, checkpoint_every_s, checkpoint_keep)
         latest = self._checkpoints.load_latest()
         self.core = OuterOptimizer(latest.parameters(), plan, settings=settings, embedding_names=embedding_names,
-                                   now=0.0)
+                                   buffer_names=buffer_names, now=0.0)
         self.core.load_state_dict(latest.tensors, latest.meta["outer"])
         self.core.build_optimizers()  # off the first round's path (policies/outer_optimizer.py, build)
         self.epoch = latest.meta.get("epoch", -1) + 1  # the seed checkpoint carries epoch -1

@@ -300,7 +300,7 @@ class _DPWorker:
                                   final_ratio=inner.lr_final_ratio)  # the islands' rule, at DP's exact progress
         for group in self.opt.param_groups:
             group["lr"] = lr
-        loss = forward_backward(self.model, x, y, precision=self.precision)  # the islands' arithmetic
+        loss = forward_backward(self.model, (x, y), precision=self.precision)  # the islands' arithmetic
         torch.cat([p.grad.reshape(-1) for p in self.params], out=flat[:numel])
         if self.settings.wire == "bf16":  # what crosses the emulated wire: the gradient rounded to bf16
             flat[:numel] = flat[:numel].to(torch.bfloat16).to(torch.float32)

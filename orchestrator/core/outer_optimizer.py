@@ -48,15 +48,21 @@ class OuterOptimizer:
         *,
         settings: OuterSettings,
         embedding_names: frozenset[str] | set[str] = frozenset(),
+        buffer_names: frozenset[str] | set[str] = frozenset(),
         now: float = 0.0,
     ) -> None:
+        """`embedding_names`: merged by the plain mean under RDA. `buffer_names`: trained buffers (BatchNorm
+        statistics, islands.model_api.buffer_names), set to the islands' weighted mean with no outer lr or
+        momentum (core/round_merge.py)."""
         self.plan = plan
         self.settings = settings
         self.progress: float | None = None  # tokens processed / budget, as the driver last said (tau_schedule)
         P = plan.num_fragments
         self.params = [[initial[n].detach().to(torch.float32).clone() for n in frag] for frag in plan.fragments]
         self._shapes = [[tuple(t.shape) for t in frag] for frag in self.params]
-        self._embedding_mask = [[n in embedding_names for n in frag] for frag in plan.fragments]
+        # Embeddings and buffers are merged by the plain mean; buffers then skip the Nesterov step.
+        self._embedding_mask = [[n in embedding_names or n in buffer_names for n in frag] for frag in plan.fragments]
+        self._buffer_mask = [[n in buffer_names for n in frag] for frag in plan.fragments]
         self._opts = [
             FragmentOuterOptimizer(self.params[p], lr=settings.lr, momentum=settings.momentum,
                                    partial_momentum=settings.partial_momentum) for p in range(P)
@@ -205,7 +211,8 @@ class OuterOptimizer:
         pending = round_.pending
         subs = [s for s, _, _ in pending]
         merged = merge_round(pending, opt=self._opts[p], window=self._rda_windows[p], settings=self.settings,
-                             embedding_mask=self._embedding_mask[p], live_islands=self._live_islands(), final=final)
+                             embedding_mask=self._embedding_mask[p], buffer_mask=self._buffer_mask[p],
+                             live_islands=self._live_islands(), final=final)
         self.versions[p] += 1
         version = self.versions[p]
         self._rings[p].push(version, [t.clone() for t in self.params[p]])

@@ -37,8 +37,13 @@ def merge_round(
     embedding_mask: Sequence[bool],
     live_islands: int,
     final: bool,
+    buffer_mask: Sequence[bool] = (),
 ) -> MergedRound:
-    """Merge one round's `pending` submissions and step `opt` (a `final` flush: the mean, no momentum)."""
+    """Merge one round's `pending` submissions and step `opt` (a `final` flush: the mean, no momentum).
+
+    Tensors under `buffer_mask` (trained buffers such as BatchNorm statistics, merged by the mean through
+    `embedding_mask`) move to the islands' weighted mean: no outer lr, no momentum, no RDA lengthening.
+    """
     subs = [s for s, _, _ in pending]
     staleness = [st for _, st, _ in pending]
     # An island's several submissions in one round are consecutive segments: weighted and merged as one.
@@ -63,6 +68,12 @@ def merge_round(
     if final:
         opt.average_step(outer_grad)
         return MergedRound(weights, 1.0, 1.0)
+    buffers = [g for g, is_buffer in zip(outer_grad, buffer_mask) if is_buffer]
+    if buffers:
+        # Zero gradients leave a buffer's momentum at zero and the Nesterov step moves it by nothing;
+        # its own step is the plain mean, applied after the optimizer's.
+        outer_grad = [g.new_zeros(()).expand_as(g) if is_buffer else g
+                      for g, is_buffer in zip(outer_grad, list(buffer_mask) + [False] * len(outer_grad))]
     scale = round_step_scale(settings.step_scale, participants=len({s.island for s in subs}),
                              live_islands=live_islands)
     rda_factor = 1.0
@@ -72,4 +83,8 @@ def merge_round(
         sizes = [g.numel() for g in outer_grad]
         rda_factor = sum(f * n for f, n in zip(factors, sizes)) / max(1, sum(sizes))
     opt.step(outer_grad, scale=scale, clock=is_clock_rule(settings.step_scale))
+    if buffers:
+        params = [p for p, is_buffer in zip(opt.params, buffer_mask) if is_buffer]
+        for p, g in zip(params, buffers):
+            p.sub_(g.to(device=p.device, dtype=p.dtype))
     return MergedRound(weights, scale, rda_factor)

@@ -28,14 +28,9 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from islands.data import (
-    Corpus,
-    load_parquet_corpus,
-    load_stdlib_corpus,
-    unigram_bits_per_byte,
-)
-from islands.model import build_model
-from islands.model_api import embedding_parameter_names
+from islands.data import unigram_bits_per_byte
+from islands.model_api import buffer_names, embedding_parameter_names, instantiate, state_tensors
+from islands.spec import ModelConfig, ModelRecipe, as_recipe
 from islands.trainer import InnerTrainer
 from orchestrator.actors.remote import (
     NAMESPACE,
@@ -59,6 +54,7 @@ from orchestrator.run.setup import (
     start_monitor,
 )
 from orchestrator.run.startup import Stage, islands_ready, placing_text
+from orchestrator.run.workload import TrainingData, Workload, load_corpus, run_recipe, training_data
 from orchestrator.settings import inner_settings, island_specs, outer_settings
 from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
@@ -117,16 +113,6 @@ class Progress:
     islands: dict[str, str] = field(default_factory=dict)  # "pool/island" -> state
 
 
-def load_corpus(cfg: RunConfig) -> Corpus:
-    """The training corpus named by the config (the embedded stdlib corpus by default)."""
-    d = cfg.data
-    if d.source == "stdlib":
-        return load_stdlib_corpus(heldout_fraction=d.heldout_fraction, max_bytes=d.max_bytes,
-                                  shuffle_documents=d.shuffle_documents)
-    return load_parquet_corpus(d.path, text_column=d.text_column, token_column=d.token_column,
-                               heldout_fraction=d.heldout_fraction, shuffle_documents=d.shuffle_documents)
-
-
 def step_concurrency(cfg: RunConfig, *, gpu: bool = False) -> int:
     """How many inner steps `measure_step_s` times side by side: `network.step_concurrency`, or by default
     every island worker of the config on a one-node Ray cluster (they share its cores) and 1 on a
@@ -141,7 +127,8 @@ def step_concurrency(cfg: RunConfig, *, gpu: bool = False) -> int:
     return max(1, math.ceil(workers / max(1, torch.cuda.device_count()))) if gpu else workers
 
 
-def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4, concurrency: int | None = None) -> float:
+def measure_step_s(cfg: RunConfig, recipe: ModelRecipe | ModelConfig, train_data: Any, *, steps: int = 4,
+                   concurrency: int | None = None) -> float:
     """Median compute time of one inner step of the model on this machine, as the run's islands will see it.
 
     The emulated network is scaled to it (policies.network), so it must be the step time of an island
@@ -159,7 +146,7 @@ def measure_step_s(cfg: RunConfig, model_cfg, train_data, *, steps: int = 4, con
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.inner.torch_threads)
     try:
-        trainers = [InnerTrainer(model_cfg, train_data, settings=inner, shard_index=i, num_shards=k, seed=cfg.run.seed,
+        trainers = [InnerTrainer(as_recipe(recipe, seed=cfg.run.seed), train_data, settings=inner, shard_index=i, num_shards=k, seed=cfg.run.seed,
                                  device=device) for i in range(k)]
 
         def run(trainer: InnerTrainer) -> list[float]:
@@ -205,8 +192,8 @@ def with_measured_step(cfg: RunConfig, address: str | None) -> RunConfig:
     if (address is not None or ray.is_initialized() or cfg.network.scenario == "none"
             or cfg.network.local_step_s is not None):
         return cfg
-    model_cfg = cfg.model.shape()
-    step_s = measure_step_s(cfg, model_cfg, load_corpus(cfg).train)
+    data = training_data(cfg)
+    step_s = measure_step_s(cfg, run_recipe(cfg, data), data.train)
     return cfg.model_copy(update={"network": cfg.network.model_copy(update={"local_step_s": step_s})})
 
 
@@ -300,8 +287,12 @@ class Run:
     """One driver session of a training run, from placement to summary. `train()` is the entry point."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: Callable[[Progress], None] | None = None,
-                 resume: bool = False, stages: Callable[[Stage], None] | None = None) -> None:
+                 resume: bool = False, stages: Callable[[Stage], None] | None = None,
+                 workload: Workload | None = None) -> None:
+        """`workload`: the public API's Python objects (model factory, loss, optimizer, datasets) in place of
+        the config's import paths and data source (orchestrator/run/workload.py)."""
         self.cfg = cfg
+        self.workload = workload
         # Absolute: the actors that write under it (the outer optimizer's checkpoints) run with the Ray
         # worker's working directory, not the driver's (a relative path broke a notebook that joined a
         # running cluster).
@@ -349,12 +340,13 @@ class Run:
         self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0,
                                                  scheduling_strategy=here()).remote(
             self.plan, outer_settings(cfg), embedding_names,
-            ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep, network=self.network, island_regions=island_regions)
+            ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep, network=self.network, island_regions=island_regions,
+            buffer_names=self.buffer_names)
         last_inc = self._restore()
         specs = [s if s.island not in last_inc else replace(s, incarnation=last_inc[s.island] + 1)
-                 for s in island_specs(cfg, self.model_cfg, self.plan, self.run_id)]
+                 for s in island_specs(cfg, self.recipe, self.plan, self.run_id)]
         self.first_inc = {s.island: s.incarnation for s in specs}
-        self.data_ref = ray.put(self.corpus.train)
+        self.data_ref = ray.put(self.data.train)
         self.monitor_name, self.monitor = start_monitor(cfg, self.run_id, specs, self.outer_name)
         self._start_islands(initial)
         self.training_began = True  # from here a failure leaves a run directory worth keeping (train())
@@ -366,23 +358,24 @@ class Run:
                                            cfg.run.call_timeout_s)
 
     def _build_world(self) -> tuple[dict[str, torch.Tensor], frozenset[str], dict[int, str]]:
-        """Corpus, model shape, fragment plan, network, evaluator and chaos tape of the run: (the initial
-        parameters, the embedding parameters' names, island -> region)."""
+        """Data, model recipe, fragment plan, network, evaluator and chaos tape of the run: (the initial
+        state tensors, the embedding parameters' names, island -> region)."""
         cfg = self.cfg
-        self.corpus = load_corpus(cfg)
-        self.model_cfg = cfg.model.shape()
-        model = build_model(self.model_cfg, seed=cfg.run.seed)
-        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.data: TrainingData = training_data(cfg, self.workload)
+        self.recipe = run_recipe(cfg, self.data, self.workload)
+        model = instantiate(self.recipe.model, self.recipe.seed)
+        initial = {n: t.detach().clone() for n, t in state_tensors(model).items()}
+        self.buffer_names = frozenset(buffer_names(model))
         self.plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], cfg.outer.num_fragments)
         model_bytes = sum(t.numel() * 4 for t in initial.values())  # float32 bytes: the network's scaling unit
         self.network, island_regions = build_run_network(
-            cfg, model_bytes, lambda: measure_step_s(cfg, self.model_cfg, self.corpus.train))
+            cfg, model_bytes, lambda: measure_step_s(cfg, self.recipe, self.data.train))
         log.info("%s", self.network.describe())
         self.unigram_bpb: float | None = None  # scored with the starting point, after start-up (_score_start)
-        self.evaluator = Evaluator(self.model_cfg, self.corpus.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
+        self.evaluator = Evaluator(self.recipe, self.data.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
         self.tape = tape_from_config(cfg.chaos.spec(), islands=cfg.num_islands, horizon_s=cfg.chaos.horizon_s)
-        log.info("corpus: %s; model %s (%d params); %d fragments; %d faults on the tape",
-                 self.corpus.source, cfg.model.preset, sum(t.numel() for t in initial.values()),
+        log.info("data: %s; model %s (%d state elements); %d fragments; %d faults on the tape",
+                 self.data.source, self.recipe.name, sum(t.numel() for t in initial.values()),
                  self.plan.num_fragments, len(self.tape))
         return initial, embedding_parameter_names(model), island_regions
 
@@ -442,8 +435,10 @@ class Run:
             if waits and time.monotonic() > deadline:
                 raise GetTimeoutError(f"islands or the outer optimizer not up after {self._start_timeout_s():.0f} s")
 
-    def _unigram(self) -> float:
-        return unigram_bits_per_byte(self.corpus.train, self.corpus.heldout, vocab_size=self.corpus.vocab_size)
+    def _unigram(self) -> float | None:
+        """The corpus's unigram baseline in bits per token; None for a dataset of examples (no token stream)."""
+        d = self.data
+        return unigram_bits_per_byte(d.train, d.heldout, vocab_size=d.vocab_size) if d.is_tokens and d.vocab_size else None
 
     def _score_start(self) -> None:
         """Score a fresh run's starting point (and the corpus's unigram baseline) if not done yet. Its `wall_s`
@@ -454,7 +449,8 @@ class Run:
         self._start_point = None
         self._evaluate(self._t0, start=(params, versions), read=(self._t0, at, self.tokens_before))
         self.unigram_bpb = self._unigram()
-        log.info("unigram baseline %.3f bits/byte", self.unigram_bpb)
+        if self.unigram_bpb is not None:
+            log.info("unigram baseline %.3f bits/byte", self.unigram_bpb)
 
     def _start_timeout_s(self) -> float:
         """How long a process start may take (the outer optimizer's, the first islands'): placement's bound."""
@@ -652,8 +648,11 @@ class Run:
 
 def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
           progress: Callable[[Progress], None] | None = None, resume: bool = False,
-          stages: Callable[[Stage], None] | None = None) -> dict:
+          stages: Callable[[Stage], None] | None = None, workload: Workload | None = None) -> dict:
     """Run one training job: start or join Ray, train to the token budget, write RUN_DIR, return the summary.
+
+    `workload` carries the public API's Python objects (model factory, loss, optimizer, datasets) that
+    take the place of the config's import paths and data source (orchestrator/run/workload.py).
 
     `progress` gets a `Progress` at every tick of the run; `stages` gets each start-up `Stage` as it happens
     (orchestrator/run/startup.py): Ray, placing, islands ready n of M, the first step.
@@ -679,7 +678,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     ignore_zero_copy_warnings()
     run: Run | None = None
     try:
-        run = Run(cfg, run_dir, progress=progress, resume=resume, stages=stages)
+        run = Run(cfg, run_dir, progress=progress, resume=resume, stages=stages, workload=workload)
         summary = run.train()
     except BaseException as err:
         _end_session(run, handler, started)

@@ -78,7 +78,7 @@ def run_summary(run: Run, *, tokens: int, live: list[IslandStatus], dead: list[I
         "stopped_by": run.stopped_by,  # token_budget | max_wall_s | stop_at_eval_loss | stop request
         "run_start": run.run_start,  # wall clock (time.time) that goodput, chaos tapes and `at` fields count from
         "resumed": run.resume,
-        "corpus": run.corpus.source,
+        "corpus": run.data.source,
         "islands": _island_rows(run),
         "evals": run.eval_points,
     }

@@ -26,8 +26,10 @@ import torch
 import yaml
 
 from islands.model import ByteTransformer, ModelConfig, build_model
+from islands.model_api import ModelError, instantiate, state_tensors
 from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig, apply_overrides, build_config
 from orchestrator.core.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
+from orchestrator.settings import model_recipe
 
 __all__ = ["EXPORT_FORMAT", "TrainedModel", "TrainedModelError", "evaluate_trained", "export_model", "load_exported",
            "load_trained", "read_run_config"]
@@ -43,8 +45,8 @@ class TrainedModelError(RuntimeError):
 class TrainedModel:
     """A run's global model as loaded from one checkpoint."""
 
-    model: ByteTransformer
-    """The model on the CPU in eval mode, float32, its parameters the checkpoint's."""
+    model: torch.nn.Module
+    """The model on the CPU in eval mode, float32, its state tensors (parameters, trained buffers) the checkpoint's."""
     run_config: RunConfig
     """The run's resolved config (its `config.yaml`)."""
     mode: str
@@ -116,17 +118,21 @@ def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = Fa
         raise TrainedModelError(str(err)) from None
 
     shape = cfg.model.shape()
-    model = build_model(shape, seed=cfg.run.seed)
+    recipe = model_recipe(cfg, shape=shape)
+    try:
+        model = instantiate(recipe.model, recipe.seed)
+    except ModelError as err:
+        raise TrainedModelError(f"cannot rebuild the model of {run_dir}: {err}") from None
     average = {} if raw else ckpt.average_parameters()
     averaged = bool(average)
     params = average or ckpt.parameters()
-    named = dict(model.named_parameters())
+    named = state_tensors(model)
     where = f"checkpoint {checkpoint_dirname(step)} of {run_dir}"
     missing, extra = sorted(set(named) - set(params)), sorted(set(params) - set(named))
     if missing or extra:
         which = f"the model has {missing[0]!r}, the checkpoint not" if missing else \
             f"the checkpoint has {extra[0]!r}, the model not"
-        raise TrainedModelError(f"{where} does not fit the model of its config.yaml ({cfg.model.preset}: {shape}): "
+        raise TrainedModelError(f"{where} does not fit the model of its config.yaml ({recipe.name}): "
                                 f"{which}; was config.yaml changed after the run?")
     with torch.no_grad():
         for name, p in named.items():

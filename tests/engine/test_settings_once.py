@@ -14,13 +14,14 @@ import dataclasses
 import pytest
 
 from islands.island import LearnerIsland
-from islands.spec import InnerSettings, IslandSpec
+from islands.spec import ByteTransformerFactory, InnerSettings, IslandSpec, ModelRecipe
 from orchestrator.actors.monitor_settings import HealthThresholds, MonitorTimeouts, RunAddress
 from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config
 from orchestrator.core.settings import OuterSettings
 from orchestrator.settings import (
     inner_settings,
     island_specs,
+    model_recipe,
     monitor_health,
     monitor_restart,
     monitor_timeouts,
@@ -31,7 +32,7 @@ from policies.sync_schedule import check_fragments_divide_h
 from tests.engine.nano import nano_world
 from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
-RUNTIME_SETTINGS = (OuterSettings, InnerSettings, IslandSpec, HealthThresholds, MonitorTimeouts, RunAddress)
+RUNTIME_SETTINGS = (OuterSettings, InnerSettings, IslandSpec, ModelRecipe, HealthThresholds, MonitorTimeouts, RunAddress)
 
 # Fields that may keep a default because the config does not own them, each with its reason. Empty today:
 # even the run-only fields of IslandSpec (slot, incarnation, keeper) are set by the builder or the caller.
@@ -83,7 +84,7 @@ def test_island_specs_are_the_config_pools_outer_and_health_sections():
     for s in specs:
         pool = pool_of[s.pool]
         derived = {"island": s.island, "incarnation": 1, "pool": pool.name, "num_islands": cfg.num_islands,
-                   "model_config": None, "plan": plan, "inner": inner_settings(cfg, pool),
+                   "model": None, "plan": plan, "inner": inner_settings(cfg, pool),
                    "sync_every_schedule": tuple(tuple(e) for e in cfg.outer.sync_every_schedule),
                    "seed": cfg.run.seed, "workers": pool.workers_per_island, "accelerator": pool.accelerator,
                    "salvage_every_steps": cfg.health.salvage_every_steps, "keeper": None}
@@ -109,6 +110,22 @@ def test_every_outer_and_island_setting_follows_a_changed_config():
         128, "overwrite", 0.25, 0.5)
     assert (spec.sync_every_steps, spec.seed, spec.salvage_every_steps, spec.keeper) == (12, 4, 0, None)
     assert (spec.inner.lr, spec.inner.precision, spec.inner.batch_size) == (1e-2, "bf16", 3)
+
+
+def test_model_recipe_is_the_config_model_section_unless_the_api_passes_objects():
+    cfg = RunConfig()
+    built_in = model_recipe(cfg)
+    assert built_in == ModelRecipe(model=ByteTransformerFactory(cfg.model.shape()), loss=None, optimizer=None,
+                                   seed=cfg.run.seed, seq_len=cfg.model.shape().seq_len)
+    paths = build_config({"model": {"factory": "pkg.mod:make", "loss": "pkg.mod:loss", "optimizer": "pkg.mod:opt",
+                                    "seq_len": 64}, "run": {"seed": 7}})
+    got = model_recipe(paths)
+    assert (got.model, got.loss, got.optimizer, got.seed, got.seq_len) == ("pkg.mod:make", "pkg.mod:loss", "pkg.mod:opt", 7, 64)
+
+    def mine():
+        return None
+
+    assert model_recipe(paths, model=mine, loss=len).model is mine and model_recipe(paths, loss=len).loss is len
 
 
 def test_monitor_settings_are_the_config_health_section():

@@ -21,6 +21,7 @@ from islands.data import ShardSampler
 from islands.distributed import WorkerGroup
 from islands.follower import IslandFollower
 from islands.model import build_model, model_config
+from islands.spec import as_recipe
 from islands.trainer import InnerTrainer
 from policies.fragments import plan_fragments
 from tests.from_config import inner_from_config
@@ -84,7 +85,7 @@ def _leader(ports, out) -> None:
 def _follower(port, out) -> None:
     torch.set_num_threads(1)
     group = WorkerGroup(rank=1, world_size=2, addr="127.0.0.1", port=port, timeout_s=60)
-    follower = IslandFollower(model_config=CFG, inner=INNER, plan=plan(), data=make_data(), shard_index=SHARD,
+    follower = IslandFollower(model=as_recipe(CFG, seed=SEED), inner=INNER, plan=plan(), data=make_data(), shard_index=SHARD,
                               num_shards=SHARDS, seed=SEED, group=group)
     group.connect()  # early, for the gradient check; run() finds it connected
     out.put(("grads1", _averaged_gradients(follower.trainer, group)))

@@ -46,7 +46,7 @@ def test_bf16_autocasts_the_forward_and_keeps_weights_gradients_and_state_fp32()
     hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
              for m in t.model.modules() if isinstance(m, torch.nn.Linear)]
     x, y = t.sampler.next_batch()
-    loss = forward_backward(t.model, x, y, precision="bf16")
+    loss = forward_backward(t.model, (x, y), precision="bf16")
     for h in hooks:
         h.remove()
     # Every linear layer in bf16, except the output head, which stays fp32 (low losses need its precision).
@@ -71,5 +71,5 @@ def test_unknown_precision_is_refused_with_the_choices():
     t = InnerTrainer(CFG, _data(), settings=inner_from_config(batch_size=2), shard_index=0, num_shards=1, seed=3)
     x, y = t.sampler.next_batch()
     with pytest.raises(ValueError, match=r"precision='fp16'; use one of fp32, tf32, bf16"):
-        forward_backward(t.model, x, y, precision="fp16")
+        forward_backward(t.model, (x, y), precision="fp16")
     assert all(p.grad is None for p in t.model.parameters()), "a refused call computes nothing"
