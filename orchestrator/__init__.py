@@ -1,4 +1,10 @@
-"""The Ray edge of decoupled-diloco: actors, the driver, checkpoints, events, reports and the CLI."""
+"""decoupled-diloco's Ray edge and its public API.
+
+The public API, importable from here: :class:`DilocoTrainer` (orchestrator/api.py) with its
+:class:`Result`, :class:`RunConfig` and :func:`load_config` (orchestrator/config.py). Everything else
+(actors, the driver, checkpoints, events, reports, the CLI) lives in the subpackages. The API names
+are loaded on first use, so importing the config (the CLI's first step) does not import Ray or torch.
+"""
 
 import os as _os
 
@@ -11,3 +17,18 @@ import os as _os
 # this package before `ray`. A value already set is kept.
 RAY_LOG_SKIP = "Failed to query Ray Train Controller actor state"
 _os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", RAY_LOG_SKIP)
+
+
+__all__ = ["DilocoTrainer", "Result", "RunConfig", "load_config"]
+
+
+def __getattr__(name: str):  # PEP 562: the public names, imported on first use
+    if name in ("DilocoTrainer", "Result"):
+        from orchestrator import api
+
+        return getattr(api, name)
+    if name in ("RunConfig", "load_config"):
+        from orchestrator import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

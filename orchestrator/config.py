@@ -89,8 +89,9 @@ class ModelSection(_Section):
 class DataSection(_Section):
     """Where the training text comes from and how islands read it."""
 
-    source: Literal["stdlib", "parquet"] = Field(
-        "stdlib", description="'stdlib': the running Python's standard-library source (no download); 'parquet': `path`."
+    source: Literal["stdlib", "parquet", "python"] = Field(
+        "stdlib", description="'stdlib': the running Python's standard-library source (no download); 'parquet': `path`; "
+        "'python': datasets passed to the Python API (recorded by such runs; a resume passes them again)."
     )
     path: str | None = Field(None, description="Parquet/Arrow file or directory (local path or pyarrow.fs URI) for source=parquet.")
     text_column: str | None = Field(None, description="String column to train on (UTF-8 bytes), for source=parquet.")

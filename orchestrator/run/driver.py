@@ -29,7 +29,6 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from islands.data import unigram_bits_per_byte
-from islands.model_api import buffer_names, embedding_parameter_names, instantiate, state_tensors
 from islands.spec import ModelConfig, ModelRecipe, as_recipe
 from islands.trainer import InnerTrainer
 from orchestrator.actors.remote import (
@@ -54,7 +53,16 @@ from orchestrator.run.setup import (
     start_monitor,
 )
 from orchestrator.run.startup import Stage, islands_ready, placing_text
-from orchestrator.run.workload import TrainingData, Workload, load_corpus, run_recipe, training_data
+from orchestrator.run.workload import (
+    Prepared,
+    TrainingData,
+    Workload,
+    load_corpus,
+    prepare,
+    recorded_config,
+    run_recipe,
+    training_data,
+)
 from orchestrator.settings import inner_settings, island_specs, outer_settings
 from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
@@ -180,7 +188,7 @@ def step_device(cfg: RunConfig) -> str:
     return "cuda"
 
 
-def with_measured_step(cfg: RunConfig, address: str | None) -> RunConfig:
+def with_measured_step(cfg: RunConfig, address: str | None, prepared: Prepared | None = None) -> RunConfig:
     """`cfg` with network.local_step_s measured now, when this driver is about to start a local Ray
     (no `address`, none running) for an emulated scenario that leaves it unset; else `cfg` as it is.
 
@@ -192,8 +200,11 @@ def with_measured_step(cfg: RunConfig, address: str | None) -> RunConfig:
     if (address is not None or ray.is_initialized() or cfg.network.scenario == "none"
             or cfg.network.local_step_s is not None):
         return cfg
-    data = training_data(cfg)
-    step_s = measure_step_s(cfg, run_recipe(cfg, data), data.train)
+    if prepared is None:
+        data = training_data(cfg)
+        step_s = measure_step_s(cfg, run_recipe(cfg, data), data.train)
+    else:
+        step_s = measure_step_s(cfg, prepared.recipe, prepared.data.train)
     return cfg.model_copy(update={"network": cfg.network.model_copy(update={"local_step_s": step_s})})
 
 
@@ -288,11 +299,13 @@ class Run:
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: Callable[[Progress], None] | None = None,
                  resume: bool = False, stages: Callable[[Stage], None] | None = None,
-                 workload: Workload | None = None) -> None:
+                 workload: Workload | None = None, prepared: Prepared | None = None) -> None:
         """`workload`: the public API's Python objects (model factory, loss, optimizer, datasets) in place of
-        the config's import paths and data source (orchestrator/run/workload.py)."""
+        the config's import paths and data source; `prepared`: that workload already checked and built
+        (orchestrator/run/workload.py `prepare`), else the run prepares it at setup."""
         self.cfg = cfg
         self.workload = workload
+        self.prepared = prepared
         # Absolute: the actors that write under it (the outer optimizer's checkpoints) run with the Ray
         # worker's working directory, not the driver's (a relative path broke a notebook that joined a
         # running cluster).
@@ -361,11 +374,11 @@ class Run:
         """Data, model recipe, fragment plan, network, evaluator and chaos tape of the run: (the initial
         state tensors, the embedding parameters' names, island -> region)."""
         cfg = self.cfg
-        self.data: TrainingData = training_data(cfg, self.workload)
-        self.recipe = run_recipe(cfg, self.data, self.workload)
-        model = instantiate(self.recipe.model, self.recipe.seed)
-        initial = {n: t.detach().clone() for n, t in state_tensors(model).items()}
-        self.buffer_names = frozenset(buffer_names(model))
+        prepared = self.prepared or prepare(cfg, self.workload)
+        self.prepared = None  # the initial tensors are the outer optimizer's from here: do not keep a second copy
+        self.data: TrainingData = prepared.data
+        self.recipe = prepared.recipe
+        initial, self.buffer_names = prepared.initial, prepared.buffer_names
         self.plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], cfg.outer.num_fragments)
         model_bytes = sum(t.numel() * 4 for t in initial.values())  # float32 bytes: the network's scaling unit
         self.network, island_regions = build_run_network(
@@ -377,7 +390,7 @@ class Run:
         log.info("data: %s; model %s (%d state elements); %d fragments; %d faults on the tape",
                  self.data.source, self.recipe.name, sum(t.numel() for t in initial.values()),
                  self.plan.num_fragments, len(self.tape))
-        return initial, embedding_parameter_names(model), island_regions
+        return initial, prepared.embedding_names, island_regions
 
     def _restore(self) -> dict[int, int]:
         """A resumed run's starting point from the restored outer optimizer (token count, ledger baseline) and
@@ -664,7 +677,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     """
     run_dir = Path(run_dir)
     preflight(cfg, run_dir, resume=resume)
-    cfg = with_measured_step(cfg, address)
+    prepared = prepare(cfg, workload)  # the model built and the data checked, still before Ray starts
+    cfg = with_measured_step(recorded_config(cfg, workload), address, prepared)
     if stages is not None:
         stages(Stage("ray", _ray_text(cfg, address)))
     started = ensure_ray(cfg, address)
@@ -678,7 +692,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     ignore_zero_copy_warnings()
     run: Run | None = None
     try:
-        run = Run(cfg, run_dir, progress=progress, resume=resume, stages=stages, workload=workload)
+        run = Run(cfg, run_dir, progress=progress, resume=resume, stages=stages, workload=workload, prepared=prepared)
+        prepared = None  # the run owns it now
         summary = run.train()
     except BaseException as err:
         _end_session(run, handler, started)

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from islands.data import Corpus, DataError, load_parquet_corpus, load_stdlib_corpus
-from islands.spec import ModelRecipe
+from islands.model_api import ModelError, check_loss
+from islands.spec import ByteTransformerFactory, ModelRecipe
 from orchestrator.config import RunConfig
 from orchestrator.settings import model_recipe
 
@@ -155,3 +156,108 @@ def run_recipe(cfg: RunConfig, data: TrainingData, workload: Workload | None = N
     if data.vocab_size is not None and data.vocab_size != shape.vocab_size:
         shape = dataclasses.replace(shape, vocab_size=data.vocab_size)
     return model_recipe(cfg, shape=shape, model=w.model, loss=w.loss, optimizer=w.optimizer)
+
+
+def import_path_of(obj: Any) -> str | None:
+    """The ``module:qualname`` a resumed run would import `obj` by; None for a string (already a path) or None.
+
+    Recorded in the run directory's config.yaml for callables the API was given, so ``--resume`` rebuilds the
+    same model. A function defined in a notebook or a script run as ``__main__`` is recorded as it is, and a
+    resume without that notebook fails on it with a one-line error naming the fix (move it into a module).
+    """
+    if obj is None or isinstance(obj, str):
+        return None
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{module}:{qualname}"
+
+
+def recorded_config(cfg: RunConfig, workload: Workload | None) -> RunConfig:
+    """`cfg` as the run directory records it: the workload's callables as import paths, and data.source 'python'
+    where the datasets came from Python (a resume must pass them again: the config cannot name them)."""
+    if workload is None:
+        return cfg
+    update = {key: path for key, path in (("factory", import_path_of(workload.model)),
+                                          ("loss", import_path_of(workload.loss)),
+                                          ("optimizer", import_path_of(workload.optimizer))) if path}
+    # The built-in model's shape travels in the ByteTransformerFactory itself: record no path for it.
+    if isinstance(workload.model, ByteTransformerFactory):
+        update.pop("factory", None)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=update)}) if update else cfg
+    if workload.train is not None:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": "python"})})
+    return cfg
+
+
+@dataclass
+class Prepared:
+    """A workload checked before Ray work starts: its data, recipe, a built model and its state tensors' roles."""
+
+    data: TrainingData
+    recipe: ModelRecipe
+    initial: dict[str, Any]  # name -> initial state tensor (parameters, then trained buffers)
+    embedding_names: frozenset[str]
+    buffer_names: frozenset[str]
+
+
+def prepare(cfg: RunConfig, workload: Workload | None = None) -> Prepared:
+    """Load the data and build the model once, checking everything that can fail without Ray.
+
+    Raises ConfigError (one line naming the fix) for: an import path that does not resolve, a factory
+    that does not return an ``nn.Module``, a model with no trainable parameters, a loss that is not a
+    scalar with a gradient on a real batch, an empty dataset, a dataset too small for one batch per
+    island, and token ids at or past the model's embedding rows.
+    """
+    from orchestrator.config import ConfigError
+
+    try:
+        return _prepare(cfg, workload)
+    except (ModelError, DataError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _prepare(cfg: RunConfig, workload: Workload | None) -> Prepared:
+    import torch
+
+    from islands.model_api import buffer_names, embedding_parameter_names, instantiate, state_tensors
+    from islands.trainer import make_sampler, resolve_loss
+
+    if cfg.data.source == "python" and (workload is None or workload.train is None):
+        raise DataError("this run trained on datasets passed from Python (data.source 'python'); resume it from "
+                        "Python with DilocoTrainer(..., datasets=..., resume=True)")
+    data = training_data(cfg, workload)
+    recipe = run_recipe(cfg, data, workload)
+    model = instantiate(recipe.model, recipe.seed)
+    state = state_tensors(model)
+    islands = cfg.num_islands
+    samplers = [make_sampler(data.train, shard_index=i, num_shards=islands, seq_len=recipe.seq_len,
+                             batch_size=cfg.data.batch_size, seed=recipe.seed) for i in range(islands)]
+    first = samplers[0].batch_at(0)
+    _check_token_ids(model, data, first)
+    loss_fn = resolve_loss(recipe.loss)
+    model.train()
+    with torch.enable_grad():
+        check_loss(loss_fn(model, first), f"the loss {getattr(loss_fn, '__qualname__', loss_fn)!r} on the first batch")
+    return Prepared(data, recipe, {n: t.detach().clone() for n, t in state.items()},
+                    embedding_parameter_names(model), frozenset(buffer_names(model)))
+
+
+def _check_token_ids(model: Any, data: TrainingData, batch: Any) -> None:
+    """Token ids at or past the rows of the model's input embedding (its first ``nn.Embedding``) are refused:
+    for a token stream every id of both splits; for a dataset the ``input_ids`` of the first batch."""
+    import torch
+
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    if not embeddings:
+        return  # not a token model (a CNN): nothing to check
+    rows = embeddings[0].num_embeddings
+    if data.is_tokens:
+        high = int(max(data.train.max(initial=0), data.heldout.max(initial=0)))
+    else:
+        ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else None
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0:
+            return
+        high = int(ids.max())
+    if high >= rows:
+        raise DataError(f"the data has token id {high} but the model's embedding has {rows} rows (ids 0..{rows - 1}); "
+                        f"build the model with a vocabulary of at least {high + 1}, or use the tokenizer it was made for")

@@ -1,0 +1,139 @@
+"""The public Python API, in Ray Train's shape: a trainer built from a model factory, datasets and a run config.
+
+    from orchestrator import DilocoTrainer, RunConfig
+
+    trainer = DilocoTrainer(
+        model=make_model,                               # zero-argument function -> torch.nn.Module
+        datasets={"train": train_ds, "validation": val_ds},
+        loss_fn=None,                                   # default: outputs.loss or cross-entropy of the logits
+        optimizer=None,                                 # default: AdamW with run_config.inner
+        run_config=RunConfig(),
+        run_dir="runs/mine",
+    )
+    result = trainer.fit()
+    result.metrics["final_eval_loss"], result.path, result.checkpoint
+
+It runs from a notebook against a local ``ray.init()``, from a script, and inside a Ray Job. Factories
+reach the island processes as callables (Ray pickles them; one defined in a notebook travels by value)
+or as import paths ``"package.module:function"``, which a resumed run or a Ray Job resolves on its own.
+The contract a model meets is in docs/models.md; every argument is documented in docs/api.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import ConfigError, RunConfig
+
+__all__ = ["DilocoTrainer", "Result"]
+
+_TRAIN_KEYS = ("train",)
+_HELDOUT_KEYS = ("validation", "valid", "eval", "heldout", "test")
+
+
+@dataclass(frozen=True)
+class Result:
+    """What :meth:`DilocoTrainer.fit` returns (Ray Train's ``Result`` shape).
+
+    ``metrics``: the run's summary (summary.json): final held-out loss, tokens, goodput, rounds, ...
+    ``path``: the run directory. ``checkpoint``: the directory of the final checkpoint (global state
+    tensors plus a manifest; islands.model_api names the tensors), None if the run saved none.
+    """
+
+    metrics: dict[str, Any]
+    path: Path
+    checkpoint: Path | None
+    error: BaseException | None = field(default=None)
+
+    def load_model(self, *, raw: bool = False) -> Any:
+        """The trained model, rebuilt by the run's factory, on the CPU in eval mode (orchestrator.run.trained).
+
+        Needs the factory importable from this process (true in the notebook or script that trained it)."""
+        from orchestrator.run.trained import load_trained
+
+        return load_trained(self.path, raw=raw).model
+
+
+class DilocoTrainer:
+    """Decoupled DiLoCo training of any ``torch.nn.Module`` on Ray: islands, the outer optimizer, self-healing.
+
+    Args:
+        model: a zero-argument function returning the ``torch.nn.Module`` to train (a callable, or an import
+            path ``"package.module:function"``). The engine calls it under the run's seed in every process, so
+            every island starts from the same weights. None: ``run_config.model.factory``, else the built-in
+            byte transformer of ``run_config.model.preset``.
+        datasets: ``{"train": ..., "validation": ...}`` (Ray Train's keys; "validation" is optional): each a
+            map-style dataset (a ``torch.utils.data.Dataset`` or anything with ``__len__`` and
+            ``__getitem__``; examples are collated with ``default_collate``), a ``ray.data.Dataset`` (materialized
+            once; each island reads only its shard's blocks) or a 1-D array of token ids (windows of
+            ``run_config.model.seq_len`` tokens). Without "validation", ``data.heldout_fraction`` of the
+            examples is held out. None: the corpus ``run_config.data`` names.
+        loss_fn: ``loss(model, batch) -> scalar tensor``. None: ``model(**batch).loss`` for a dict batch with
+            "labels" (Hugging Face), else cross-entropy of the logits of ``model(inputs)`` against ``targets``
+            for an ``(inputs, targets)`` batch.
+        optimizer: ``optimizer(parameters) -> torch.optim.Optimizer``, the inner optimizer. None: AdamW with
+            ``run_config.inner``. Its groups' learning rates are peaks the ``inner.lr_schedule`` scales.
+        run_config: the run's settings (orchestrator.config.RunConfig; docs/config.md). Default: ``RunConfig()``.
+        run_dir: where the run writes its config, checkpoints, events and summary. Default: ``runs/<timestamp>``.
+        address: a Ray cluster to join; None uses the Ray this process is connected to, or starts a local one.
+        progress: called with a ``Progress`` at every tick of the run (tokens, versions, losses).
+        resume: continue the run in ``run_dir`` from its newest checkpoint (pass the same model and datasets).
+    """
+
+    def __init__(self, model: Callable[[], Any] | str | None = None, *, datasets: Mapping[str, Any] | None = None,
+                 loss_fn: Callable[..., Any] | str | None = None, optimizer: Callable[..., Any] | str | None = None,
+                 run_config: RunConfig | None = None, run_dir: str | Path | None = None, address: str | None = None,
+                 progress: Callable[[Any], None] | None = None, resume: bool = False) -> None:
+        from orchestrator.run.workload import Workload
+
+        if run_config is not None and not isinstance(run_config, RunConfig):
+            raise ConfigError(f"run_config is a {type(run_config).__name__}; pass an orchestrator.RunConfig "
+                              "(e.g. load_config('configs/default.yaml') or RunConfig())")
+        train, heldout = _split_datasets(datasets)
+        self.run_config = run_config or RunConfig()
+        self.workload = Workload(model=model, loss=loss_fn, optimizer=optimizer, train=train, heldout=heldout)
+        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
+        self.address, self.progress, self.resume = address, progress, resume
+
+    def fit(self) -> Result:
+        """Train to the run's token budget (or stop rule) and return the :class:`Result`.
+
+        Bad input (an import path that does not resolve, a factory that returns no module, a loss that is
+        not a scalar, an empty or too small dataset, token ids past the model's vocabulary) raises
+        ConfigError in one line before Ray starts, and no run directory is left behind.
+        """
+        from orchestrator.core.checkpoint import CheckpointStore, checkpoint_dirname, run_checkpoint_uri
+        from orchestrator.run.driver import train
+
+        summary = train(self.run_config, self.run_dir, address=self.address, progress=self.progress,
+                        resume=self.resume, workload=self.workload)
+        uri = run_checkpoint_uri(self.run_config.checkpoint.uri, self.run_dir)
+        steps = CheckpointStore(uri).list() if "://" not in uri else []
+        checkpoint = Path(uri) / checkpoint_dirname(steps[-1]) if steps else None
+        return Result(metrics=summary, path=self.run_dir.resolve(), checkpoint=checkpoint)
+
+
+def _split_datasets(datasets: Mapping[str, Any] | None) -> tuple[Any, Any]:
+    """(train, held-out) from Ray Train style ``datasets``; a one-line ConfigError for unknown keys."""
+    if datasets is None:
+        return None, None
+    if not isinstance(datasets, Mapping):
+        raise ConfigError(f"datasets is a {type(datasets).__name__}; pass a dict such as "
+                          "{'train': train_ds, 'validation': val_ds}")
+    unknown = sorted(set(datasets) - set(_TRAIN_KEYS) - set(_HELDOUT_KEYS))
+    if unknown or "train" not in datasets:
+        raise ConfigError(f"datasets has keys {sorted(datasets)}; it needs 'train' and may have one of "
+                          f"{', '.join(repr(k) for k in _HELDOUT_KEYS)} for evaluation")
+    heldout = [datasets[k] for k in _HELDOUT_KEYS if k in datasets]
+    if len(heldout) > 1:
+        raise ConfigError("datasets has more than one held-out split; pass one of them as 'validation'")
+    return datasets["train"], heldout[0] if heldout else None
+
+
+def _default_run_dir() -> Path:
+    import time
+
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
