@@ -148,7 +148,7 @@ class OuterOptimizer:
         # Counted and logged once; a non-finite outer gradient also marks its incarnation as diverged.
         if "non-finite" in reason:
             self._diverged.add((sub.island, sub.incarnation))
-        refusal = Refusal(sub.island, sub.incarnation, sub.seq, sub.fragment, max(sub.tokens, 0), reason)
+        refusal = Refusal(sub.island, sub.incarnation, sub.seq, sub.fragment, max(sub.tokens, 0), reason, cursor=sub.cursor)
         if 0 <= sub.fragment < self.plan.num_fragments:
             self.tokens_refused[sub.fragment] += refusal.tokens
         self.refusals.append(refusal)

@@ -59,6 +59,10 @@ class RoundRecord:
     step_scale: float = 1.0  # the factor on the merged outer gradient (policies.outer_optimizer.round_step_scale)
     rda_factor: float = 1.0  # RdaAcrossRounds' lengthening of the outer gradient, size-weighted mean over tensors
     wall_time: float = field(default_factory=time.time)
+    # Per submission: the island's data cursor at its cut, and whether a keeper salvaged it: with the
+    # incarnations, what an audit of exact data resume needs (which batches reached the global model).
+    cursors: list[int] = field(default_factory=list)
+    salvaged: list[bool] = field(default_factory=list)
 
     @classmethod
     def of(cls, fragment: int, version: int, subs: Sequence[Submission], *, weights: list[float],
@@ -71,6 +75,7 @@ class RoundRecord:
             staleness=staleness, tokens=sum(s.tokens for s in subs), inner_steps=sum(s.inner_steps for s in subs),
             bytes=sum(s.nbytes for s in subs), quorum_s=quorum_s, grace_s=grace_s, wait_s=wait_s, merge_s=merge_s,
             reason=reason, step_scale=step_scale, rda_factor=rda_factor,
+            cursors=[s.cursor for s in subs], salvaged=[s.salvaged for s in subs],
         )
 
 
@@ -85,6 +90,7 @@ class Refusal:
     tokens: int
     reason: str
     wall_time: float = field(default_factory=time.time)
+    cursor: int = 0  # the island's data cursor at the cut: its batches never reach the global model
 
     @property
     def key(self) -> SubmissionKey:
