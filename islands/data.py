@@ -25,6 +25,7 @@ import pathlib
 import platform
 import sysconfig
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,8 @@ import pyarrow.fs as pafs
 
 if TYPE_CHECKING:  # torch is imported where batches are built: the preflight reads schemas without it
     import torch
+
+    from islands.tokenizer import TextEncoder
 
 # Installed third-party code is not the standard library, and its size varies by machine.
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
@@ -433,6 +436,35 @@ def parquet_texts(path: str, *, text_column: str, heldout_fraction: float = 0.02
     order = "shuffled" if shuffle_documents else "in file order"
     source = f"{path} column {text_column!r} ({n_rows} rows, {n_bytes / 1e6:.1f} MB; rows {order})"
     return train_docs, heldout_docs, source
+
+
+def tokenize_corpus(train_docs: Sequence[str], heldout_docs: Sequence[str], encoder: TextEncoder,
+                    source: str, *, seq_len: int = 1) -> Corpus:
+    """Encode each split's documents with ``encoder`` into a :class:`Corpus`.
+
+    Each split's ids are joined with ``encoder.eos_id`` between documents, in the given order (pass
+    the output of :func:`stdlib_texts` or :func:`parquet_texts`); ``vocab_size`` is the encoder's and
+    ids are uint8 for a vocabulary of at most 256, else int32. With the byte encoder this is the byte
+    corpus (documents joined by b"\\n"). Each split must hold at least ``seq_len + 1`` tokens, and
+    ids outside ``[0, vocab_size)`` (from a user function) raise :class:`DataError`.
+    """
+    vocab_size = encoder.vocab_size
+    dtype = np.uint8 if vocab_size <= 256 else np.int32
+    splits = {}
+    for split, docs in (("train", train_docs), ("held-out", heldout_docs)):
+        if isinstance(docs, str):
+            raise DataError(f"{split} documents are one string; pass a list of documents, e.g. [text]")
+        ids = encoder.encode_documents(docs)
+        if len(ids) < seq_len + 1:
+            raise DataError(f"{split} split has {len(ids)} tokens from {len(docs)} documents, fewer than "
+                            f"seq_len+1={seq_len + 1}; add documents or change heldout_fraction or seq_len")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            raise DataError(f"{encoder.name} gave ids in [{low}, {high}] but vocab_size={vocab_size}; "
+                            f"return ids in [0, {vocab_size}) or pass vocab_size={high + 1}")
+        splits[split] = ids.astype(dtype, copy=False)
+    return Corpus(train=splits["train"], heldout=splits["held-out"], vocab_size=vocab_size,
+                  source=f"{source}; tokenized with {encoder.name} (vocab {vocab_size})")
 
 
 def _windows(data: np.ndarray, offsets: np.ndarray, seq_len: int):
