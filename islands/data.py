@@ -3,7 +3,9 @@
 A :class:`Corpus` holds ``train`` and ``heldout`` token ids, split so that no held-out text is ever
 trained on. Sources: :func:`load_stdlib_corpus`, the embedded default (the running Python's
 standard-library source as bytes, split by file, no download), and :func:`load_parquet_corpus`
-(user text or token ids from Parquet/Arrow files, split by row).
+(user text or token ids from Parquet/Arrow files, split by row). To tokenize text with something
+other than bytes, :func:`stdlib_texts` and :func:`parquet_texts` return the same splits as documents
+and :func:`tokenize_corpus` encodes them with an :class:`islands.tokenizer.TextEncoder`.
 
 Each island samples its own contiguous shard of ``train`` with a :class:`ShardSampler`; batch
 ``c`` depends only on ``(seed, shard_index, c)``, so a restarted island resumes at its cursor.
