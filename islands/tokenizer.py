@@ -156,8 +156,9 @@ class ByteEncoder(TextEncoder):
         return [list(text.encode("utf-8")) for text in texts]
 
     def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
-        # One join in C instead of a list of ints per byte: the full stdlib is 31 MB.
-        joined = bytes([self.eos_id]).join(text.encode("utf-8") for text in texts)
+        # One join in C instead of a list of ints per byte (the full stdlib is 31 MB); a bytearray,
+        # so the array is writable like the byte loaders' arrays.
+        joined = bytearray([self.eos_id]).join(text.encode("utf-8") for text in texts)
         return np.frombuffer(joined, dtype=np.uint8)
 
     def decode(self, ids: Sequence[int]) -> str:

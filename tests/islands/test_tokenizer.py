@@ -234,7 +234,7 @@ def test_bytes_through_tokenize_corpus_equal_the_byte_parquet_corpus(tmp_path: P
                                                          shuffle_documents=shuffle)
         corpus = tokenize_corpus(train_docs, heldout_docs, ByteEncoder(), source)
         expected = load_parquet_corpus(str(path), text_column="text", heldout_fraction=0.2, shuffle_documents=shuffle)
-        assert corpus.train.dtype == np.uint8 and corpus.vocab_size == 256
+        assert corpus.train.dtype == np.uint8 and corpus.vocab_size == 256 and corpus.train.flags.writeable
         assert corpus.train.tobytes() == expected.train.tobytes()
         assert corpus.heldout.tobytes() == expected.heldout.tobytes()
         assert corpus.source.startswith(expected.source) and "UTF-8 bytes" in corpus.source
