@@ -3,7 +3,9 @@
 A :class:`Corpus` holds ``train`` and ``heldout`` token ids, split so that no held-out text is ever
 trained on. Sources: :func:`load_stdlib_corpus`, the embedded default (the running Python's
 standard-library source as bytes, split by file, no download), and :func:`load_parquet_corpus`
-(user text or token ids from Parquet/Arrow files, split by row).
+(user text or token ids from Parquet/Arrow files, split by row). To tokenize text with something
+other than bytes, :func:`stdlib_texts` and :func:`parquet_texts` return the same splits as documents
+and :func:`tokenize_corpus` encodes them with an :class:`islands.tokenizer.TextEncoder`.
 
 Each island samples its own contiguous shard of ``train`` with a :class:`ShardSampler`; batch
 ``c`` depends only on ``(seed, shard_index, c)``, so a restarted island resumes at its cursor.
@@ -25,6 +27,7 @@ import pathlib
 import platform
 import sysconfig
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +38,8 @@ import pyarrow.fs as pafs
 
 if TYPE_CHECKING:  # torch is imported where batches are built: the preflight reads schemas without it
     import torch
+
+    from islands.tokenizer import TextEncoder
 
 # Installed third-party code is not the standard library, and its size varies by machine.
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
@@ -97,8 +102,11 @@ def _file_order_key(relative_posix: str) -> tuple[int, str]:
     return zlib.crc32(_ORDER_SALT + relative_posix.encode("utf-8")), relative_posix
 
 
-def _join_files(paths: list[pathlib.Path], cap: int | None) -> tuple[np.ndarray, int]:
-    """Join files with b"\\n" up to ``cap`` bytes (if given); return (uint8 array, files read)."""
+def _read_files(paths: list[pathlib.Path], cap: int | None) -> list[bytes]:
+    """The files' bytes, in order, until their b"\\n"-joined size reaches ``cap`` (if given).
+
+    Whole files are read: the last one may run past the cap (the byte loader truncates the join).
+    """
     parts: list[bytes] = []
     total = 0  # bytes joined so far, separators included
     for path in paths:
@@ -107,23 +115,22 @@ def _join_files(paths: list[pathlib.Path], cap: int | None) -> tuple[np.ndarray,
         data = path.read_bytes()
         parts.append(data)
         total += len(data) + 1
+    return parts
+
+
+def _join_files(paths: list[pathlib.Path], cap: int | None) -> tuple[np.ndarray, int]:
+    """Join files with b"\\n" up to ``cap`` bytes (if given); return (uint8 array, files read)."""
+    parts = _read_files(paths, cap)
     joined = bytearray(b"\n").join(parts)  # bytearray, so the numpy view is writable
     if cap is not None:
         del joined[cap:]
     return np.frombuffer(joined, dtype=np.uint8), len(parts)
 
 
-def load_stdlib_corpus(*, heldout_fraction: float = 0.02, max_bytes: int | None = None,
-                       shuffle_documents: bool = True) -> Corpus:
-    """The running Python's standard-library source as a byte corpus (vocab 256).
-
-    A file is held out iff ``crc32(relative path) / 2**32 < heldout_fraction``, so the split is the
-    same on every machine with the same Python and held-out text is never trained on. Each split's
-    files are joined with b"\\n", ordered by a salted crc32 of their path if ``shuffle_documents``
-    (the default: contiguous shards are then representative samples), else sorted by path.
-    ``max_bytes`` caps ``train`` (files are read in that order until the cap) and ``heldout`` in
-    proportion, keeping at least 64 KiB of held-out text if available.
-    """
+def _stdlib_split(heldout_fraction: float, max_bytes: int | None,
+                  shuffle_documents: bool) -> tuple[list[pathlib.Path], list[pathlib.Path], int | None]:
+    """Check the arguments; return (train files, held-out files, held-out byte cap), each split in
+    corpus order. The one split rule of :func:`load_stdlib_corpus` and :func:`stdlib_texts`."""
     _check_fraction(heldout_fraction)
     if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
         raise ValueError(f"max_bytes={max_bytes!r} must be a positive int or None (no cap)")
@@ -143,17 +150,60 @@ def load_stdlib_corpus(*, heldout_fraction: float = 0.02, max_bytes: int | None 
     if max_bytes is not None:
         proportional = math.ceil(max_bytes * heldout_fraction / (1 - heldout_fraction))
         heldout_cap = max(proportional, _MIN_HELDOUT_BYTES)
+    return train_files, heldout_files, heldout_cap
+
+
+def _stdlib_source(n_train: int, n_heldout: int, n_bytes: int, shuffle_documents: bool) -> str:
+    order = "shuffled" if shuffle_documents else "sorted"
+    return (f"Python {platform.python_version()} standard library source "
+            f"({n_train + n_heldout} files, {n_bytes / 1e6:.1f} MB; {n_heldout} files held out; "
+            f"files {order})")
+
+
+def _empty_split_error(n_train: int, n_heldout: int, heldout_fraction: float) -> DataError:
+    return DataError(f"stdlib split at heldout_fraction={heldout_fraction} left {n_train} "
+                     f"train and {n_heldout} held-out bytes; use a fraction near 0.02")
+
+
+def load_stdlib_corpus(*, heldout_fraction: float = 0.02, max_bytes: int | None = None,
+                       shuffle_documents: bool = True) -> Corpus:
+    """The running Python's standard-library source as a byte corpus (vocab 256).
+
+    A file is held out iff ``crc32(relative path) / 2**32 < heldout_fraction``, so the split is the
+    same on every machine with the same Python and held-out text is never trained on. Each split's
+    files are joined with b"\\n", ordered by a salted crc32 of their path if ``shuffle_documents``
+    (the default: contiguous shards are then representative samples), else sorted by path.
+    ``max_bytes`` caps ``train`` (files are read in that order until the cap) and ``heldout`` in
+    proportion, keeping at least 64 KiB of held-out text if available.
+    """
+    train_files, heldout_files, heldout_cap = _stdlib_split(heldout_fraction, max_bytes, shuffle_documents)
     train, n_train = _join_files(train_files, max_bytes)
     heldout, n_heldout = _join_files(heldout_files, heldout_cap)
     if len(train) == 0 or len(heldout) == 0:
-        raise DataError(f"stdlib split at heldout_fraction={heldout_fraction} left {len(train)} "
-                        f"train and {len(heldout)} held-out bytes; use a fraction near 0.02")
-    megabytes = (len(train) + len(heldout)) / 1e6
-    order = "shuffled" if shuffle_documents else "sorted"
-    source = (f"Python {platform.python_version()} standard library source "
-              f"({n_train + n_heldout} files, {megabytes:.1f} MB; {n_heldout} files held out; "
-              f"files {order})")
+        raise _empty_split_error(len(train), len(heldout), heldout_fraction)
+    source = _stdlib_source(n_train, n_heldout, len(train) + len(heldout), shuffle_documents)
     return Corpus(train=train, heldout=heldout, vocab_size=256, source=source)
+
+
+def stdlib_texts(*, heldout_fraction: float = 0.02, max_bytes: int | None = None,
+                 shuffle_documents: bool = True) -> tuple[list[str], list[str], str]:
+    """The stdlib's files as text documents: ``(train_docs, heldout_docs, source)``.
+
+    The same files, split and order as :func:`load_stdlib_corpus` (one document per file), for
+    :func:`tokenize_corpus`. Files are decoded as UTF-8 with ``errors="replace"`` (a few stdlib
+    test files are Latin-1 or deliberately invalid). ``max_bytes`` caps the text read per split
+    as there, except that whole files are kept: the last file read may run past the cap.
+    """
+    train_files, heldout_files, heldout_cap = _stdlib_split(heldout_fraction, max_bytes, shuffle_documents)
+    train_bytes = _read_files(train_files, max_bytes)
+    heldout_bytes = _read_files(heldout_files, heldout_cap)
+    n_train, n_heldout = (sum(map(len, parts)) for parts in (train_bytes, heldout_bytes))
+    if n_train == 0 or n_heldout == 0:
+        raise _empty_split_error(n_train, n_heldout, heldout_fraction)
+    source = _stdlib_source(len(train_bytes), len(heldout_bytes), n_train + n_heldout, shuffle_documents)
+    train_docs = [data.decode("utf-8", errors="replace") for data in train_bytes]
+    heldout_docs = [data.decode("utf-8", errors="replace") for data in heldout_bytes]
+    return train_docs, heldout_docs, source
 
 
 def _check_fraction(heldout_fraction: float) -> None:
@@ -337,29 +387,86 @@ def load_parquet_corpus(path: str, *, text_column: str | None = None,
     if not 0 < vocab_size <= 2**31 - 1:
         raise DataError(f"vocab_size={vocab_size} must be in [1, 2**31 - 1] to fit int32 ids")
     name = text_column if is_text else token_column
+    train_rows, heldout_rows, n_rows = _parquet_split(path, name, is_text, heldout_fraction, shuffle_documents)
+    train = _tokens(train_rows, name, is_text, vocab_size)
+    heldout = _tokens(heldout_rows, name, is_text, vocab_size)
+    for split, tokens in (("train", train), ("held-out", heldout)):
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"{split} split of {path!r} has {len(tokens)} tokens from "
+                            f"{n_rows} rows at heldout_fraction={heldout_fraction}, fewer "
+                            f"than seq_len+1={seq_len + 1}; add rows, change heldout_fraction "
+                            f"or seq_len")
+    megabytes = (train.nbytes + heldout.nbytes) / 1e6
+    order = "shuffled" if shuffle_documents else "in file order"
+    source = f"{path} column {name!r} ({n_rows} rows, {megabytes:.1f} MB; rows {order})"
+    return Corpus(train=train, heldout=heldout, vocab_size=vocab_size, source=source)
+
+
+def _parquet_split(path: str, name: str, is_text: bool, heldout_fraction: float,
+                   shuffle_documents: bool) -> tuple[pa.ChunkedArray, pa.ChunkedArray, int]:
+    """Column ``name`` of the dataset split into (train rows, held-out rows, rows in all), each split
+    in corpus order. The one split rule of :func:`load_parquet_corpus` and :func:`parquet_texts`."""
     fs, inner = _resolve(path)
     column = _read_column(fs, _dataset_files(fs, inner, path), name, path,
                           "text_column" if is_text else "token_column")
     if len(column) == 0:
         raise DataError(f"dataset {path!r} has no rows; point at a non-empty dataset")
     _check_column_type(column.type, name, is_text, path)
-
     is_heldout = pa.array(_row_hash_unit(len(column)) < heldout_fraction)
     if shuffle_documents:
         order = pa.array(np.argsort(_row_hash_unit(len(column), salt=1), kind="stable"))
         column, is_heldout = column.take(order), is_heldout.take(order)
-    train = _tokens(column.filter(pc.invert(is_heldout)), name, is_text, vocab_size)
-    heldout = _tokens(column.filter(is_heldout), name, is_text, vocab_size)
-    for split, tokens in (("train", train), ("held-out", heldout)):
-        if len(tokens) < seq_len + 1:
-            raise DataError(f"{split} split of {path!r} has {len(tokens)} tokens from "
-                            f"{len(column)} rows at heldout_fraction={heldout_fraction}, fewer "
-                            f"than seq_len+1={seq_len + 1}; add rows, change heldout_fraction "
-                            f"or seq_len")
-    megabytes = (train.nbytes + heldout.nbytes) / 1e6
+    return column.filter(pc.invert(is_heldout)), column.filter(is_heldout), len(column)
+
+
+def parquet_texts(path: str, *, text_column: str, heldout_fraction: float = 0.02,
+                  shuffle_documents: bool = True) -> tuple[list[str], list[str], str]:
+    """The rows of string ``text_column`` as documents: ``(train_docs, heldout_docs, source)``.
+
+    The same held-out rule and row order as :func:`load_parquet_corpus` with ``text_column``, for
+    :func:`tokenize_corpus`; null rows are skipped, as there.
+    """
+    _check_fraction(heldout_fraction)
+    train_rows, heldout_rows, n_rows = _parquet_split(path, text_column, True, heldout_fraction, shuffle_documents)
+    train_docs = [text for text in train_rows.to_pylist() if text is not None]
+    heldout_docs = [text for text in heldout_rows.to_pylist() if text is not None]
+    if not train_docs or not heldout_docs:
+        raise DataError(f"{path!r} split at heldout_fraction={heldout_fraction} left {len(train_docs)} "
+                        f"train and {len(heldout_docs)} held-out rows of {n_rows}; add rows or change "
+                        f"heldout_fraction")
+    n_bytes = sum(len(text.encode("utf-8")) for text in train_docs + heldout_docs)
     order = "shuffled" if shuffle_documents else "in file order"
-    source = f"{path} column {name!r} ({len(column)} rows, {megabytes:.1f} MB; rows {order})"
-    return Corpus(train=train, heldout=heldout, vocab_size=vocab_size, source=source)
+    source = f"{path} column {text_column!r} ({n_rows} rows, {n_bytes / 1e6:.1f} MB; rows {order})"
+    return train_docs, heldout_docs, source
+
+
+def tokenize_corpus(train_docs: Sequence[str], heldout_docs: Sequence[str], encoder: TextEncoder,
+                    source: str, *, seq_len: int = 1) -> Corpus:
+    """Encode each split's documents with ``encoder`` into a :class:`Corpus`.
+
+    Each split's ids are joined with ``encoder.eos_id`` between documents, in the given order (pass
+    the output of :func:`stdlib_texts` or :func:`parquet_texts`); ``vocab_size`` is the encoder's and
+    ids are uint8 for a vocabulary of at most 256, else int32. With the byte encoder this is the byte
+    corpus (documents joined by b"\\n"). Each split must hold at least ``seq_len + 1`` tokens, and
+    ids outside ``[0, vocab_size)`` (from a user function) raise :class:`DataError`.
+    """
+    vocab_size = encoder.vocab_size
+    dtype = np.uint8 if vocab_size <= 256 else np.int32
+    splits = {}
+    for split, docs in (("train", train_docs), ("held-out", heldout_docs)):
+        if isinstance(docs, str):
+            raise DataError(f"{split} documents are one string; pass a list of documents, e.g. [text]")
+        ids = encoder.encode_documents(docs)
+        if len(ids) < seq_len + 1:
+            raise DataError(f"{split} split has {len(ids)} tokens from {len(docs)} documents, fewer than "
+                            f"seq_len+1={seq_len + 1}; add documents or change heldout_fraction or seq_len")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            raise DataError(f"{encoder.name} gave ids in [{low}, {high}] but vocab_size={vocab_size}; "
+                            f"return ids in [0, {vocab_size}) or pass vocab_size={high + 1}")
+        splits[split] = ids.astype(dtype, copy=False)
+    return Corpus(train=splits["train"], heldout=splits["held-out"], vocab_size=vocab_size,
+                  source=f"{source}; tokenized with {encoder.name} (vocab {vocab_size})")
 
 
 def _windows(data: np.ndarray, offsets: np.ndarray, seq_len: int):
