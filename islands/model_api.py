@@ -288,35 +288,3 @@ def check_loss(value: Any, origin: str) -> torch.Tensor:
                          "without .item(), .detach() or torch.no_grad()")
     return value.reshape(())
 
-
-def batch_tokens(batch: Any) -> int:
-    """How many tokens a batch counts for token-weighted merging and the token budget.
-
-    - ``(inputs, targets)``: ``targets.numel()`` (B*T for a causal LM; B for a classifier's labels);
-    - a mapping: the sum of ``attention_mask`` if it has one (padding does not count), else the
-      elements of ``labels``, else of ``input_ids``;
-    - anything else: the leading dimension (examples) of the first tensor found in it.
-    """
-    if isinstance(batch, Mapping):
-        for key in ("attention_mask", "labels", "input_ids"):
-            value = batch.get(key)
-            if isinstance(value, torch.Tensor):
-                return int(value.sum()) if key == "attention_mask" else value.numel()
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
-        return batch[1].numel()
-    first = _first_tensor(batch)
-    if first is None:
-        raise ModelError(f"a batch of {type(batch).__name__} holds no tensor; make the dataset's examples tensors "
-                         "(or dicts/tuples of tensors)")
-    return int(first.shape[0]) if first.dim() else 1
-
-
-def _first_tensor(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
-    for value in values:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from islands.data import ShardSampler
+from islands.examples import ExampleSampler, batch_tokens
 from islands.model import ModelConfig
 from islands.model_api import (
     LossFn,
-    batch_tokens,
     build_optimizer,
     check_loss,
     instantiate,
@@ -92,8 +92,6 @@ def make_sampler(data: Any, *, shard_index: int, num_shards: int, seq_len: int, 
     if isinstance(data, np.ndarray):
         return ShardSampler(data, shard_index=shard_index, num_shards=num_shards, seq_len=seq_len,
                             batch_size=batch_size, seed=seed)
-    from islands.examples import ExampleSampler
-
     return ExampleSampler(data, shard_index=shard_index, num_shards=num_shards, batch_size=batch_size, seed=seed)
 
 
