@@ -52,8 +52,11 @@ def token_fates(
     for st in live:
         got = received.get((st.island, st.incarnation), zero)
         for p in range(P):
-            in_flight[p] += st.outbox_tokens[p] + st.unsubmitted_tokens[p]
-            lost[p] += st.submitted_tokens[p] - st.outbox_tokens[p] - got[p] + st.discarded_tokens[p]
+            # The status is older than the ledger: what the outer optimizer already received cannot still
+            # be in the outbox (seen with fast steps: a stale outbox figure counted 128 tokens twice).
+            outbox = min(st.outbox_tokens[p], max(0, st.submitted_tokens[p] - got[p]))
+            in_flight[p] += outbox + st.unsubmitted_tokens[p]
+            lost[p] += st.submitted_tokens[p] - outbox - got[p] + st.discarded_tokens[p]
             overwritten[p] += _at(st.overwritten_tokens, p)
             processed[p] += st.tokens
     for st in dead:

@@ -72,3 +72,22 @@ class Shapes(torch.utils.data.Dataset):
         r, c = divmod(label, 2)
         image[:, r * 4:(r + 1) * 4, c * 4:(c + 1) * 4] += 1.5
         return {"image": image, "label": torch.tensor(label), "id": torch.tensor(i)}
+
+
+class IdLog:
+    """A loss that also writes the ids of every batch it trains on, one line per step, to DIR/ids-<pid>.log.
+
+    The id log is the ground truth an exact-resume test checks the engine's data cursors against: each
+    island process (each incarnation) writes its own file, in step order.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        import os
+
+        if model.training:  # evaluation batches are not training data
+            with open(os.path.join(self.directory, f"ids-{os.getpid()}.log"), "a") as f:
+                f.write(" ".join(str(int(i)) for i in batch["id"]) + "\n")
+        return cnn_loss(model, batch)
