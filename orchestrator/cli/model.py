@@ -66,8 +66,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"diloco export: {err}", file=sys.stderr)
         return 2
     n = sum(p.numel() for p in trained.model.parameters())  # a tied weight counts once
-    what = "Hugging Face folder" if args.format == "hf" else "PyTorch file"
-    print(f"{path}: {what}, {n:,} parameters from {_describe(args.run_dir, trained)}")
+    what = " (Hugging Face folder)" if args.format == "hf" else ""  # a torch file's line stays as it always was
+    print(f"{path}: {n:,} parameters{what} from {_describe(args.run_dir, trained)}")
     return 0
 
 

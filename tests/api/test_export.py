@@ -95,7 +95,7 @@ def test_a_hugging_face_model_exports_as_a_folder_that_from_pretrained_reloads_e
     folder = tmp_path / "hf"
     assert diloco(["export", str(run), "--out", str(folder), "--format", "hf"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith(f"{folder}: Hugging Face folder, ") and "checkpoint 7 (decoupled" in out and not err
+    assert out.startswith(f"{folder}: ") and "parameters (Hugging Face folder) from" in out and "checkpoint 7 (decoupled" in out and not err
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     assert (folder / "tokenizer.json").is_file() == (name == "gpt2")
     assert {p.name for p in tmp_path.iterdir()} == {"hf"}, "no temporary folder is left"
