@@ -202,13 +202,8 @@ def run_text_codec(run_dir: str | Path | None) -> Any:
     file = Path(run_dir) / RUN_TOKENIZER_FILE if run_dir is not None else None
     if file is None or not file.is_file():
         return ByteText()
-    try:
-        from islands.tokenizer import text_encoder  # type: ignore[import-not-found]
-    except ModuleNotFoundError as err:
-        if err.name != "islands.tokenizer":
-            raise
-        raise TrainedModelError(f"{run_dir} was trained with a tokenizer ({file.name}) that this install cannot read "
-                                "(no islands.tokenizer); update decoupled-diloco to the version that trained it") from None
+    from islands.tokenizer import text_encoder  # numpy only; `tokenizers` is imported by the loader if the file needs it
+
     try:
         return text_encoder(file)
     except Exception as err:  # noqa: BLE001 - a missing extra or a damaged file: one line either way
