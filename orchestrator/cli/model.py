@@ -21,21 +21,21 @@ def _describe(run_dir: str, t: TrainedModel) -> str:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
-    from islands.sampling import generate
-    from orchestrator.run.trained import TrainedModelError, load_trained
+    from islands.sampling import sample_text
+    from orchestrator.run.trained import TrainedModelError, load_trained, run_text_codec
 
     try:
         trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
-        prompt = args.prompt.encode("utf-8")
-        if not prompt:
+        if not args.prompt:
             raise TrainedModelError("--prompt is empty; give some text to continue, e.g. --prompt 'def '")
-        new = generate(trained.model, list(prompt), max_new_tokens=args.bytes, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed)
-    except (TrainedModelError, ValueError) as err:
+        # Bytes unless the run kept a tokenizer; the model's own context window, else the run's seq_len.
+        text = sample_text(trained.model, args.prompt, max_new_tokens=args.bytes, codec=run_text_codec(args.run_dir),
+                           temperature=args.temperature, top_k=args.top_k, seed=args.seed, context=trained.seq_len)
+    except (TrainedModelError, ValueError) as err:  # ValueError: islands.sampling's argument and model checks
         print(f"diloco sample: {err}", file=sys.stderr)
         return 2
     print(_describe(args.run_dir, trained), file=sys.stderr)
-    sys.stdout.write((prompt + bytes(new)).decode("utf-8", errors="replace") + "\n")
+    sys.stdout.write(text + "\n")
     return 0
 
 
@@ -61,12 +61,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     try:
         trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
-        path = export_model(trained, args.out, overwrite=args.force)
+        path = export_model(trained, args.out, format=args.format, overwrite=args.force)
     except TrainedModelError as err:
         print(f"diloco export: {err}", file=sys.stderr)
         return 2
-    n = sum(p.numel() for p in trained.model.parameters())
-    print(f"{path}: {n:,} parameters from {_describe(args.run_dir, trained)}")
+    n = sum(p.numel() for p in trained.model.parameters())  # a tied weight counts once
+    what = " (Hugging Face folder)" if args.format == "hf" else ""  # a torch file's line stays as it always was
+    print(f"{path}: {n:,} parameters{what} from {_describe(args.run_dir, trained)}")
     return 0
 
 
@@ -85,10 +86,13 @@ def register(subparsers) -> None:
     """Add `sample`, `evaluate` and `export` to the `diloco` parser's subparsers."""
     s = _run_dir_command(
         subparsers, "sample", help="continue a prompt with a run's trained model",
-        description="Load the newest checkpoint of RUN_DIR (or --step) into the run's model and continue the prompt "
-                    "byte by byte.\n\nExample:\n  diloco sample runs/demo --prompt 'def ' --bytes 300 --temperature 0.8")
+        description="Load the newest checkpoint of RUN_DIR (or --step) into the run's model (the built-in one or any "
+                    "causal LM, e.g. a Hugging Face one) and continue the prompt token by token: byte by byte, unless "
+                    "the run kept a tokenizer (RUN_DIR/tokenizer.json).\n\nExample:\n"
+                    "  diloco sample runs/demo --prompt 'def ' --bytes 300 --temperature 0.8")
     s.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    s.add_argument("--bytes", type=int, default=200, help="how many bytes to generate (default 200)")
+    s.add_argument("--bytes", "--tokens", dest="bytes", type=int, default=200,
+                   help="how many tokens (bytes, for a byte-level run) to generate (default 200)")
     s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, 1 = the model's distribution (default 0.8)")
     s.add_argument("--top-k", type=int, default=None, help="draw only among the K likeliest bytes")
     s.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
@@ -103,10 +107,18 @@ def register(subparsers) -> None:
                    help="a data.* or eval.* field to change (repeatable)")
     v.set_defaults(func=_cmd_evaluate)
     e = _run_dir_command(
-        subparsers, "export", help="write a run's trained model as a PyTorch file",
-        description="Write the model of RUN_DIR's newest checkpoint (or --step) as a PyTorch file: a dict with its "
-                    "shape and state dict, read back by torch.load(path, weights_only=True) or "
-                    "orchestrator.run.trained.load_exported(path).\n\nExample:\n  diloco export runs/demo --out demo.pt")
-    e.add_argument("--out", required=True, metavar="FILE", help="where to write the model (e.g. model.pt)")
-    e.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+        subparsers, "export", help="write a run's trained model as a PyTorch file or a Hugging Face folder",
+        description="Write the model of RUN_DIR's newest checkpoint (or --step).\n\n"
+                    "--format torch (default): one PyTorch file, a dict with the model's state dict and how to rebuild "
+                    "it (the built-in model's shape, or a user model's factory import path), read back by "
+                    "torch.load(path, weights_only=True) or orchestrator.run.trained.load_exported(path).\n"
+                    "--format hf: a Hugging Face folder (save_pretrained, safetensors) for a transformers model, read "
+                    "back by AutoModelForCausalLM.from_pretrained(folder); the run's tokenizer goes with it.\n\n"
+                    "Examples:\n  diloco export runs/demo --out demo.pt\n"
+                    "  diloco export runs/gpt2 --out gpt2-trained --format hf")
+    e.add_argument("--out", required=True, metavar="PATH",
+                   help="where to write the model: a file (model.pt) for torch, a folder for hf")
+    e.add_argument("--format", choices=("torch", "hf"), default="torch",
+                   help="torch: one PyTorch file (default); hf: a Hugging Face folder (transformers models only)")
+    e.add_argument("--force", action="store_true", help="overwrite PATH if it exists (a folder only if it holds a model)")
     e.set_defaults(func=_cmd_export)

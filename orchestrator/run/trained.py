@@ -1,40 +1,67 @@
-"""The model a run trained: load it from the run directory, sample from it, export it as a PyTorch file.
+"""The model a run trained: load it from the run directory, sample from it, evaluate it, export it.
 
 A run's global parameters live in its checkpoints (orchestrator.core.checkpoint; `checkpoint.uri`, default
 RUN_DIR/checkpoints), beside their moving average when the run kept one (`run.average_window`). `diloco
 train` writes the last one after the final flush, so it holds exactly the model `summary.json`'s final
 held-out loss was measured on (the average where there is one); `diloco baseline-dp` saves its final
 parameters the same way. `--raw` loads the global parameters instead of the average. :func:`load_trained`
-rebuilds the model from the run's `config.yaml` and loads
-the newest (or a chosen) checkpoint into it, refusing in one line anything that does not fit.
+rebuilds the model from the run's `config.yaml` (the built-in byte transformer of `model.preset`, or the
+user's model from the import path `model.factory`) and loads the newest (or a chosen) checkpoint into
+it, refusing in one line anything that does not fit.
 
-`diloco sample RUN_DIR --prompt "def "` prints a continuation; `diloco evaluate RUN_DIR` scores the model
-on the run's held-out data or on another corpus (`--set data.*`); `diloco export RUN_DIR --out model.pt`
-writes a plain PyTorch file (a dict of the model's shape and state dict, loadable with
-`torch.load(path, weights_only=True)`; :func:`load_exported` rebuilds the model from it).
+`diloco sample RUN_DIR --prompt "def "` prints a continuation (any causal LM: the built-in model or,
+say, a Hugging Face one); `diloco evaluate RUN_DIR` scores the model on the run's held-out data or on
+another corpus (`--set data.*`); `diloco export RUN_DIR --out PATH [--format torch|hf]` writes it out.
 The three commands' argparse lives in orchestrator/cli/model.py.
+
+Export formats (:func:`export_model`):
+
+- `--format torch` (the default), one file that `torch.load(path, weights_only=True)` reads: a dict of
+  tensors and plain values only. For the built-in model, format :data:`EXPORT_FORMAT`: `{"format",
+  "model_config" (the ModelConfig fields), "state_dict", "mode", "step", "tokens_processed"}`. For a
+  user's model, format :data:`MODULE_EXPORT_FORMAT`: `{"format", "factory" (the model factory's
+  import path), "seed" (the run's seed the factory ran under), "state_dict" (the module's whole
+  `state_dict()`: tied weights under every name the module gives them, all persistent buffers),
+  "mode", "step", "tokens_processed"}`. :func:`load_exported` rebuilds either model (a user model from
+  its factory, which must be importable) and loads the state dict strictly.
+- `--format hf`, for a `transformers.PreTrainedModel` only: a Hugging Face folder written by
+  `model.save_pretrained` (config.json, model.safetensors; transformers stores a tied weight once and
+  ties it again on load), which `AutoModelForCausalLM.from_pretrained(folder)` reads. A run that kept
+  a tokenizer (RUN_DIR/tokenizer.json, :data:`RUN_TOKENIZER_FILE`) gets it copied into the folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
-from islands.model import ByteTransformer, ModelConfig, build_model
+from islands.model import ModelConfig, build_model
 from islands.model_api import ModelError, instantiate, state_tensors
 from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig, apply_overrides, build_config
 from orchestrator.core.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
 from orchestrator.settings import model_recipe
 
-__all__ = ["EXPORT_FORMAT", "TrainedModel", "TrainedModelError", "evaluate_trained", "export_model", "load_exported",
-           "load_trained", "read_run_config"]
+__all__ = ["EXPORT_FORMAT", "EXPORT_FORMATS", "MODULE_EXPORT_FORMAT", "RUN_TOKENIZER_FILE", "TrainedModel",
+           "TrainedModelError", "evaluate_trained", "export_model", "load_exported", "load_trained", "read_run_config",
+           "run_text_codec"]
 
 EXPORT_FORMAT = "decoupled-diloco/byte-transformer/1"
+"""`format` of a `--format torch` file of the built-in ByteTransformer: its shape and state dict."""
+MODULE_EXPORT_FORMAT = "decoupled-diloco/torch-module/1"
+"""`format` of a `--format torch` file of a user's model: its factory's import path and its state dict."""
+EXPORT_FORMATS = ("torch", "hf")
+"""What `diloco export --format` takes: one PyTorch file, or a Hugging Face folder."""
+RUN_TOKENIZER_FILE = "tokenizer.json"
+"""A run directory's tokenizer, where the run tokenized its text (islands.tokenizer); absent: UTF-8 bytes."""
 
 
 class TrainedModelError(RuntimeError):
@@ -61,6 +88,18 @@ class TrainedModel:
     """Tokens the run had processed when the checkpoint was written, where it recorded them."""
     averaged: bool = False
     """True when the parameters are the run's moving average of its global model (run.average_window)."""
+    run_dir: Path | None = None
+    """The run directory it was loaded from (where a tokenizer it used would be)."""
+
+    @property
+    def factory(self) -> str | None:
+        """The import path of the user's model factory (config `model.factory`); None for the built-in model."""
+        return self.run_config.model.factory
+
+    @property
+    def seq_len(self) -> int:
+        """The run's context length in tokens (`model.seq_len`, the preset's unless overridden)."""
+        return self.run_config.model.shape().seq_len
 
 
 def read_run_config(run_dir: str | Path) -> tuple[RunConfig, str]:
@@ -147,7 +186,29 @@ def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = Fa
     tokens = meta.get("tokens_processed", meta.get("extra", {}).get("tokens_processed"))
     return TrainedModel(model=model, run_config=cfg, mode=mode, step=step, checkpoint=ckpt.path,
                         versions=None if versions is None else list(versions),
-                        tokens_processed=None if tokens is None else int(tokens), averaged=averaged)
+                        tokens_processed=None if tokens is None else int(tokens), averaged=averaged,
+                        run_dir=Path(run_dir))
+
+
+def run_text_codec(run_dir: str | Path | None) -> Any:
+    """How the run's text maps to token ids: an object with `encode(str) -> list[int]` and `decode(ids) -> str`.
+
+    The tokenizer hook: a run that tokenized its text keeps RUN_DIR/tokenizer.json (:data:`RUN_TOKENIZER_FILE`),
+    read by islands.tokenizer's `text_encoder`; any other run reads and writes UTF-8 bytes
+    (islands.sampling.ByteText, vocabulary 256), as the byte corpora do.
+    """
+    from islands.sampling import ByteText
+
+    file = Path(run_dir) / RUN_TOKENIZER_FILE if run_dir is not None else None
+    if file is None or not file.is_file():
+        return ByteText()
+    from islands.tokenizer import text_encoder  # numpy only; `tokenizers` is imported by the loader if the file needs it
+
+    try:
+        return text_encoder(file)
+    except Exception as err:  # noqa: BLE001 - a missing extra or a damaged file: one line either way
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise TrainedModelError(f"cannot read the run's tokenizer {file} ({first})") from None
 
 
 def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) -> dict:
@@ -155,11 +216,13 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) 
 
     `overrides` are `data.*` and `eval.*` fields (`--set` syntax) applied to the run's config: another
     corpus (`data.source=parquet`, `data.path=...`), more or fewer windows (`eval.batches`). The
-    windows are the ones a run's own evaluations score (orchestrator.core.evaluation). Returns
+    windows are the ones a run's own evaluations score (orchestrator.core.evaluation), with the run's model
+    recipe (its factory and loss), so a user's model is scored as the run scored it. Returns
     {"eval_loss" (nats per token), "eval_bits_per_token", "unigram_bits_per_token", "tokens", "source",
     "unit"}: "unit" is "byte" where the corpus is text read as bytes (a token IS a byte), else "token".
     """
     from islands.data import DataError, unigram_bits_per_byte
+    from islands.sampling import vocab_size
     from orchestrator.core.evaluation import Evaluator
     from orchestrator.run.driver import load_corpus  # imports Ray; only evaluation needs the corpus loader
 
@@ -171,42 +234,65 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) 
                                     "(the model and everything else are the run's)")
     try:
         cfg = build_config(apply_overrides(trained.run_config.model_dump(mode="json"), overrides))
+    except ConfigError as err:
+        raise TrainedModelError(str(err).splitlines()[0]) from None
+    if cfg.data.source == "python":  # the datasets were Python objects: nothing in the run directory names them
+        raise TrainedModelError("the run trained on datasets passed to the Python API, which its directory cannot "
+                                "name; evaluate on a corpus: --set data.source=parquet --set data.path=FILE "
+                                "(or data.source=stdlib)")
+    try:
         corpus = load_corpus(cfg)
     except (ConfigError, DataError) as err:
         raise TrainedModelError(str(err).splitlines()[0]) from None
-    shape = trained.model.cfg
-    if corpus.vocab_size > shape.vocab_size:
+    vocab = vocab_size(trained.model)  # None: a user model that does not say; its loss will tell
+    if vocab is not None and corpus.vocab_size > vocab:
         raise TrainedModelError(f"{corpus.source} has token ids up to {corpus.vocab_size - 1} but the model knows "
-                                f"{shape.vocab_size}; evaluate it on data of the run's vocabulary")
-    evaluator = Evaluator(shape, corpus.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
-    loss, bits = evaluator.evaluate(dict(trained.model.named_parameters()))
+                                f"{vocab}; evaluate it on data of the run's vocabulary")
+    # The run's recipe, so a user's model is scored with the run's loss exactly as the run's evaluations were.
+    recipe = model_recipe(cfg)
+    try:
+        evaluator = Evaluator(recipe, corpus.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
+        loss, bits = evaluator.evaluate(state_tensors(trained.model))
+    except ModelError as err:
+        raise TrainedModelError(f"cannot evaluate the model of the run ({recipe.name}): {err}") from None
     return {"eval_loss": loss, "eval_bits_per_token": bits,
             "unigram_bits_per_token": unigram_bits_per_byte(corpus.train, corpus.heldout, vocab_size=corpus.vocab_size),
             "tokens": sum(x.numel() for x, _ in evaluator.batches), "source": corpus.source,
             "unit": "byte" if corpus.train.dtype.itemsize == 1 else "token"}  # uint8 = byte text (islands.data)
 
 
-def export_model(trained: TrainedModel, path: str | Path, *, overwrite: bool = False) -> Path:
-    """Write `trained`'s model to `path` as a plain PyTorch file; return the path.
+def export_model(trained: TrainedModel, path: str | Path, *, format: str = "torch", overwrite: bool = False) -> Path:
+    """Write `trained`'s model to `path` and return the path: one PyTorch file (`format="torch"`) or a
+    Hugging Face folder (`format="hf"`); the module docstring lists what each holds.
 
-    The file holds a dict: `format` (:data:`EXPORT_FORMAT`), `model_config` (the shape's fields),
-    `state_dict`, `mode`, `step` and `tokens_processed`; only tensors and plain values, so
-    `torch.load(path, weights_only=True)` reads it. Written under a temporary name and renamed, so a
-    failure leaves no half file; an existing file is kept unless `overwrite`.
+    torch: a dict of tensors and plain values, so `torch.load(path, weights_only=True)` reads it; the
+    built-in model as :data:`EXPORT_FORMAT` (its shape), a user's model as :data:`MODULE_EXPORT_FORMAT`
+    (its factory's import path). hf: `save_pretrained` of a `transformers.PreTrainedModel` (safetensors),
+    plus the run's tokenizer where it kept one; any other model is refused, naming `--format torch`.
+
+    Written under a temporary name and renamed, so a failure leaves no half file or folder; an existing
+    file or folder is kept unless `overwrite` (a folder only if it is empty or a model folder).
     """
+    if format not in EXPORT_FORMATS:
+        raise TrainedModelError(f"unknown export format {format!r}; pass --format torch or --format hf")
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise TrainedModelError(f"{path} already exists; pass another path, or overwrite it (--force)")
     if not path.parent.is_dir():
         raise TrainedModelError(f"{path.parent} is not a directory; create it or pass another --out")
-    payload = {
-        "format": EXPORT_FORMAT,
-        "model_config": dataclasses.asdict(trained.model.cfg),
-        "state_dict": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()},
-        "mode": trained.mode,
-        "step": trained.step,
-        "tokens_processed": trained.tokens_processed,
-    }
+    if format == "hf":
+        return _export_hf(trained, path, overwrite=overwrite)
+    if path.is_dir():
+        raise TrainedModelError(f"{path} is a folder; --format torch writes one file: pass a file name (model.pt)")
+    if path.exists() and not overwrite:
+        raise TrainedModelError(f"{path} already exists; pass another path, or overwrite it (--force)")
+    model = trained.model
+    if trained.factory is None:  # the built-in model: the format files have had since the first export
+        payload: dict[str, Any] = {"format": EXPORT_FORMAT, "model_config": dataclasses.asdict(model.cfg),
+                                   "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
+    else:
+        # No clone: a tied weight is one storage under two names, and torch.save writes a storage once.
+        payload = {"format": MODULE_EXPORT_FORMAT, "factory": trained.factory, "seed": trained.run_config.run.seed,
+                   "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    payload.update(mode=trained.mode, step=trained.step, tokens_processed=trained.tokens_processed)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         torch.save(payload, tmp)
@@ -216,9 +302,74 @@ def export_model(trained: TrainedModel, path: str | Path, *, overwrite: bool = F
     return path
 
 
-def load_exported(path: str | Path) -> ByteTransformer:
-    """The model of a file written by :func:`export_model`, on the CPU in eval mode."""
+def _export_hf(trained: TrainedModel, folder: Path, *, overwrite: bool) -> Path:
+    """`diloco export --format hf`: `save_pretrained` into a temporary folder, the run's tokenizer beside it,
+    then renamed into place."""
+    model = trained.model
+    # A PreTrainedModel's class comes from transformers, so it is imported already when the model is one;
+    # anything else is refused without paying for the import.
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        raise TrainedModelError(f"the run's model ({type(model).__name__}) is not a Hugging Face "
+                                "transformers.PreTrainedModel, so it has no Hugging Face folder; export it with "
+                                "--format torch")
+    if folder.is_file() or folder.is_symlink():
+        raise TrainedModelError(f"{folder} is a file; --format hf writes a folder: pass a folder name")
+    replaced = folder.is_dir() and any(folder.iterdir())
+    if replaced and not overwrite:
+        raise TrainedModelError(f"{folder} already exists; pass another path, or overwrite it (--force)")
+    if replaced and not (folder / "config.json").is_file():  # --force replaces a model folder, nothing else
+        raise TrainedModelError(f"{folder} holds files but no config.json, so it is not a model folder to "
+                                "overwrite; pass another --out")
+    from transformers.utils import logging as hf_logging
+
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one line of output per export, not a shard-writing progress bar
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        _copy_run_tokenizer(trained.run_dir, tmp)
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def _copy_run_tokenizer(run_dir: Path | None, folder: Path) -> None:
+    """The tokenizer hook of `--format hf`: RUN_DIR/tokenizer.json, where the run kept one, goes into the folder.
+
+    Only a Hugging Face `tokenizers` file: one written by islands.tokenizer for UTF-8 bytes or a Python
+    function (a JSON object with a "text_encoder" key) means nothing to transformers and stays behind.
+    """
+    if run_dir is None or not (run_dir / RUN_TOKENIZER_FILE).is_file():
+        return
+    source = run_dir / RUN_TOKENIZER_FILE
+    try:
+        spec = json.loads(source.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise TrainedModelError(f"{source} is not a JSON tokenizer file; remove it or write it again") from None
+    if isinstance(spec, dict) and "text_encoder" not in spec:
+        shutil.copyfile(source, folder / RUN_TOKENIZER_FILE)
+
+
+def load_exported(path: str | Path) -> torch.nn.Module:
+    """The model of a `--format torch` file written by :func:`export_model`, on the CPU in eval mode.
+
+    The built-in model is rebuilt from its shape; a user's model from its factory's import path (importable
+    here) under the run's seed, then its state dict is loaded strictly: a missing, extra or reshaped
+    tensor is refused in one line.
+    """
     path = Path(path)
+    if path.is_dir():
+        raise TrainedModelError(f"{path} is a folder (a `--format hf` export?); load it with transformers' "
+                                "AutoModelForCausalLM.from_pretrained(folder), or pass a `--format torch` file")
     if not path.is_file():
         raise TrainedModelError(f"{path} does not exist; pass a file written by `diloco export`")
     try:
@@ -226,9 +377,22 @@ def load_exported(path: str | Path) -> ByteTransformer:
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one line
         raise TrainedModelError(f"{path} is not a readable PyTorch file ({type(err).__name__}); "
                                 "pass a file written by `diloco export`") from None
-    if not isinstance(payload, dict) or payload.get("format") != EXPORT_FORMAT:
-        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise TrainedModelError(f"{path} is not a `diloco export` file (format {found!r}, expected {EXPORT_FORMAT!r})")
-    model = build_model(ModelConfig(**payload["model_config"]), seed=0)
-    model.load_state_dict(payload["state_dict"])  # strict: any missing or extra tensor raises
+    found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+    if found == EXPORT_FORMAT:
+        model = build_model(ModelConfig(**payload["model_config"]), seed=0)
+        model.load_state_dict(payload["state_dict"])  # strict: any missing or extra tensor raises
+        return model.eval()
+    if found != MODULE_EXPORT_FORMAT:
+        raise TrainedModelError(f"{path} is not a `diloco export` file (format {found!r}, expected "
+                                f"{EXPORT_FORMAT!r} or {MODULE_EXPORT_FORMAT!r})")
+    try:
+        model = instantiate(payload["factory"], int(payload.get("seed", 0)))
+    except ModelError as err:
+        raise TrainedModelError(f"cannot rebuild the model of {path}: {err}") from None
+    try:
+        model.load_state_dict(payload["state_dict"])  # strict: tied names and buffers included
+    except RuntimeError as err:
+        detail = " ".join(str(err).split())  # torch lists the mismatches over several lines
+        raise TrainedModelError(f"{path} does not fit the model its factory {payload['factory']!r} builds now "
+                                f"({detail[:300]}); was the factory changed since the export?") from None
     return model.eval()
