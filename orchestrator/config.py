@@ -96,6 +96,10 @@ class DataSection(_Section):
     path: str | None = Field(None, description="Parquet/Arrow file or directory (local path or pyarrow.fs URI) for source=parquet.")
     text_column: str | None = Field(None, description="String column to train on (UTF-8 bytes), for source=parquet.")
     token_column: str | None = Field(None, description="list<int> column of token ids, for source=parquet.")
+    tokenizer: str = Field("bytes", description="Text to token ids: 'bytes' (vocab 256), 'train' (BPE trained on the training "
+                           "split), a tokenizer.json path, or 'module:function' (str -> list[int]).")
+    vocab_size: int | None = Field(None, gt=0, description="Ids are below this: tokenizer 'train''s vocabulary (null: 4096), a "
+                                   "function tokenizer's, or a token_column's (null: its largest id + 1).")
     heldout_fraction: float = Field(0.02, gt=0, lt=0.5, description="Fraction of files/rows held out for evaluation.")
     max_bytes: int | None = Field(None, gt=0, description="Cap on training bytes (keeps tests small); None = all.")
     shuffle_documents: bool = Field(
@@ -110,6 +114,9 @@ class DataSection(_Section):
                 raise ValueError("data.path is required when data.source is 'parquet'; set data.path=/path/to/data.parquet")
             if (self.text_column is None) == (self.token_column is None):
                 raise ValueError("set exactly one of data.text_column or data.token_column for a parquet source")
+            if self.token_column is not None and self.tokenizer != "bytes":
+                raise ValueError("data.tokenizer applies to text; a token_column is already token ids: set data.tokenizer=bytes "
+                                 "or train on data.text_column")
         return self
 
 

@@ -54,6 +54,7 @@ from orchestrator.run.setup import (
 )
 from orchestrator.run.startup import Stage, islands_ready, placing_text
 from orchestrator.run.workload import (
+    TOKENIZER_FILE,
     Prepared,
     TrainingData,
     Workload,
@@ -346,6 +347,8 @@ class Run:
         cfg = self.cfg
         ckpt_uri = prepare_run_dir(cfg, self.run_dir, self.run_id, resume=self.resume)
         initial, embedding_names, island_regions = self._build_world()
+        if self.data.encoder is not None:  # sample, evaluate and a resume decode and encode with this very tokenizer
+            self.data.encoder.save(self.run_dir / TOKENIZER_FILE)
         if not self.resume:
             save_checkpoint_zero(cfg, initial, self.plan, ckpt_uri)
         self._stage("placing", placing_text(cfg))
@@ -374,7 +377,7 @@ class Run:
         """Data, model recipe, fragment plan, network, evaluator and chaos tape of the run: (the initial
         state tensors, the embedding parameters' names, island -> region)."""
         cfg = self.cfg
-        prepared = self.prepared or prepare(cfg, self.workload)
+        prepared = self.prepared or prepare(cfg, self.workload, self.run_dir)
         self.prepared = None  # the initial tensors are the outer optimizer's from here: do not keep a second copy
         self.data: TrainingData = prepared.data
         self.recipe = prepared.recipe
@@ -677,7 +680,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     """
     run_dir = Path(run_dir)
     preflight(cfg, run_dir, resume=resume)
-    prepared = prepare(cfg, workload)  # the model built and the data checked, still before Ray starts
+    prepared = prepare(cfg, workload, run_dir)  # the model built and the data checked, still before Ray starts
     cfg = with_measured_step(recorded_config(cfg, workload), address, prepared)
     if stages is not None:
         stages(Stage("ray", _ray_text(cfg, address)))

@@ -85,10 +85,15 @@ def _check_data(cfg: RunConfig, vocab_size: int) -> None:
                               f"token-id lists with --set data.token_column=NAME, or a string column with "
                               f"--set data.text_column=NAME --set data.token_column=null")
         span = token_id_range(d.path, name)
-        if span is not None and (span[0] < 0 or span[1] >= vocab_size):
-            raise ConfigError(f"token ids in column {name!r} of {d.path!r} span [{span[0]}, {span[1]}] but the model "
-                              f"reads ids in [0, {vocab_size}) (bytes); re-tokenize below {vocab_size}, or train on "
-                              f"text with --set data.text_column=NAME --set data.token_column=null")
+        # The built-in model takes its vocabulary from the ids (or data.vocab_size); a user's model is checked
+        # against its own embedding once built (orchestrator/run/workload.py prepare).
+        limit = d.vocab_size
+        if span is not None and (span[0] < 0 or (limit is not None and span[1] >= limit)):
+            raise ConfigError(f"token ids in column {name!r} of {d.path!r} span [{span[0]}, {span[1]}] but "
+                              f"data.vocab_size is {limit}; raise it with --set data.vocab_size={span[1] + 1}, "
+                              "or re-tokenize the column" if span[0] >= 0 else
+                              f"token ids in column {name!r} of {d.path!r} start at {span[0]}; ids are never "
+                              "negative: re-tokenize the column")
 
 
 def _check_network(cfg: RunConfig) -> None:

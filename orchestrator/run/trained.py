@@ -48,6 +48,7 @@ from islands.model import ModelConfig, build_model
 from islands.model_api import ModelError, instantiate, state_tensors
 from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig, apply_overrides, build_config
 from orchestrator.core.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
+from orchestrator.run.workload import TOKENIZER_FILE
 from orchestrator.settings import model_recipe
 
 __all__ = ["EXPORT_FORMAT", "EXPORT_FORMATS", "MODULE_EXPORT_FORMAT", "RUN_TOKENIZER_FILE", "TrainedModel",
@@ -60,7 +61,7 @@ MODULE_EXPORT_FORMAT = "decoupled-diloco/torch-module/1"
 """`format` of a `--format torch` file of a user's model: its factory's import path and its state dict."""
 EXPORT_FORMATS = ("torch", "hf")
 """What `diloco export --format` takes: one PyTorch file, or a Hugging Face folder."""
-RUN_TOKENIZER_FILE = "tokenizer.json"
+RUN_TOKENIZER_FILE = TOKENIZER_FILE  # written by the run (orchestrator/run/workload.py)
 """A run directory's tokenizer, where the run tokenized its text (islands.tokenizer); absent: UTF-8 bytes."""
 
 
@@ -157,6 +158,11 @@ def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = Fa
         raise TrainedModelError(str(err)) from None
 
     shape = cfg.model.shape()
+    rows = ckpt.parameters().get("tok_emb.weight")
+    if cfg.model.factory is None and rows is not None:
+        # The built-in model's vocabulary is the data's (a trained tokenizer's, a token column's): read it
+        # from the checkpoint's token table rather than from the config, which names no vocabulary.
+        shape = dataclasses.replace(shape, vocab_size=int(rows.shape[0]))
     recipe = model_recipe(cfg, shape=shape)
     try:
         model = instantiate(recipe.model, recipe.seed)

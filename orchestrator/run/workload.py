@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,7 @@ class TrainingData:
     heldout: Any
     vocab_size: int | None  # token corpora: every id is below it; datasets: None (the model's own business)
     source: str  # where the data came from, for logs and reports
+    encoder: Any = None  # the islands.tokenizer.TextEncoder the text was encoded with (None: bytes or not text)
 
     @property
     def is_tokens(self) -> bool:
@@ -57,20 +59,65 @@ class TrainingData:
     @classmethod
     def of_corpus(cls, corpus: Corpus) -> TrainingData:
         """A built-in or Parquet corpus as training data."""
-        return cls(corpus.train, corpus.heldout, corpus.vocab_size, corpus.source)
+        return cls(corpus.train, corpus.heldout, corpus.vocab_size, corpus.source, getattr(corpus, "encoder", None))
 
 
-def load_corpus(cfg: RunConfig) -> Corpus:
-    """The training corpus named by the config (the embedded stdlib corpus by default)."""
+DEFAULT_TRAINED_VOCAB = 4096
+"""The vocabulary a tokenizer trained on the corpus gets when data.vocab_size is unset."""
+TOKENIZER_FILE = "tokenizer.json"
+"""Where a run directory keeps the tokenizer its text was encoded with (sample and evaluate decode with it)."""
+
+
+def load_corpus(cfg: RunConfig, run_dir: str | Path | None = None) -> Corpus:
+    """The training corpus named by the config (the embedded stdlib corpus by default), as token ids.
+
+    Text goes through ``data.tokenizer``: bytes by default; a tokenizer trained on the training split
+    (``train``; a resumed run reuses the one saved in `run_dir`), loaded from a file, or a user function.
+    The tokenizer used is ``corpus.encoder`` (None for bytes).
+    """
     d = cfg.data
+    if d.source == "parquet" and d.token_column is not None:
+        corpus = load_parquet_corpus(d.path, token_column=d.token_column, heldout_fraction=d.heldout_fraction,
+                                     shuffle_documents=d.shuffle_documents, vocab_size=d.vocab_size or 2**31 - 1)
+        if d.vocab_size is None:  # the ids' own range, unless the config says how many the model has
+            corpus.vocab_size = int(max(corpus.train.max(initial=0), corpus.heldout.max(initial=0))) + 1
+        return corpus
+    if d.tokenizer == "bytes":
+        if d.source == "stdlib":
+            return load_stdlib_corpus(heldout_fraction=d.heldout_fraction, max_bytes=d.max_bytes,
+                                      shuffle_documents=d.shuffle_documents)
+        return load_parquet_corpus(d.path, text_column=d.text_column, heldout_fraction=d.heldout_fraction,
+                                   shuffle_documents=d.shuffle_documents)
+    from islands.data import parquet_texts, stdlib_texts, tokenize_corpus
+
     if d.source == "stdlib":
-        return load_stdlib_corpus(heldout_fraction=d.heldout_fraction, max_bytes=d.max_bytes,
-                                  shuffle_documents=d.shuffle_documents)
-    return load_parquet_corpus(d.path, text_column=d.text_column, token_column=d.token_column,
-                               heldout_fraction=d.heldout_fraction, shuffle_documents=d.shuffle_documents)
+        train_docs, heldout_docs, source = stdlib_texts(heldout_fraction=d.heldout_fraction, max_bytes=d.max_bytes,
+                                                        shuffle_documents=d.shuffle_documents)
+    else:
+        train_docs, heldout_docs, source = parquet_texts(d.path, text_column=d.text_column,
+                                                         heldout_fraction=d.heldout_fraction,
+                                                         shuffle_documents=d.shuffle_documents)
+    encoder = _encoder(cfg, train_docs, run_dir)
+    corpus = tokenize_corpus(train_docs, heldout_docs, encoder, source)
+    corpus.encoder = encoder  # type: ignore[attr-defined]
+    return corpus
 
 
-def training_data(cfg: RunConfig, workload: Workload | None = None) -> TrainingData:
+def _encoder(cfg: RunConfig, train_docs: list[str], run_dir: str | Path | None) -> Any:
+    """The TextEncoder of data.tokenizer: a saved one from `run_dir` (a resume), else trained, loaded or wrapped."""
+    from islands.tokenizer import TokenizersEncoder, text_encoder, train_tokenizer
+
+    d = cfg.data
+    saved = Path(run_dir) / TOKENIZER_FILE if run_dir is not None else None
+    if saved is not None and saved.is_file():
+        return text_encoder(str(saved), vocab_size=d.vocab_size)
+    if d.tokenizer == "train":
+        return TokenizersEncoder(train_tokenizer(train_docs, d.vocab_size or DEFAULT_TRAINED_VOCAB),
+                                 origin=f"trained on the training split (vocab {d.vocab_size or DEFAULT_TRAINED_VOCAB})")
+    return text_encoder(d.tokenizer, vocab_size=d.vocab_size)
+
+
+def training_data(cfg: RunConfig, workload: Workload | None = None, run_dir: str | Path | None = None) -> TrainingData:
     """The run's data: the workload's datasets if it has them, else the config's corpus.
 
     A dataset without a held-out split gives up ``data.heldout_fraction`` of its examples (chosen by a
@@ -79,7 +126,7 @@ def training_data(cfg: RunConfig, workload: Workload | None = None) -> TrainingD
     if workload is None or workload.train is None:
         if workload is not None and workload.heldout is not None:
             raise DataError("a held-out dataset was given without a training dataset; pass datasets={'train': ...}")
-        return TrainingData.of_corpus(load_corpus(cfg))
+        return TrainingData.of_corpus(load_corpus(cfg, run_dir))
     train, heldout = as_examples(workload.train, "train"), workload.heldout
     if isinstance(train, np.ndarray):
         if heldout is None:
@@ -200,7 +247,7 @@ class Prepared:
     buffer_names: frozenset[str]
 
 
-def prepare(cfg: RunConfig, workload: Workload | None = None) -> Prepared:
+def prepare(cfg: RunConfig, workload: Workload | None = None, run_dir: str | Path | None = None) -> Prepared:
     """Load the data and build the model once, checking everything that can fail without Ray.
 
     Raises ConfigError (one line naming the fix) for: an import path that does not resolve, a factory
@@ -211,12 +258,12 @@ def prepare(cfg: RunConfig, workload: Workload | None = None) -> Prepared:
     from orchestrator.config import ConfigError
 
     try:
-        return _prepare(cfg, workload)
+        return _prepare(cfg, workload, run_dir)
     except (ModelError, DataError) as err:
         raise ConfigError(str(err)) from None
 
 
-def _prepare(cfg: RunConfig, workload: Workload | None) -> Prepared:
+def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | None) -> Prepared:
     import torch
 
     from islands.model_api import buffer_names, embedding_parameter_names, instantiate, state_tensors
@@ -225,7 +272,7 @@ def _prepare(cfg: RunConfig, workload: Workload | None) -> Prepared:
     if cfg.data.source == "python" and (workload is None or workload.train is None):
         raise DataError("this run trained on datasets passed from Python (data.source 'python'); resume it from "
                         "Python with DilocoTrainer(..., datasets=..., resume=True)")
-    data = training_data(cfg, workload)
+    data = training_data(cfg, workload, run_dir)
     recipe = run_recipe(cfg, data, workload)
     model = instantiate(recipe.model, recipe.seed)
     state = state_tensors(model)

@@ -58,8 +58,8 @@ BAD_INPUTS = [
      "has type int64, not string", "--set data.text_column="),
     (["--set", "data.source=parquet", "--set", "data.path={data}", "--set", "data.token_column=text"],
      "not list<int>", "--set data.token_column="),
-    (["--set", "data.source=parquet", "--set", "data.path={data}", "--set", "data.token_column=big"],
-     "span [1, 999]", "--set data.text_column="),
+    (["--set", "data.source=parquet", "--set", "data.path={data}", "--set", "data.token_column=big",
+      "--set", "data.vocab_size=500"], "span [1, 999]", "--set data.vocab_size=1000"),
     (["--set", "model.preset=nope"], "unknown model preset 'nope'", "--set model.preset="),
     (["--set", "model.n_heads=3"], "divisible by n_heads=3", "--set model.n_heads="),
     (["--set", "network.scenario=wan-4-regions", "--set", "pools.slow.region=mars"],
@@ -163,7 +163,7 @@ class FailingRun:
 
     began = False
 
-    def __init__(self, cfg, run_dir, *, progress=None, resume=False, stages=None) -> None:
+    def __init__(self, cfg, run_dir, *, progress=None, resume=False, stages=None, workload=None, prepared=None) -> None:
         self.run_dir, self.training_began = Path(run_dir), self.began
 
     def train(self) -> dict:
@@ -180,7 +180,7 @@ class FailingRun:
 def no_ray(monkeypatch):
     """driver.train without Ray: no local start, no step measurement, the Run replaced by FailingRun."""
     monkeypatch.setattr(driver, "ensure_ray", lambda cfg, address: False)
-    monkeypatch.setattr(driver, "with_measured_step", lambda cfg, address: cfg)
+    monkeypatch.setattr(driver, "with_measured_step", lambda cfg, address, prepared=None: cfg)
     monkeypatch.setattr(driver, "Run", FailingRun)
     monkeypatch.setattr(FailingRun, "began", False)
     return FailingRun
