@@ -42,13 +42,21 @@ def two_pools(**extra) -> dict:
     }
 
 
-def test_a_cnn_with_batchnorm_and_its_own_loss_trains_on_a_torch_dataset(ray_cluster, tmp_path):
-    trainer = DilocoTrainer(zoo.small_cnn, datasets={"train": zoo.Shapes(4096), "validation": zoo.Shapes(256, seed=9)},
-                            loss_fn=zoo.cnn_loss, run_config=build_config(two_pools()), run_dir=tmp_path / "run")
-    result = trainer.fit()
-    evals = [e["eval_loss"] for e in result.metrics["evals"]]
+def test_a_cnn_with_batchnorm_and_its_own_loss_trains_on_a_torch_dataset_and_resumes(ray_cluster, tmp_path):
+    datasets = {"train": zoo.Shapes(4096), "validation": zoo.Shapes(256, seed=9)}
+    half = build_config(two_pools())
+    half.run.token_budget = 6_000
+    first = DilocoTrainer(zoo.small_cnn, datasets=datasets, loss_fn=zoo.cnn_loss, run_config=half,
+                          run_dir=tmp_path / "run").fit()
+    assert first.metrics["tokens_processed"] >= 6_000  # a classifier's token is an example: labels.numel()
+    # The same model, loss and dataset continue the run from its checkpoint to the full budget.
+    result = DilocoTrainer(zoo.small_cnn, datasets=datasets, loss_fn=zoo.cnn_loss, run_config=build_config(two_pools()),
+                           run_dir=tmp_path / "run", resume=True).fit()
+    assert result.metrics["resumed"] and result.checkpoint != first.checkpoint
+    evals = [e["eval_loss"] for e in first.metrics["evals"] + result.metrics["evals"]]
     assert evals[-1] < evals[0] - 0.3, evals
-    assert result.metrics["tokens_processed"] >= 12_000  # a classifier's token is an example: labels.numel()
+    # The resumed session starts where the first ended (its first evaluation is of the restored model).
+    assert abs(result.metrics["evals"][0]["eval_loss"] - first.metrics["eval_loss"]) < 0.05
     model = result.load_model()
     # BatchNorm statistics were trained and merged (the islands' mean), not left at their init of 0 and 1.
     assert float(model.bn.running_mean.abs().max()) > 1e-3 and float((model.bn.running_var - 1).abs().max()) > 1e-3
