@@ -29,7 +29,7 @@ import sysconfig
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -38,8 +38,6 @@ import pyarrow.fs as pafs
 
 if TYPE_CHECKING:  # torch is imported where batches are built: the preflight reads schemas without it
     import torch
-
-    from islands.tokenizer import TextEncoder
 
 # Installed third-party code is not the standard library, and its size varies by machine.
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
@@ -440,9 +438,12 @@ def parquet_texts(path: str, *, text_column: str, heldout_fraction: float = 0.02
     return train_docs, heldout_docs, source
 
 
-def tokenize_corpus(train_docs: Sequence[str], heldout_docs: Sequence[str], encoder: TextEncoder,
+def tokenize_corpus(train_docs: Sequence[str], heldout_docs: Sequence[str], encoder: Any,
                     source: str, *, seq_len: int = 1) -> Corpus:
-    """Encode each split's documents with ``encoder`` into a :class:`Corpus`.
+    """Encode each split's documents with ``encoder`` (an islands.tokenizer.TextEncoder) into a :class:`Corpus`.
+
+    ``encoder`` is typed loosely: islands.tokenizer imports this module (DataError), and this one
+    must not import it back (tests/test_layout.py refuses import circles).
 
     Each split's ids are joined with ``encoder.eos_id`` between documents, in the given order (pass
     the output of :func:`stdlib_texts` or :func:`parquet_texts`); ``vocab_size`` is the encoder's and

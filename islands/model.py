@@ -18,10 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from islands.model_api import default_loss, embedding_parameter_names
-from islands.spec import PRESETS, ByteTransformerFactory, ModelConfig, model_config
+from islands.spec import PRESETS, ModelConfig, model_config
 
-# PRESETS, ByteTransformerFactory and model_config are re-exported: the shapes live in islands.spec (no torch), the model here.
-__all__ = ["PRESETS", "Block", "ByteTransformer", "ByteTransformerFactory", "CausalSelfAttention", "MLP", "ModelConfig", "build_model",
+# PRESETS and model_config are re-exported: the shapes live in islands.spec (no torch), the model here.
+__all__ = ["PRESETS", "Block", "ByteTransformer", "CausalSelfAttention", "MLP", "ModelConfig", "build_model",
            "count_parameters", "model_config"]
 
 # GPT-2's init scale for weights; residual projections are scaled down further by depth.

@@ -79,34 +79,6 @@ def model_config(preset: str, **overrides: int) -> ModelConfig:
 
 
 @dataclass(frozen=True)
-class ByteTransformerFactory:
-    """The built-in model as a model factory like any user's: ``ByteTransformerFactory(cfg)()`` builds it.
-
-    The engine calls every factory with torch's RNG seeded with the run's seed (islands.model_api.instantiate);
-    this one passes that seed to islands.model.build_model, so its weights are what they have always been
-    for a given seed. It pickles by value (a ModelConfig), so a restarted island or a resumed run
-    builds the same shape without an import path. Defined here, torch imported on call, so the
-    config can name it without importing torch.
-    """
-
-    cfg: ModelConfig
-
-    @property
-    def name(self) -> str:
-        """How logs name it: the class and its shape."""
-        c = self.cfg
-        return f"ByteTransformer(d_model={c.d_model}, n_layers={c.n_layers}, seq_len={c.seq_len}, vocab={c.vocab_size})"
-
-    def __call__(self) -> Any:
-        """A fresh ByteTransformer initialized from the seed torch's RNG was last seeded with."""
-        import torch
-
-        from islands.model import build_model
-
-        return build_model(self.cfg, seed=torch.initial_seed() % 2**63)
-
-
-@dataclass(frozen=True)
 class ModelRecipe:
     """How every process of a run builds its model, loss and inner optimizer: the user's, or the built-in one.
 
@@ -117,7 +89,7 @@ class ModelRecipe:
     the recipe from the config, and the public API (orchestrator.api) from its arguments.
     """
 
-    model: Any  # zero-argument factory returning a torch.nn.Module (built-in: islands.model.ByteTransformerFactory)
+    model: Any  # zero-argument factory returning a torch.nn.Module (built-in: islands.builtin.ByteTransformerFactory)
     loss: Any  # None: islands.model_api.default_loss; else loss(model, batch) -> scalar tensor
     optimizer: Any  # None: AdamW from InnerSettings; else optimizer(parameters) -> torch.optim.Optimizer
     seed: int  # torch's RNG is seeded with this before the factory runs: the same model in every process
@@ -129,14 +101,6 @@ class ModelRecipe:
         if isinstance(self.model, str):
             return self.model
         return getattr(self.model, "name", None) or getattr(self.model, "__qualname__", type(self.model).__name__)
-
-
-def as_recipe(model: ModelRecipe | ModelConfig, *, seed: int, loss: Any = None) -> ModelRecipe:
-    """`model` if it is a recipe; a built-in shape (ModelConfig) as the recipe of the byte transformer with
-    `loss` (None: the default), AdamW and `seed`: the one way the engine takes a shape."""
-    if isinstance(model, ModelRecipe):
-        return model
-    return ModelRecipe(model=ByteTransformerFactory(model), loss=loss, optimizer=None, seed=seed, seq_len=model.seq_len)
 
 
 @dataclass(frozen=True)

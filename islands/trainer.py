@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from islands.builtin import as_recipe
 from islands.data import ShardSampler
 from islands.examples import ExampleSampler, batch_tokens
 from islands.model import ModelConfig
@@ -29,7 +30,7 @@ from islands.model_api import (
     resolve_callable,
     state_tensors,
 )
-from islands.spec import InnerSettings, ModelRecipe, as_recipe
+from islands.spec import InnerSettings, ModelRecipe
 from policies.lr_schedule import lr_factor
 
 if TYPE_CHECKING:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from islands.spec import ByteTransformerFactory, InnerSettings, IslandSpec, ModelConfig, ModelRecipe
+from islands.builtin import ByteTransformerFactory
+from islands.spec import InnerSettings, IslandSpec, ModelConfig, ModelRecipe
 from orchestrator.actors.keeper import keeper_name
 from orchestrator.actors.monitor_settings import HealthThresholds, MonitorTimeouts
 from orchestrator.config import PoolConfig, RunConfig

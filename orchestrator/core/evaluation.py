@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from islands.builtin import as_recipe
 from islands.data import heldout_batches
 from islands.model_api import instantiate, load_state_tensors
-from islands.spec import ModelConfig, ModelRecipe, as_recipe
+from islands.spec import ModelConfig, ModelRecipe
 
 
 def example_batches(dataset: Any, *, batch_size: int, num_batches: int) -> list[Any]:

@@ -28,8 +28,9 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from islands.builtin import as_recipe
 from islands.data import unigram_bits_per_byte
-from islands.spec import ModelConfig, ModelRecipe, as_recipe
+from islands.spec import ModelConfig, ModelRecipe
 from islands.trainer import InnerTrainer
 from orchestrator.actors.remote import (
     NAMESPACE,

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from islands.builtin import ByteTransformerFactory
 from islands.data import Corpus, DataError, load_parquet_corpus, load_stdlib_corpus
 from islands.model_api import ModelError, check_loss
-from islands.spec import ByteTransformerFactory, ModelRecipe
+from islands.spec import ModelRecipe
 from orchestrator.config import RunConfig
 from orchestrator.settings import model_recipe
 

@@ -13,8 +13,9 @@ import dataclasses
 
 import pytest
 
+from islands.builtin import ByteTransformerFactory
 from islands.island import LearnerIsland
-from islands.spec import ByteTransformerFactory, InnerSettings, IslandSpec, ModelRecipe
+from islands.spec import InnerSettings, IslandSpec, ModelRecipe
 from orchestrator.actors.monitor_settings import HealthThresholds, MonitorTimeouts, RunAddress
 from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config
 from orchestrator.core.settings import OuterSettings

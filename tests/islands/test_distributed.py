@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from islands.builtin import as_recipe
 from islands.data import ShardSampler
 from islands.distributed import WorkerGroup
 from islands.follower import IslandFollower
 from islands.model import build_model, model_config
-from islands.spec import as_recipe
 from islands.trainer import InnerTrainer
 from policies.fragments import plan_fragments
 from tests.from_config import inner_from_config
