@@ -485,7 +485,48 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name}={value!r} must be a positive int")
 
 
-class ShardSampler:
+class CursorSampler:
+    """Batches of one island's shard, numbered by a cursor: batch ``c`` is a pure function of
+    ``(seed, shard_index, c)`` (subclasses define :meth:`batch_at`), so restoring the cursor resumes
+    the exact sequence. Subclasses set ``shard_index``, ``num_shards`` and ``_cursor = 0``."""
+
+    shard_index: int
+    num_shards: int
+    _cursor: int
+
+    @property
+    def cursor(self) -> int:
+        """Number of batches drawn so far, which is also the number of the next batch."""
+        return self._cursor
+
+    def batch_at(self, cursor: int) -> Any:
+        """Batch number ``cursor``; does not move the cursor."""
+        raise NotImplementedError
+
+    def next_batch(self) -> Any:
+        """The batch at the cursor; advances the cursor."""
+        batch = self.batch_at(self._cursor)
+        self._cursor += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        """The cursor, with the shard identity it belongs to."""
+        return dict(cursor=self._cursor, shard_index=self.shard_index, num_shards=self.num_shards)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the cursor from :meth:`state_dict` output taken on the same shard."""
+        mine = (self.shard_index, self.num_shards)
+        theirs = (state.get("shard_index"), state.get("num_shards"))
+        if theirs != mine:
+            raise ValueError(f"sampler state is for shard {theirs[0]} of {theirs[1]} but this is "
+                             f"shard {mine[0]} of {mine[1]}; load it into that shard's sampler")
+        cursor = state.get("cursor")
+        if not isinstance(cursor, int) or cursor < 0:
+            raise ValueError(f"sampler state cursor={cursor!r} must be a non-negative int")
+        self._cursor = cursor
+
+
+class ShardSampler(CursorSampler):
     """Random training batches from one island's contiguous shard of a token array.
 
     Shard ``i`` of ``n`` is ``data[i*N//n : (i+1)*N//n]``, so shards are disjoint. Batch number
@@ -517,11 +558,6 @@ class ShardSampler:
         self._cursor = 0
 
     @property
-    def cursor(self) -> int:
-        """Number of batches drawn so far, which is also the number of the next batch."""
-        return self._cursor
-
-    @property
     def tokens_per_batch(self) -> int:
         """Target tokens in one batch: ``batch_size * seq_len``."""
         return self.batch_size * self.seq_len
@@ -532,28 +568,6 @@ class ShardSampler:
         high = len(self._shard) - self.seq_len  # exclusive, so the last window ends at the stop
         offsets = rng.integers(0, high, size=self.batch_size)  # (B,)
         return _windows(self._shard, offsets, self.seq_len)
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch at the cursor as (x, y), each (B, T), y = x shifted by one; advances."""
-        batch = self.batch_at(self._cursor)
-        self._cursor += 1
-        return batch
-
-    def state_dict(self) -> dict:
-        """The cursor, with the shard identity it belongs to."""
-        return dict(cursor=self._cursor, shard_index=self.shard_index, num_shards=self.num_shards)
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the cursor from :meth:`state_dict` output taken on the same shard."""
-        mine = (self.shard_index, self.num_shards)
-        theirs = (state.get("shard_index"), state.get("num_shards"))
-        if theirs != mine:
-            raise ValueError(f"sampler state is for shard {theirs[0]} of {theirs[1]} but this is "
-                             f"shard {mine[0]} of {mine[1]}; load it into that shard's sampler")
-        cursor = state.get("cursor")
-        if not isinstance(cursor, int) or cursor < 0:
-            raise ValueError(f"sampler state cursor={cursor!r} must be a non-negative int")
-        self._cursor = cursor
 
 
 def heldout_batches(heldout: np.ndarray, *, seq_len: int, batch_size: int,

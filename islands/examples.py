@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from islands.data import DataError, _check_positive
+from islands.data import CursorSampler, DataError, _check_positive
 
 # Epoch permutations kept: a batch spans at most two epochs when batch_size <= shard size.
 _CACHED_EPOCHS = 2
@@ -35,7 +35,7 @@ def _check_map_style(dataset: Any) -> int:
     return len(dataset)
 
 
-class ExampleSampler:
+class ExampleSampler(CursorSampler):
     """Batches of examples from one island's contiguous shard of a map-style ``dataset``.
 
     Shard ``i`` of ``n`` holds the examples ``[i*N//n, (i+1)*N//n)``, so shards are disjoint and
@@ -85,11 +85,6 @@ class ExampleSampler:
         return self.stop - self.start
 
     @property
-    def cursor(self) -> int:
-        """Number of batches drawn so far, which is also the number of the next batch."""
-        return self._cursor
-
-    @property
     def tokens_per_batch(self) -> int:
         """Tokens in one batch: ``batch_size * tokens_per_example`` when that was given, else an
         estimate, :func:`batch_tokens` of batch 0 (exact for fixed-size examples; for variable
@@ -125,28 +120,6 @@ class ExampleSampler:
     def batch_at(self, cursor: int) -> Any:
         """Batch number ``cursor``, collated; does not move the cursor."""
         return self.collate([self.dataset[i] for i in self.indices_at(cursor)])
-
-    def next_batch(self) -> Any:
-        """The batch at the cursor, collated; advances the cursor."""
-        batch = self.batch_at(self._cursor)
-        self._cursor += 1
-        return batch
-
-    def state_dict(self) -> dict:
-        """The cursor, with the shard identity it belongs to."""
-        return dict(cursor=self._cursor, shard_index=self.shard_index, num_shards=self.num_shards)
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the cursor from :meth:`state_dict` output taken on the same shard."""
-        mine = (self.shard_index, self.num_shards)
-        theirs = (state.get("shard_index"), state.get("num_shards"))
-        if theirs != mine:
-            raise ValueError(f"sampler state is for shard {theirs[0]} of {theirs[1]} but this is "
-                             f"shard {mine[0]} of {mine[1]}; load it into that shard's sampler")
-        cursor = state.get("cursor")
-        if not isinstance(cursor, int) or cursor < 0:
-            raise ValueError(f"sampler state cursor={cursor!r} must be a non-negative int")
-        self._cursor = cursor
 
 
 # Mapping keys batch_tokens reads, in order of precedence.
