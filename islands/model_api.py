@@ -19,6 +19,7 @@ No Ray and no project imports: torch only, so the CLI can check a factory before
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -111,6 +112,21 @@ def check_model(model: Any, origin: str = "the model factory") -> nn.Module:
     return model
 
 
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of `err`'s message, at most `limit` characters (a user's error inside a one-line message)."""
+    lines = str(err).strip().splitlines()
+    text = lines[0] if lines else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _near_misses(name: str, names: list[str]) -> list[str]:
+    """Up to two of `names` close to `name`, ignoring case first (Adamw -> AdamW, not Adam)."""
+    by_lower = {n.lower(): n for n in names}
+    if name.lower() in by_lower:
+        return [by_lower[name.lower()]]
+    return [by_lower[n] for n in difflib.get_close_matches(name.lower(), list(by_lower), n=2)]
+
+
 def _import_target(path: str, role: str = "model factory") -> Callable[..., Any]:
     """The callable an import path ``package.module:attr`` (attr may be dotted) names; `role` names it in errors."""
     module_name, sep, attr = path.partition(":")
@@ -123,15 +139,19 @@ def _import_target(path: str, role: str = "model factory") -> Callable[..., Any]
                          "spelling and that the package is installed or on PYTHONPATH") from err
     except Exception as err:  # noqa: BLE001 - the user's module failed while importing: say so in one line
         raise ModelError(f"importing module {module_name!r} of {role} {path!r} failed: "
-                         f"{type(err).__name__}: {err}; fix that module") from err
+                         f"{type(err).__name__}: {first_line(err)}; fix that module") from err
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
+            # A near miss (Adamw for AdamW) is the usual cause: name the closest public names.
+            close = _near_misses(part, [n for n in dir(target) if not n.startswith("_")])
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}? else " if close else ""
             raise ModelError(f"module {module_name!r} has no attribute {attr!r} ({role} {path!r}); "
-                             f"name a function defined there, as {_PATH_FORM}")
+                             f"{hint}name a function defined there, as {_PATH_FORM}")
         target = getattr(target, part)
     if not callable(target):
-        raise ModelError(f"{role} {path!r} is a {type(target).__name__}, not callable; point it at a function")
+        raise ModelError(f"{role} {path!r} is an object of type {type(target).__name__}, not a callable; "
+                         "point it at a function")
     return target
 
 
@@ -153,8 +173,13 @@ class ModelFactory:
         return self.spec or getattr(self.target, "__qualname__", repr(self.target))
 
     def __call__(self) -> nn.Module:
-        """Build a fresh model and check it."""
-        return check_model(self.target(), f"model factory {self.name!r}")
+        """Build a fresh model and check it; whatever the factory raises becomes a one-line ModelError."""
+        try:
+            model = self.target()
+        except Exception as err:  # noqa: BLE001 - the user's code failed: one line naming it, the traceback chained
+            raise ModelError(f"model factory {self.name!r} raised {type(err).__name__}: {first_line(err)}; fix the "
+                             "factory (it is called with no arguments and returns the model)") from err
+        return check_model(model, f"model factory {self.name!r}")
 
 
 def resolve_factory(spec: Any) -> ModelFactory:
@@ -269,9 +294,14 @@ def build_optimizer(factory: Any, model: nn.Module, *, lr: float, weight_decay: 
     make = resolve_callable(factory, "optimizer factory")
     if make is None:
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-    optimizer = make(params)
+    name = factory.strip() if isinstance(factory, str) else getattr(make, "__qualname__", repr(make))
+    try:
+        optimizer = make(params)
+    except Exception as err:  # noqa: BLE001 - the user's code failed: one line naming it, the traceback chained
+        raise ModelError(f"optimizer factory {name!r} raised {type(err).__name__}: {first_line(err)}; fix it "
+                         "(it is called with the list of trainable parameters)") from err
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ModelError(f"optimizer factory {getattr(make, '__qualname__', make)!r} returned a "
+        raise ModelError(f"optimizer factory {name!r} returned a "
                          f"{type(optimizer).__name__}, not a torch.optim.Optimizer; make it return "
                          "e.g. torch.optim.AdamW(parameters, lr=...)")
     return optimizer
@@ -279,9 +309,12 @@ def build_optimizer(factory: Any, model: nn.Module, *, lr: float, weight_decay: 
 
 def check_loss(value: Any, origin: str) -> torch.Tensor:
     """`value` if it is a finite-or-not scalar float tensor with a gradient; else a one-line ModelError."""
-    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ModelError(f"{origin} returned {shape}, not a scalar float tensor; return e.g. "
+    if not isinstance(value, torch.Tensor):
+        raise ModelError(f"{origin} returned a {type(value).__name__}, not a tensor; return the loss tensor itself "
+                         "(no .item() or float(...): the gradient flows through it)")
+    if value.numel() != 1 or not value.is_floating_point():
+        what = f"shape {tuple(value.shape)}" if value.numel() != 1 else f"dtype {value.dtype}"
+        raise ModelError(f"{origin} returned a tensor of {what}, not a scalar float tensor; return e.g. "
                          "loss.mean() (one number per batch)")
     if not value.requires_grad:
         raise ModelError(f"{origin} returned a tensor with no gradient; compute it from the model's outputs "

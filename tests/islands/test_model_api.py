@@ -274,7 +274,7 @@ def test_a_factory_is_a_callable_or_an_import_path_and_every_model_it_builds_is_
 @pytest.mark.parametrize(("spec", "pattern"), [
     ("no_such_package.models:build", "cannot import module 'no_such_package.models'.*PYTHONPATH"),
     (f"{HERE}:missing", "has no attribute 'missing'.*package.module:function"),
-    (f"{HERE}:NOT_CALLABLE", "is a int, not callable; point it at a function"),
+    (f"{HERE}:NOT_CALLABLE", "is an object of type int, not a callable; point it at a function"),
     ("islands.model_api", "not an import path; write it as 'package.module:function'"),
     (42, "a callable or an import path"),
 ])
