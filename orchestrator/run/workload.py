@@ -19,7 +19,7 @@ import numpy as np
 
 from islands.builtin import ByteTransformerFactory
 from islands.data import Corpus, DataError, load_parquet_corpus, load_stdlib_corpus
-from islands.model_api import ModelError, check_loss
+from islands.model_api import ModelError, check_loss, first_line
 from islands.spec import ModelRecipe
 from orchestrator.config import RunConfig
 from orchestrator.settings import model_recipe
@@ -74,12 +74,15 @@ def load_corpus(cfg: RunConfig, run_dir: str | Path | None = None) -> Corpus:
 
     Text goes through ``data.tokenizer``: bytes by default; a tokenizer trained on the training split
     (``train``; a resumed run reuses the one saved in `run_dir`), loaded from a file, or a user function.
-    The tokenizer used is ``corpus.encoder`` (None for bytes).
+    The tokenizer used is ``corpus.encoder`` (None for bytes). A Parquet corpus read as it is (bytes, or
+    a token column) must hold one window of the model's ``seq_len + 1`` tokens in each split: the loader
+    checks it with the run's window, so a corpus too small says so with the window the run reads.
     """
     d = cfg.data
     if d.source == "parquet" and d.token_column is not None:
         corpus = load_parquet_corpus(d.path, token_column=d.token_column, heldout_fraction=d.heldout_fraction,
-                                     shuffle_documents=d.shuffle_documents, vocab_size=d.vocab_size or 2**31 - 1)
+                                     shuffle_documents=d.shuffle_documents, vocab_size=d.vocab_size or 2**31 - 1,
+                                     seq_len=cfg.model.shape().seq_len)
         if d.vocab_size is None:  # the ids' own range, unless the config says how many the model has
             corpus.vocab_size = int(max(corpus.train.max(initial=0), corpus.heldout.max(initial=0))) + 1
         return corpus
@@ -88,7 +91,7 @@ def load_corpus(cfg: RunConfig, run_dir: str | Path | None = None) -> Corpus:
             return load_stdlib_corpus(heldout_fraction=d.heldout_fraction, max_bytes=d.max_bytes,
                                       shuffle_documents=d.shuffle_documents)
         return load_parquet_corpus(d.path, text_column=d.text_column, heldout_fraction=d.heldout_fraction,
-                                   shuffle_documents=d.shuffle_documents)
+                                   shuffle_documents=d.shuffle_documents, seq_len=cfg.model.shape().seq_len)
     from islands.data import parquet_texts, stdlib_texts, tokenize_corpus
 
     if d.source == "stdlib":
@@ -252,22 +255,31 @@ def prepare(cfg: RunConfig, workload: Workload | None = None, run_dir: str | Pat
     """Load the data and build the model once, checking everything that can fail without Ray.
 
     Raises ConfigError (one line naming the fix) for: an import path that does not resolve, a factory
-    that does not return an ``nn.Module``, a model with no trainable parameters, a loss that is not a
-    scalar with a gradient on a real batch, an empty dataset, a dataset too small for one batch per
-    island, and token ids at or past the model's embedding rows.
+    that raises or does not return an ``nn.Module``, a model with no trainable parameters, a loss that
+    raises or is not a scalar with a gradient on a real batch, an optimizer factory that raises or does
+    not return an optimizer, an empty dataset, a dataset too small for one batch per island (or for one
+    held-out window), and token ids at or past the model's embedding rows. The user's own exceptions
+    are chained to the ConfigError (``__cause__``) for a caller that wants the traceback.
     """
     from orchestrator.config import ConfigError
 
     try:
         return _prepare(cfg, workload, run_dir)
     except (ModelError, DataError) as err:
-        raise ConfigError(str(err)) from None
+        # The ModelError's own cause (the user's exception, if any) is kept; the ModelError itself adds nothing.
+        raise ConfigError(str(err)) from err.__cause__
 
 
 def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | None) -> Prepared:
     import torch
 
-    from islands.model_api import buffer_names, embedding_parameter_names, instantiate, state_tensors
+    from islands.model_api import (
+        buffer_names,
+        build_optimizer,
+        embedding_parameter_names,
+        instantiate,
+        state_tensors,
+    )
     from islands.trainer import make_sampler, resolve_loss
 
     if cfg.data.source == "python" and (workload is None or workload.train is None):
@@ -278,16 +290,73 @@ def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | No
     model = instantiate(recipe.model, recipe.seed)
     state = state_tensors(model)
     islands = cfg.num_islands
+    _check_sizes(data, islands=islands, seq_len=recipe.seq_len)
     samplers = [make_sampler(data.train, shard_index=i, num_shards=islands, seq_len=recipe.seq_len,
                              batch_size=cfg.data.batch_size, seed=recipe.seed) for i in range(islands)]
     first = samplers[0].batch_at(0)
     _check_token_ids(model, data, first)
     loss_fn = resolve_loss(recipe.loss)
+    origin = f"the loss {_name_of(recipe.loss, loss_fn)!r}"
     model.train()
     with torch.enable_grad():
-        check_loss(loss_fn(model, first), f"the loss {getattr(loss_fn, '__qualname__', loss_fn)!r} on the first batch")
+        try:
+            value = loss_fn(model, first)
+        except ModelError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the user's model or loss failed: one line, the traceback chained
+            raise ModelError(f"{origin} raised {type(err).__name__} on the first batch ({describe_batch(first)}): "
+                             f"{first_line(err)}; make the model and loss take this data's batches") from err
+        check_loss(value, f"{origin} on the first batch")
+    if recipe.optimizer is not None:  # the user's: built once here so a bad one fails before Ray, not in an island
+        inner = cfg.inner
+        build_optimizer(recipe.optimizer, model, lr=inner.lr, weight_decay=inner.weight_decay,
+                        betas=(inner.beta1, inner.beta2))
     return Prepared(data, recipe, {n: t.detach().clone() for n, t in state.items()},
                     embedding_parameter_names(model), frozenset(buffer_names(model)))
+
+
+def _name_of(spec: Any, resolved: Any) -> str:
+    """How messages name a recipe part: the import path it was given as, else the callable's qualified name."""
+    return spec if isinstance(spec, str) else getattr(resolved, "__qualname__", repr(resolved))
+
+
+def describe_batch(batch: Any) -> str:
+    """A short description of a batch for messages, e.g. ``tuple of int64[8, 128], int64[8, 128]``."""
+    import torch
+
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        return type(value).__name__
+
+    if isinstance(batch, dict):
+        return "dict of " + ", ".join(f"{k}: {one(v)}" for k, v in batch.items())
+    if isinstance(batch, (tuple, list)):
+        return f"{type(batch).__name__} of " + ", ".join(one(v) for v in batch)
+    return one(batch)
+
+
+def _check_sizes(data: TrainingData, *, islands: int, seq_len: int) -> None:
+    """Enough data for every island to draw a batch and for one held-out window, else a one-line DataError.
+
+    A token stream is cut into one contiguous shard per island (islands.data.ShardSampler), the smallest
+    ``len // islands`` tokens; each must hold one window of ``seq_len + 1`` tokens (windows are drawn with
+    replacement, so one is enough). Checked here with the config's names for the fix, before the samplers
+    say the same in their own terms (and before the evaluator would, after Ray started).
+    """
+    window = seq_len + 1
+    if data.is_tokens:
+        n = len(data.train)
+        if n // islands < window:
+            raise DataError(f"the training data has {n:,} tokens (bytes for text): over {islands} islands the smallest "
+                            f"shard gets {n // islands:,}, fewer than one window of model.seq_len+1={window}; add "
+                            "data, train fewer islands (pools.NAME.islands) or shorten model.seq_len")
+        if len(data.heldout) < window:
+            raise DataError(f"the held-out data has {len(data.heldout):,} tokens, fewer than one window of "
+                            f"model.seq_len+1={window}; add data, raise data.heldout_fraction or shorten model.seq_len")
+    elif len(data.train) < islands:
+        raise DataError(f"the training dataset has {len(data.train)} examples, fewer than one per island "
+                        f"({islands} islands); add examples or train fewer islands (pools.NAME.islands)")
 
 
 def _check_token_ids(model: Any, data: TrainingData, batch: Any) -> None:
