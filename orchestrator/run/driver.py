@@ -665,11 +665,14 @@ class Run:
 
 def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
           progress: Callable[[Progress], None] | None = None, resume: bool = False,
-          stages: Callable[[Stage], None] | None = None, workload: Workload | None = None) -> dict:
+          stages: Callable[[Stage], None] | None = None, workload: Workload | None = None,
+          prepared: Prepared | None = None) -> dict:
     """Run one training job: start or join Ray, train to the token budget, write RUN_DIR, return the summary.
 
     `workload` carries the public API's Python objects (model factory, loss, optimizer, datasets) that
     take the place of the config's import paths and data source (orchestrator/run/workload.py).
+    `prepared`: what `prepare(cfg, workload, run_dir)` returned for these same arguments, when the caller
+    checked it already (`diloco train` does, before it imports Ray); else it is prepared here.
 
     `progress` gets a `Progress` at every tick of the run; `stages` gets each start-up `Stage` as it happens
     (orchestrator/run/startup.py): Ray, placing, islands ready n of M, the first step.
@@ -681,7 +684,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     """
     run_dir = Path(run_dir)
     preflight(cfg, run_dir, resume=resume)
-    prepared = prepare(cfg, workload, run_dir)  # the model built and the data checked, still before Ray starts
+    if prepared is None:
+        prepared = prepare(cfg, workload, run_dir)  # the model built and the data checked, still before Ray starts
     cfg = with_measured_step(recorded_config(cfg, workload), address, prepared)
     if stages is not None:
         stages(Stage("ray", _ray_text(cfg, address)))

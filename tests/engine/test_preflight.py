@@ -214,3 +214,20 @@ def test_driver_train_runs_the_preflight_before_anything(tmp_path, no_ray):
     with pytest.raises(ConfigError, match="--set model.preset="):
         driver.train(load_config(None, ["model.preset=nope"]), tmp_path / "r")
     assert not (tmp_path / "r").exists()
+
+
+def test_driver_train_uses_the_workload_the_cli_prepared_instead_of_preparing_it_again(tmp_path, no_ray, monkeypatch):
+    """`diloco train` checks the model and data before it imports Ray and hands the result to train()."""
+    handed = []
+
+    class Recording(FailingRun):
+        def __init__(self, cfg, run_dir, **kw) -> None:
+            super().__init__(cfg, run_dir, **kw)
+            handed.append(kw["prepared"])
+
+    monkeypatch.setattr(driver, "Run", Recording)
+    monkeypatch.setattr(driver, "prepare", lambda *args: pytest.fail("prepared a second time"))
+    prepared = object()
+    with pytest.raises(driver.RunNotStarted):
+        driver.train(load_config(None, []), tmp_path / "r", prepared=prepared)
+    assert handed == [prepared]
