@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from orchestrator.config import ConfigError, apply_overrides, build_config, load_config, resume_conflict
+from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config, load_config, resume_conflict
 from orchestrator.run.startup import Stage
 from orchestrator.run.summary import format_summary
 
@@ -104,6 +104,25 @@ class _LinkLatestOnStart:
             self.bar(p)
 
 
+MODEL_FLAGS = {"model": "factory", "loss": "loss", "optimizer": "optimizer"}
+"""`diloco train --model/--loss/--optimizer` -> the model section's field each one sets."""
+
+
+def with_model_flags(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
+    """`cfg` with model.factory, model.loss and model.optimizer set from --model, --loss and --optimizer.
+
+    The same as `--set model.factory=...` (applied after every --set), except that the value is taken as
+    it is rather than parsed as YAML: an import path is a string whatever it looks like. Resolving it is
+    left to the run's prepare step (orchestrator/run/workload.py), which says in one line what is wrong.
+    """
+    update = {field: getattr(args, flag) for flag, field in MODEL_FLAGS.items() if getattr(args, flag, None) is not None}
+    if not update:
+        return cfg
+    data = cfg.model_dump(mode="json")
+    data["model"].update(update)
+    return build_config(data)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     started = time.monotonic()
     # Not the driver yet: it imports torch and Ray (seconds); bad input and the first lines come before that.
@@ -116,12 +135,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
             if args.config:
                 raise ConfigError("--resume takes the run directory's own config.yaml; drop --config")
             saved = resume_config(args.resume)
-            cfg = build_config(apply_overrides(saved.model_dump(mode="json"), args.set))
+            cfg = with_model_flags(build_config(apply_overrides(saved.model_dump(mode="json"), args.set)), args)
             conflict = resume_conflict(saved, cfg)
             if conflict:
                 raise ConfigError(conflict)
         else:
-            cfg = load_config(args.config, args.set)
+            cfg = with_model_flags(load_config(args.config, args.set), args)
         if args.chaos:
             spec = parse_chaos_spec(args.chaos)
             cfg = cfg.model_copy(update={"chaos": type(cfg.chaos)(mode=spec.pop("mode"), horizon_s=cfg.chaos.horizon_s, params=spec)})
@@ -133,12 +152,29 @@ def _cmd_train(args: argparse.Namespace) -> int:
     bar = ProgressBar(sys.stderr, emulation=emulation_note(cfg), started=started) if not args.quiet else None
     if bar:
         bar.stage(Stage("load", "loading torch and Ray"))
-    from orchestrator.run.driver import RayStartError, RunNotStarted, train  # Ray, torch: after the checks
+    # The model built and the data checked with torch alone: a bad --model, --loss, --optimizer or dataset
+    # is refused before Ray is even imported (seconds), and before RUN_DIR exists.
+    from orchestrator.run.workload import prepare
+
+    # A --model in a file beside the user resolves as it does under `python -m` and in the islands (a local
+    # Ray puts the driver's working directory on its workers' path); the console script's path lacks it.
+    # Appended, so a local file never shadows an installed package.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        prepared = prepare(cfg)
+    except ConfigError as err:
+        if bar:
+            bar.close()
+        logging.getLogger(__name__).debug("bad model or data", exc_info=True)
+        print(f"diloco train: {err}", file=sys.stderr)
+        return 2
+    from orchestrator.run.driver import RayStartError, RunNotStarted, train  # Ray: after the checks
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     try:
         summary = train(cfg, run_dir, address=address, progress=_LinkLatestOnStart(run_dir, bar),
-                        resume=bool(args.resume), stages=bar.stage if bar else None)
+                        resume=bool(args.resume), stages=bar.stage if bar else None, prepared=prepared)
     except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
         if bar:
             bar.close()
@@ -161,14 +197,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     """Add `train` to the `diloco` parser's subparsers."""
     t = subparsers.add_parser("train", help="train a model with Decoupled DiLoCo on Ray",
-                              description="Train on the embedded default (stdlib source) or your config.\n\nExample:\n"
-                                          "  diloco train --run-dir runs/demo --set run.token_budget=3000000",
+                              description="Train on the embedded default (stdlib source) or your config.\n\nExamples:\n"
+                                          "  diloco train --run-dir runs/demo --set run.token_budget=3000000\n"
+                                          "  diloco train --model mypkg.models:build --loss mypkg.models:loss   # your own model\n\n"
+                                          "Bad input (a --model that does not import, a loss that is not a scalar, data too\n"
+                                          "small for the islands, ...) is refused in one line, exit code 2, before Ray starts\n"
+                                          "and before RUN_DIR is created (docs/bad-input.md).",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--config", help="YAML run config (default: built-in defaults, same as configs/default.yaml)")
     t.add_argument("--run-dir", help="where to write the event log and summary (default: runs/<timestamp>); "
                                      "a link `latest` beside it points at it once training starts")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set outer.min_quorum=2 or one pool's: --set pools.slow.islands=3 (repeatable)")
+    t.add_argument("--model", metavar="PACKAGE.MODULE:FUNCTION",
+                   help="train your own torch.nn.Module: a function of no arguments that returns it, found by import "
+                        "path (the current directory and PYTHONPATH are searched); same as --set model.factory=...; "
+                        "default: the built-in byte transformer of model.preset")
+    t.add_argument("--loss", metavar="PACKAGE.MODULE:FUNCTION",
+                   help="loss(model, batch) -> scalar tensor; same as --set model.loss=...; default: cross-entropy of "
+                        "the logits against the next tokens (or outputs.loss for a dict batch with labels)")
+    t.add_argument("--optimizer", metavar="PACKAGE.MODULE:FUNCTION",
+                   help="inner optimizer(parameters) -> torch.optim.Optimizer; same as --set model.optimizer=...; "
+                        "default: AdamW with the inner section's settings")
     t.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run whose driver died, from its checkpoints")
