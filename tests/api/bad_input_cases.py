@@ -1,0 +1,184 @@
+"""The bad-input table of `diloco train --model/--loss/--optimizer` and the data: each case and how to run it.
+
+Shared by tests/api/test_bad_input.py (which asserts each one) and, run as a script, the generator of
+docs/bad-input.md, which runs every case through the real CLI and prints the markdown table:
+
+    python -m tests.api.bad_input_cases > docs/bad-input.md
+
+Each case is what a user types: CLI arguments, with ``{name}`` standing for a file of :func:`write_datasets`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+B = "tests.api.bad_models:"
+
+# Runs `python -m orchestrator.cli` with Ray made unimportable: a refusal that arrives with exit code 2,
+# not an ImportError traceback, was decided before Ray was imported, let alone started.
+NO_RAY_CLI = """
+import runpy, sys
+sys.modules["ray"] = None
+sys.argv[0] = "diloco"
+runpy.run_module("orchestrator.cli", run_name="__main__")
+"""
+
+# Lines `diloco train` prints on stderr before the checks that need torch: the emulation note of the default
+# two-pool config and the first start-up stage (orchestrator/cli/train.py, ProgressBar).
+LEADING = ("EMULATION:", "start-up ")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: `what` (the table's words), the CLI `args`, the substring of the message that names the
+    fix, and whether the test runs it through the CLI in a subprocess (else in-process, the same checks)."""
+
+    id: str
+    what: str
+    args: tuple[str, ...]
+    fix: str
+    cli: bool = False
+
+
+def parquet(name: str, *extra: str) -> tuple[str, ...]:
+    """Arguments that train on the text column of dataset file `name` (see write_datasets)."""
+    return ("--set", "data.source=parquet", "--set", f"data.path={{{name}}}", "--set", "data.text_column=text", *extra)
+
+
+CASES = [
+    Case("module-missing", "`--model` whose module does not import", ("--model", "nosuch_pkg.models:build"),
+         "check the spelling and that the package is installed or on PYTHONPATH", cli=True),
+    Case("attribute-missing", "`--model` whose function is not in the module", ("--model", B + "tiny_llm"),
+         "did you mean 'tiny_lm'"),
+    Case("optimizer-misspelt", "`--optimizer` misspelt", ("--model", B + "tiny_lm", "--optimizer", "torch.optim:Adamw"),
+         "did you mean 'AdamW'?"),
+    Case("not-callable", "`--model` naming a value, not a function", ("--model", B + "NOT_CALLABLE"),
+         "point it at a function"),
+    Case("not-a-path", "`--model` without `:function`", ("--model", "tests.api.bad_models"),
+         "write it as 'package.module:function'"),
+    Case("factory-raises", "a factory that raises (here RuntimeError)", ("--model", B + "raises"),
+         "fix the factory", cli=True),
+    Case("factory-needs-arguments", "a factory that needs arguments", ("--model", B + "needs_arguments"),
+         "it is called with no arguments"),
+    Case("not-a-module", "a factory that returns a dict, not an `nn.Module`", ("--model", B + "returns_dict"),
+         "make it return the model itself"),
+    Case("no-trainable-parameters", "a model with no trainable parameters", ("--model", B + "frozen"),
+         "requires_grad=True"),
+    Case("model-rejects-batches", "a model that cannot take the data's batches (an image CNN on tokens)",
+         ("--model", B + "image_model"), "make the model and loss take this data's batches"),
+    Case("loss-vector", "`--loss` returning a vector", ("--model", B + "tiny_lm", "--loss", B + "vector_loss"),
+         "return e.g. loss.mean()", cli=True),
+    Case("loss-float", "`--loss` returning a Python float", ("--model", B + "tiny_lm", "--loss", B + "float_loss"),
+         "return the loss tensor itself"),
+    Case("optimizer-not-optimizer", "`--optimizer` returning a dict",
+         ("--model", B + "tiny_lm", "--optimizer", B + "not_an_optimizer"), "make it return e.g. torch.optim.AdamW"),
+    Case("vocab-too-small", "token ids past the model's vocabulary (`nn.Embedding(100, ...)`, byte corpus)",
+         ("--model", B + "small_vocab"), "build the model with a vocabulary of at least", cli=True),
+    Case("dataset-empty", "an empty Parquet dataset", parquet("empty"), "point at a non-empty dataset", cli=True),
+    Case("dataset-few-bytes", "a Parquet text corpus of 2 bytes", parquet("few_bytes"), "add rows"),
+    Case("dataset-too-small-for-islands", "a Parquet corpus too small for 4 islands (405 training bytes)",
+         parquet("small", "--set", "data.heldout_fraction=0.4"), "train fewer islands (pools.NAME.islands)", cli=True),
+]
+
+
+def write_datasets(folder: Path) -> dict[str, str]:
+    """The Parquet files the cases name, written under `folder`: {name: path}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tables = {"empty": pa.table({"text": pa.array([], pa.string())}),
+              "few_bytes": pa.table({"text": ["ab"]}),
+              "small": pa.table({"text": ["def f(): pass"] * 40})}  # 40 rows of 14 bytes, 40% held out
+    paths = {}
+    for name, table in tables.items():
+        paths[name] = str(folder / f"{name}.parquet")
+        pq.write_table(table, paths[name])
+    return paths
+
+
+def cli_args(case: Case, datasets: dict[str, str], run_dir: Path) -> list[str]:
+    """`diloco train` arguments of `case`, its files filled in, writing (if it ever did) to `run_dir`."""
+    return ["train", "--run-dir", str(run_dir), *(a.format(**datasets) for a in case.args)]
+
+
+def run_cli(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    """`python -m orchestrator.cli ARGS` with Ray unimportable, from the repository root: (result, seconds)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", NO_RAY_CLI, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180)
+    return done, time.monotonic() - started
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without the lines the CLI prints before its torch checks (LEADING)."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith(LEADING)]
+
+
+def in_process_error(case: Case, datasets: dict[str, str], run_dir: Path) -> str:
+    """The ConfigError text `case` raises through the CLI's own steps, in this process: parse the arguments,
+    build the config (--set, then --model/--loss/--optimizer), preflight, prepare."""
+    from orchestrator.cli.main import build_parser
+    from orchestrator.cli.train import with_model_flags
+    from orchestrator.config import ConfigError, load_config
+    from orchestrator.run.preflight import preflight
+    from orchestrator.run.workload import prepare
+
+    args = build_parser("train").parse_args(cli_args(case, datasets, run_dir))
+    try:
+        cfg = with_model_flags(load_config(None, args.set), args)
+        preflight(cfg, run_dir)
+        prepare(cfg)
+    except ConfigError as err:
+        return str(err)
+    raise AssertionError(f"{case.id}: no ConfigError")
+
+
+def shorten(text: str, limit: int = 150) -> str:
+    """`text` cut to `limit` characters with … where cut."""
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def table() -> str:
+    """docs/bad-input.md: every case run through the CLI now, its message as printed."""
+    import tempfile
+
+    rows = ["| input | message (verbatim, after `diloco train: `) | exit code |", "|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        datasets = write_datasets(Path(tmp) / "data")
+        for case in CASES:
+            done, _ = run_cli(cli_args(case, datasets, Path(tmp) / "run"))
+            lines = error_lines(done.stderr)
+            if len(lines) != 1 or (Path(tmp) / "run").exists():
+                raise SystemExit(f"{case.id}: expected one line and no run directory, got {done.stderr!r}")
+            message = lines[0].removeprefix("diloco train: ").replace(tmp, "/tmp/…").replace("|", "\\|")
+            rows.append(f"| {case.what} | `{shorten(message)}` | {done.returncode} |")
+    return "\n".join(rows)
+
+
+HEADER = """# Bad input to `diloco train`: one line, exit code 2, before Ray starts
+
+`diloco train` builds the model and reads the first batch before it imports Ray and before it creates
+the run directory (`orchestrator/run/workload.py`, `prepare`). Each input below is refused with one
+line on stderr that says what is wrong and how to fix it, exit code 2, and no `--run-dir` left behind.
+The same checks run for the Python API (`DilocoTrainer.fit()` raises the same text as a `ConfigError`).
+Config mistakes caught earlier still (a missing file or column, a bad preset, an unknown region) are
+tested in `tests/engine/test_preflight.py`.
+
+Produced by `python -m tests.api.bad_input_cases > docs/bad-input.md`, which runs each case of
+`tests/api/bad_input_cases.py` through `python -m orchestrator.cli train` with Ray made unimportable
+(so the refusal cannot have come after a Ray start) and copies the message it printed. Messages are
+shortened with … past 150 characters; the models, losses and optimizers are in `tests/api/bad_models.py`.
+`tests/api/test_bad_input.py` asserts every row (exit code, one line, the fix, no run directory).
+
+"""
+
+if __name__ == "__main__":
+    print(HEADER + table())
