@@ -37,7 +37,9 @@ LEADING = ("EMULATION:", "start-up ")
 @dataclass(frozen=True)
 class Case:
     """One bad input: `what` (the table's words), the CLI `args`, the substring of the message that names the
-    fix, and whether the test runs it through the CLI in a subprocess (else in-process, the same checks)."""
+    fix, and whether the test also runs it through the CLI in a subprocess (`cli`: one case of each kind, an
+    import path, the user's code raising, a loss, the data; about 3 s each on an idle 2-core machine, so
+    not all of them). The table's generator runs every case through the CLI."""
 
     id: str
     what: str
@@ -79,8 +81,8 @@ CASES = [
     Case("optimizer-not-optimizer", "`--optimizer` returning a dict",
          ("--model", B + "tiny_lm", "--optimizer", B + "not_an_optimizer"), "make it return e.g. torch.optim.AdamW"),
     Case("vocab-too-small", "token ids past the model's vocabulary (`nn.Embedding(100, ...)`, byte corpus)",
-         ("--model", B + "small_vocab"), "build the model with a vocabulary of at least", cli=True),
-    Case("dataset-empty", "an empty Parquet dataset", parquet("empty"), "point at a non-empty dataset", cli=True),
+         ("--model", B + "small_vocab"), "build the model with a vocabulary of at least"),
+    Case("dataset-empty", "an empty Parquet dataset", parquet("empty"), "point at a non-empty dataset"),
     Case("dataset-few-bytes", "a Parquet text corpus of 2 bytes", parquet("few_bytes"), "add rows"),
     Case("dataset-too-small-for-islands", "a Parquet corpus too small for 4 islands (405 training bytes)",
          parquet("small", "--set", "data.heldout_fraction=0.4"), "train fewer islands (pools.NAME.islands)", cli=True),
@@ -141,9 +143,13 @@ def in_process_error(case: Case, datasets: dict[str, str], run_dir: Path) -> str
     raise AssertionError(f"{case.id}: no ConfigError")
 
 
-def shorten(text: str, limit: int = 150) -> str:
-    """`text` cut to `limit` characters with … where cut."""
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+def shorten(text: str, limit: int = 230) -> str:
+    """`text` within about `limit` characters: the fix (after the last "; ") whole, what is wrong cut with …."""
+    if len(text) <= limit or "; " not in text:
+        return text
+    what, fix = text.rsplit("; ", 1)
+    keep = max(100, limit - len(fix) - 3)
+    return (what if len(what) <= keep else what[: keep - 1].rstrip() + "…") + "; " + fix
 
 
 def table() -> str:
@@ -169,13 +175,14 @@ HEADER = """# Bad input to `diloco train`: one line, exit code 2, before Ray sta
 the run directory (`orchestrator/run/workload.py`, `prepare`). Each input below is refused with one
 line on stderr that says what is wrong and how to fix it, exit code 2, and no `--run-dir` left behind.
 The same checks run for the Python API (`DilocoTrainer.fit()` raises the same text as a `ConfigError`).
-Config mistakes caught earlier still (a missing file or column, a bad preset, an unknown region) are
-tested in `tests/engine/test_preflight.py`.
+Config mistakes refused even earlier, before torch loads (a missing file or column, a bad preset, an
+unknown region), are tested in `tests/engine/test_preflight.py`.
 
 Produced by `python -m tests.api.bad_input_cases > docs/bad-input.md`, which runs each case of
 `tests/api/bad_input_cases.py` through `python -m orchestrator.cli train` with Ray made unimportable
-(so the refusal cannot have come after a Ray start) and copies the message it printed. Messages are
-shortened with … past 150 characters; the models, losses and optimizers are in `tests/api/bad_models.py`.
+(so the refusal cannot have come after a Ray start) and copies the message it printed. A long message
+keeps its fix (after the last `; `) whole and is shortened with … before it. The models, losses and
+optimizers are in `tests/api/bad_models.py`; the temporary data folder shows as `/tmp/…`.
 `tests/api/test_bad_input.py` asserts every row (exit code, one line, the fix, no run directory).
 
 """

@@ -56,3 +56,24 @@ def test_the_flags_set_the_model_section_like_set_does():
     assert (model.factory, model.loss, model.optimizer) == ("a.b:c", "a.b:loss", "on:off")
     plain = build_parser("train").parse_args(["train", "--set", "model.factory=x.y:z"])
     assert with_model_flags(load_config(None, plain.set), plain).model.factory == "x.y:z"
+
+
+def test_resume_rebuilds_the_model_its_config_yaml_names_and_refuses_another(tmp_path, capsys):
+    """config.yaml records model.factory, so --resume builds the same model; a different --model is refused."""
+    import yaml
+
+    from orchestrator.cli.main import main
+    from orchestrator.config import load_config
+    from orchestrator.run.preflight import resume_config
+    from orchestrator.run.workload import prepare
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = load_config(None, ["model.factory=tests.api.bad_models:tiny_lm"])
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))  # as setup writes it
+    before = (run_dir / "config.yaml").read_text()
+    assert set(prepare(resume_config(run_dir)).initial) == {"embed.weight", "head.weight", "head.bias"}  # TinyLM's
+    assert main(["train", "--resume", str(run_dir), "--model", "tests.api.bad_models:small_vocab"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("diloco train: --resume cannot change model.factory"), err
+    assert (run_dir / "config.yaml").read_text() == before and [p.name for p in run_dir.iterdir()] == ["config.yaml"]
