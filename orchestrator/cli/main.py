@@ -4,6 +4,7 @@ Examples:
   diloco train                                   # the default: 4 islands, 2 pools, ~3 minutes on 2 cores
   diloco train --run-dir runs/sync --set mode=sync-diloco
   diloco train --config configs/default.yaml --set run.token_budget=2000000 --set outer.min_quorum=2
+  diloco train --model mypkg.models:build --loss mypkg.models:loss   # your own torch.nn.Module (docs/models.md)
   diloco simulate --method decoupled --chips 1200000 --learners 8 --mtbi-chip-years 1
   diloco submit --address http://127.0.0.1:8265 --config configs/default.yaml   # as a Ray job
   diloco status                                  # a live run's versions, islands, goodput
