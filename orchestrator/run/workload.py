@@ -337,12 +337,13 @@ def describe_batch(batch: Any) -> str:
 
 
 def _check_sizes(data: TrainingData, *, islands: int, seq_len: int) -> None:
-    """Enough data for every island to draw a batch and for one held-out window, else a one-line DataError.
+    """A token stream with a window for every island and one held-out window, else a one-line DataError.
 
     A token stream is cut into one contiguous shard per island (islands.data.ShardSampler), the smallest
     ``len // islands`` tokens; each must hold one window of ``seq_len + 1`` tokens (windows are drawn with
     replacement, so one is enough). Checked here with the config's names for the fix, before the samplers
-    say the same in their own terms (and before the evaluator would, after Ray started).
+    say the same in their own terms (and before the evaluator would, after Ray started). A dataset of
+    examples is left to islands.examples.ExampleSampler, which asks for a batch per island and says so.
     """
     window = seq_len + 1
     if data.is_tokens:
@@ -354,9 +355,6 @@ def _check_sizes(data: TrainingData, *, islands: int, seq_len: int) -> None:
         if len(data.heldout) < window:
             raise DataError(f"the held-out data has {len(data.heldout):,} tokens, fewer than one window of "
                             f"model.seq_len+1={window}; add data, raise data.heldout_fraction or shorten model.seq_len")
-    elif len(data.train) < islands:
-        raise DataError(f"the training dataset has {len(data.train)} examples, fewer than one per island "
-                        f"({islands} islands); add examples or train fewer islands (pools.NAME.islands)")
 
 
 def _check_token_ids(model: Any, data: TrainingData, batch: Any) -> None:
