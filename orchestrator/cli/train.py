@@ -162,7 +162,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
-        prepared = prepare(cfg)
+        prepared = prepare(cfg, run_dir=run_dir)  # a resume reads the tokenizer RUN_DIR saved, if any
     except ConfigError as err:
         if bar:
             bar.close()

@@ -137,7 +137,7 @@ def in_process_error(case: Case, datasets: dict[str, str], run_dir: Path) -> str
     try:
         cfg = with_model_flags(load_config(None, args.set), args)
         preflight(cfg, run_dir)
-        prepare(cfg)
+        prepare(cfg, run_dir=run_dir)
     except ConfigError as err:
         return str(err)
     raise AssertionError(f"{case.id}: no ConfigError")
