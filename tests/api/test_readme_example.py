@@ -1,0 +1,117 @@
+"""The "Train your own model" example runs as written: the README's, or docs/quickstart-api.md's until the README has it.
+
+The example is the first ```python block under the heading "## Train your own model" of README.md when
+the README has that heading, else of docs/quickstart-api.md. It runs in a fresh Python process, in an
+empty directory, with no DILOCO_RAY_ADDRESS: like a user's script, it starts its own local Ray inside
+fit() and stops it. The test asserts it exits 0 and prints its final held-out loss, below the loss of a
+uniform guess over bytes (ln 256 = 5.55 nats).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HEADING = "## Train your own model"
+SOURCES = (REPO / "README.md", REPO / "docs" / "quickstart-api.md")  # the README wins once it has the heading
+LOSS_LINE = re.compile(r"^final held-out loss: (\d+\.\d+) nats per byte$", re.MULTILINE)
+TIMEOUT_S = 300  # generous for a loaded 2-core box; about a minute when it is quiet
+
+
+def section(markdown: str, heading: str) -> str | None:
+    """The text under the line ``heading`` up to the next heading of the same or a higher level; None without it."""
+    lines = markdown.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == heading)
+    except StopIteration:
+        return None
+    level = len(heading) - len(heading.lstrip("#"))
+    body = []
+    in_fence = False
+    for line in lines[start + 1:]:
+        if line.startswith("```"):
+            in_fence = not in_fence
+        elif not in_fence and re.match(rf"#{{1,{level}}} ", line):  # a "# comment" inside code is no heading
+            break
+        body.append(line)
+    return "\n".join(body)
+
+
+def first_python_block(text: str) -> str | None:
+    """The code of the first ```python fenced block of ``text``, or None."""
+    match = re.search(r"^```python[ \t]*\n(.*?)^```[ \t]*$", text, re.MULTILINE | re.DOTALL)
+    return match.group(1) if match else None
+
+
+def example(sources: tuple[Path, ...] = SOURCES) -> tuple[str, Path]:
+    """(the example's code, the file it came from): README.md when it has the heading, else docs/quickstart-api.md."""
+    for doc in sources:
+        body = section(doc.read_text(encoding="utf-8"), HEADING)
+        if body is not None:
+            code = first_python_block(body)
+            assert code, f"{doc.name} has the heading {HEADING!r} but no ```python block under it"
+            return code, doc
+    raise AssertionError(f"neither {' nor '.join(d.name for d in sources)} has the heading {HEADING!r}")
+
+
+def test_the_extraction_finds_the_first_python_block_under_the_heading():
+    """Cheap: the rules the example's source follows, on a made-up README."""
+    readme = "\n".join([
+        "# project", "```python", "print('not this one')", "```",
+        HEADING, "Some words.", "```bash", "pip install x", "```",
+        "```python", "# a comment, not a heading", "print('this one')", "```",
+        "```python", "print('nor this one')", "```",
+        "## Next section", "```python", "print('not this either')", "```",
+    ])
+    assert first_python_block(section(readme, HEADING)) == "# a comment, not a heading\nprint('this one')\n"
+    assert section("# project\n## Other\n", HEADING) is None
+    assert first_python_block(section(HEADING + "\ntext only\n## Next\n```python\nx = 1\n```\n", HEADING)) is None
+
+
+def test_the_readme_wins_once_it_has_the_heading(tmp_path):
+    """Cheap: when the lead pastes the block into README.md under the heading, the README's copy is the one run."""
+    readme, doc = tmp_path / "README.md", tmp_path / "quickstart-api.md"
+    doc.write_text(f"# API\n{HEADING}\n```python\nprint('doc')\n```\n")
+    readme.write_text("# project\n## Set up\n```python\nprint('setup')\n```\n")
+    assert example((readme, doc)) == ("print('doc')\n", doc)
+    readme.write_text(readme.read_text() + f"{HEADING}\n```python\nprint('readme')\n```\n## Tests\n")
+    assert example((readme, doc)) == ("print('readme')\n", readme)
+
+
+def test_the_example_is_short_and_compiles():
+    """Cheap, without Ray: the example is about 20 lines of valid Python that prints the loss line."""
+    code, doc = example()
+    compile(code, str(doc), "exec")
+    assert len(code.strip().splitlines()) <= 30, f"the example in {doc.name} is meant to be about 20 lines"
+    assert "final held-out loss:" in code and ".fit()" in code
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_example_runs_as_written(tmp_path):
+    pytest.importorskip("transformers")
+    code, doc = example()
+    script = tmp_path / "example.py"
+    script.write_text(code, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "DILOCO_RAY_ADDRESS"}  # its own local Ray, not a cluster
+    env["RAY_AUTH_MODE"] = "disabled"  # as the suite runs; a user's machine may leave it unset
+    # The child (and the Ray workers it starts) import this checkout, whether or not it is installed.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    print(f"the example from {doc.name} ran in {time.monotonic() - start:.1f} s")
+    assert done.returncode == 0, f"the example from {doc.name} failed:\n{done.stderr[-3000:]}"
+    found = LOSS_LINE.findall(done.stdout)
+    assert found, f"no 'final held-out loss: ... nats per byte' line in its output:\n{done.stdout[-2000:]}"
+    loss = float(found[-1])
+    assert loss < math.log(256) - 0.5, f"the example's model barely learned: {loss} nats per byte"
+    assert (tmp_path / "runs").is_dir(), "its run directory is relative to where it runs"
