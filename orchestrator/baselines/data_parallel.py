@@ -1,7 +1,9 @@
 """Synchronous data-parallel baseline on Ray Train's `TorchTrainer`, in the engine's harness (docs/baselines.md).
 
 One Ray Train worker per island slot of `cfg.pools` (pinned to its pool's nodes by label selector,
-tagged with its region), the same model and initial parameters, the same inner AdamW (lr, warmup,
+tagged with its region), the same model and initial parameters (the run's ModelRecipe, as the engine
+builds it: `model.factory`, `model.loss` and `model.optimizer` of the config, else the built-in byte
+transformer of the preset), the same loss, the same inner optimizer (AdamW by default: lr, warmup,
 lr schedule at DP's exact progress, clip, betas, weight decay) on every step on the gradient averaged
 over all workers (one `all_reduce` of a flat buffer: DDP with one bucket; gloo on CPU pools, NCCL on GPU
 pools, each worker on the card Ray Train gave it), the same per-worker
@@ -46,8 +48,8 @@ import yaml
 
 from islands.data import unigram_bits_per_byte
 from islands.distributed import describe_device
-from islands.model import ModelConfig, build_model
-from islands.spec import InnerSettings
+from islands.model_api import instantiate, state_tensors
+from islands.spec import InnerSettings, ModelRecipe
 from islands.trainer import InnerTrainer, forward_backward
 from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig
 from orchestrator.core.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
@@ -174,7 +176,7 @@ class _WorkerSettings:
     """What every data-parallel worker reads, as Ray Train's train_loop_config {"settings": ...}."""
 
     slots: list[WorkerSlot]
-    model_config: ModelConfig
+    recipe: ModelRecipe  # the run's model, loss and inner optimizer (orchestrator.run.workload.run_recipe)
     inner: InnerSettings  # the run's (orchestrator.run.driver.inner_settings)
     seed: int
     train: list[Any]  # [ObjectRef of the training tokens], fetched by each worker
@@ -222,20 +224,20 @@ class _DPWorker:
         import ray
 
         settings, slot = self.settings, self.slot
-        self.model_cfg, self.inner = settings.model_config, settings.inner
+        self.recipe, self.inner = settings.recipe, settings.inner
         inner = self.inner
         self.precision = slot.precision or inner.precision  # the pool's arithmetic, as its islands would step
         train = ray.get(settings.train[0])
-        self.trainer = InnerTrainer(self.model_cfg, np.asarray(train), settings=inner, shard_index=slot.island,
+        self.trainer = InnerTrainer(self.recipe, np.asarray(train), settings=inner, shard_index=slot.island,
                                     num_shards=self.world, seed=settings.seed, device=self.device)
         self.model, self.opt = self.trainer.model, self.trainer.optimizer
         self.params = list(self.model.parameters())
         self.numel = sum(p.numel() for p in self.params)
         self.flat = torch.zeros(self.numel + 2, device=self.device)  # [gradients..., loss, stop flag]: one all_reduce per step
         self.jitter_rng = random.Random(settings.seed * 1_000_003 + slot.island)  # islands/trainer.py's pacing draws
-        self.evaluator = Evaluator(self.model_cfg, ray.get(settings.heldout[0]), batches=settings.eval_batches,
+        self.evaluator = Evaluator(self.recipe, ray.get(settings.heldout[0]), batches=settings.eval_batches,
                                    batch_size=settings.eval_batch_size) if self.rank == 0 else None
-        self.steps, self.tokens_per_step = settings.steps, self.world * inner.batch_size * self.model_cfg.seq_len
+        self.steps, self.tokens_per_step = settings.steps, self.world * inner.batch_size * self.recipe.seq_len
         self.stopped_by = "token_budget"  # rank 0 decides every stop and tells the others through the step's all-reduce
         self.evals: list[dict] = []
         self.eval_s = self.useful_s = self.network_s = 0.0
@@ -245,10 +247,12 @@ class _DPWorker:
         self.t0, self.wall_s, self.train_loss, self.done = 0.0, 0.0, math.nan, 0
 
     def served(self) -> dict[str, torch.Tensor]:
-        """The parameters rank 0 evaluates and saves: the moving average where there is one, else the model's."""
+        """The state tensors rank 0 evaluates and saves: the moving average of the parameters where there is
+        one, else the model's; trained buffers (islands.model_api.state_tensors) are rank 0's own, never averaged."""
+        state = state_tensors(self.model)
         if self.average is None:
-            return dict(self.model.named_parameters())
-        return {n: a for (n, _), a in zip(self.model.named_parameters(), self.average)}
+            return state
+        return {**state, **{n: a for (n, _), a in zip(self.model.named_parameters(), self.average)}}
 
     def evaluate(self, step: int, train_loss: float | None) -> None:
         """Rank 0: score the served parameters after `step` steps, record the point and report its progress."""
@@ -295,12 +299,13 @@ class _DPWorker:
         """Forward and backward on this worker's batch into the flat buffer, paced as its pool; the seconds it took."""
         inner, flat, numel = self.inner, self.flat, self.numel
         s0 = time.perf_counter()
-        x, y = self.trainer.next_batch()  # [B, T], [B, T], on the worker's device
-        lr = inner.lr * lr_factor(inner.lr_schedule, step=step, warmup_steps=inner.warmup_steps, progress=step / self.steps,
-                                  final_ratio=inner.lr_final_ratio)  # the islands' rule, at DP's exact progress
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        loss = forward_backward(self.model, (x, y), precision=self.precision)  # the islands' arithmetic
+        batch = self.trainer.next_batch()  # (inputs [B, T], targets [B, T]) on the worker's device
+        factor = lr_factor(inner.lr_schedule, step=step, warmup_steps=inner.warmup_steps, progress=step / self.steps,
+                           final_ratio=inner.lr_final_ratio)  # the islands' rule, at DP's exact progress
+        for group, peak in zip(self.opt.param_groups, self.trainer._peak_lrs):  # each group's own peak, as the islands
+            group["lr"] = peak * factor
+        # The islands' arithmetic and the recipe's loss.
+        loss = forward_backward(self.model, batch, precision=self.precision, loss_fn=self.trainer.loss_fn)
         torch.cat([p.grad.reshape(-1) for p in self.params], out=flat[:numel])
         if self.settings.wire == "bf16":  # what crosses the emulated wire: the gradient rounded to bf16
             flat[:numel] = flat[:numel].to(torch.bfloat16).to(torch.float32)
@@ -355,7 +360,7 @@ class _DPWorker:
         done, model = self.done, self.model
         record = {"rank": self.rank, "island": self.slot.island, "pool": self.slot.pool, "region": self.slot.region,
                   "node": ray.get_runtime_context().get_node_id(), "steps": done,
-                  "tokens": done * self.inner.batch_size * self.model_cfg.seq_len,
+                  "tokens": done * self.inner.batch_size * self.recipe.seq_len,
                   "useful_s": self.useful_s, "network_s": self.network_s, "checksum": parameter_checksum(model),
                   "device": describe_device(self.device), "precision": self.precision}
         records = [None] * self.world
@@ -364,14 +369,14 @@ class _DPWorker:
             return None
         if not self.evals or self.evals[-1]["versions"] != [done]:  # a stop right after an evaluation has it already
             self.evaluate(done, self.train_loss)
-        raw_loss = None if self.average is None else self.evaluator.evaluate(dict(model.named_parameters()))[0]
+        raw_loss = None if self.average is None else self.evaluator.evaluate(state_tensors(model))[0]
         return {"world_size": self.world, "backend": dist.get_backend(), "steps": done,
                 "tokens_per_step": self.tokens_per_step, "train_loss": self.train_loss, "raw_loss": raw_loss,
                 "wall_s": self.wall_s, "eval_s": self.eval_s, "evals": self.evals, "stopped_by": self.stopped_by,
                 "workers": sorted(records, key=lambda r: r["island"]),
                 # The final model (every worker holds the same), saved by the driver: `diloco sample` / `export`.
                 # As numpy arrays (bit for bit): Ray Train 2.60 refuses torch tensors in a return value.
-                "params": {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()},
+                "params": {n: p.detach().cpu().numpy().copy() for n, p in state_tensors(model).items()},
                 "average": None if self.average is None else {n: a.cpu().numpy().copy() for n, a in self.served().items()}}
 
 
@@ -387,9 +392,9 @@ def _dp_worker(config: dict[str, Any]) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What the driver works out before the workers start: the model's shape, the slots, the EMULATED wire."""
+    """What the driver works out before the workers start: the model's recipe, the slots, the EMULATED wire."""
 
-    model_cfg: ModelConfig
+    recipe: ModelRecipe
     network: NetworkModel  # the run's (orchestrator.run.driver.build_run_network)
     slots: list[WorkerSlot]
     grad_bytes: int  # one gradient on the emulated wire
@@ -399,23 +404,24 @@ class _Plan:
 
 
 def _plan(cfg: RunConfig, corpus: Any, wire: str) -> _Plan:
-    """The run's model shape, network, slots, per-step wire bytes and time, and step count."""
+    """The run's model recipe, network, slots, per-step wire bytes and time, and step count."""
     from orchestrator.run.driver import build_run_network, measure_step_s
+    from orchestrator.run.workload import TrainingData, run_recipe
 
-    model_cfg = cfg.model.shape()
-    n_params = sum(p.numel() for p in build_model(model_cfg, seed=cfg.run.seed).parameters())
+    recipe = run_recipe(cfg, TrainingData.of_corpus(corpus))  # model.factory / loss / optimizer, else the built-in model
+    n_params = sum(p.numel() for p in instantiate(recipe.model, recipe.seed).parameters())  # every one all-reduced
     model_bytes = 4 * n_params  # float32: the network's scaling unit (policies.network)
-    network, _ = build_run_network(cfg, model_bytes, lambda: measure_step_s(cfg, model_cfg, corpus.train))
+    network, _ = build_run_network(cfg, model_bytes, lambda: measure_step_s(cfg, recipe, corpus.train))
     slots = worker_slots(cfg)
     regions = [s.region for s in slots]
     grad_bytes = WIRE_BYTES[wire] * n_params
     delay_s = network.allreduce_s(grad_bytes, regions) if network.emulated else 0.0
     per_worker_bytes = network.allreduce_bytes(grad_bytes, len(slots))
     steps = steps_for_budget(cfg.run.token_budget, workers=len(slots), batch_size=cfg.data.batch_size,
-                             seq_len=model_cfg.seq_len)
-    log.info("data-parallel: %d workers, %d steps, %s; all-reduce of %d bytes (%s): %.3f s EMULATED per step",
-             len(slots), steps, network.describe(), grad_bytes, wire, delay_s)
-    return _Plan(model_cfg, network, slots, grad_bytes, delay_s, per_worker_bytes, steps)
+                             seq_len=recipe.seq_len)
+    log.info("data-parallel: %s, %d workers, %d steps, %s; all-reduce of %d bytes (%s): %.3f s EMULATED per step",
+             recipe.name, len(slots), steps, network.describe(), grad_bytes, wire, delay_s)
+    return _Plan(recipe, network, slots, grad_bytes, delay_s, per_worker_bytes, steps)
 
 
 def _loop_config(cfg: RunConfig, plan: _Plan, corpus: Any, *, wire: str, queue: Any, gpu: bool) -> dict[str, Any]:
@@ -425,7 +431,7 @@ def _loop_config(cfg: RunConfig, plan: _Plan, corpus: Any, *, wire: str, queue: 
     from orchestrator.settings import inner_settings
 
     return {"settings": _WorkerSettings(
-        slots=plan.slots, model_config=plan.model_cfg, inner=inner_settings(cfg), seed=cfg.run.seed,
+        slots=plan.slots, recipe=plan.recipe, inner=inner_settings(cfg), seed=cfg.run.seed,
         train=[ray.put(corpus.train)], heldout=[ray.put(corpus.heldout)],
         eval_batches=cfg.eval.batches, eval_batch_size=cfg.eval.batch_size, eval_interval_s=cfg.eval.interval_s,
         steps=plan.steps, max_wall_s=cfg.run.max_wall_s, stop_at_eval_loss=cfg.run.stop_at_eval_loss,

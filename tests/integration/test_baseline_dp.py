@@ -101,6 +101,27 @@ def test_slot_assignment_follows_node_labels():
     assert steps_for_budget(768 * 40, workers=3, batch_size=8, seq_len=32) == 40
 
 
+def test_the_plan_trains_the_configs_model_factory_and_counts_its_gradient_bytes():
+    # model.factory (a user's model, here a Hugging Face Llama) replaces the built-in shape in everything the
+    # driver works out: the recipe the workers build, the bytes on the wire, the steps to the budget.
+    pytest.importorskip("transformers")
+    from islands.model_api import instantiate
+    from orchestrator.baselines.data_parallel import _plan
+    from tests.api import zoo
+
+    data = dp_config()
+    data["model"]["factory"] = "tests.api.zoo:tiny_llama"
+    data["network"] = {"scenario": "none"}
+    cfg = build_config(data)
+    plan = _plan(cfg, load_corpus(cfg), "bf16")
+    assert plan.recipe.model == "tests.api.zoo:tiny_llama" and plan.recipe.seed == 3 and plan.recipe.seq_len == 32
+    n_params = sum(p.numel() for p in zoo.tiny_llama().parameters())
+    assert n_params != sum(p.numel() for p in build_model(model_config("nano"), seed=0).parameters())
+    assert sum(p.numel() for p in instantiate(plan.recipe.model, plan.recipe.seed).parameters()) == n_params
+    assert plan.grad_bytes == 2 * n_params and plan.per_worker_bytes == NetworkModel.allreduce_bytes(2 * n_params, 3)
+    assert plan.steps == steps_for_budget(BUDGET, workers=3, batch_size=8, seq_len=32)
+
+
 def gpu_pools(*gpus: float, cpu_pool: bool = False) -> dict:
     data = dp_config()
     data["pools"] = [{"name": f"g{i}", "islands": 1, "accelerator": "H100", "gpus_per_worker": g, "region": "us-east",
