@@ -389,7 +389,8 @@ class Run:
             cfg, model_bytes, lambda: measure_step_s(cfg, self.recipe, self.data.train))
         log.info("%s", self.network.describe())
         self.unigram_bpb: float | None = None  # scored with the starting point, after start-up (_score_start)
-        self.evaluator = Evaluator(self.recipe, self.data.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
+        self.evaluator = Evaluator(self.recipe, self.data.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size,
+                                   threads=cfg.inner.torch_threads)
         self.tape = tape_from_config(cfg.chaos.spec(), islands=cfg.num_islands, horizon_s=cfg.chaos.horizon_s)
         log.info("data: %s; model %s (%d state elements); %d fragments; %d faults on the tape",
                  self.data.source, self.recipe.name, sum(t.numel() for t in initial.values()),
