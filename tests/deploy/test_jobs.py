@@ -34,6 +34,9 @@ RUN_SETTINGS = [
     "model.preset=nano", "run.token_budget=100000000", "run.max_wall_s=4", "data.max_bytes=400000",
     "eval.interval_s=5", "eval.batches=2", "health.warm_spares=0", "outer.sync_every_steps=8",
     "pools=[{name: a, islands: 2, cpus_per_island: 0.5}]",
+    # A user's own model by import path: its module travels in the job's working_dir and every process of
+    # the job (its driver, the islands) resolves it there (issue 43: the API runs inside a Ray Job).
+    "model.factory=tests.api.bad_models:tiny_lm",
     # Generous: on a loaded 2-core machine starting an actor process (import torch) can take a minute.
     "run.call_timeout_s=240", "run.placement_timeout_s=300", "health.startup_s=240",
 ]
@@ -223,6 +226,10 @@ def test_submit_runs_on_the_cluster_status_attaches_and_metrics_export(head, tmp
     # The job's driver wrote the run directory we asked for, on this cluster.
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] > 0 and summary["tokens_merged"] > 0
+    assert "factory: tests.api.bad_models:tiny_lm" in (run_dir / "config.yaml").read_text()
+    names = {t["name"] for m in (run_dir / "checkpoints").glob("step-*/manifest.json")
+             for t in json.loads(m.read_text())["tensors"]}
+    assert "param/embed.weight" in names and "param/tok_emb.weight" not in names, "the user's model, not the built-in"
     assert len(summary["islands"]) == 2 and {i["pool"] for i in summary["islands"]} == {"a"}
 
     # The driver's metrics reach the head's Prometheus endpoint; the final values are the summary's
