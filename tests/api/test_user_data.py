@@ -1,9 +1,10 @@
 """A user's own non-language model and dataset through the public API, on two pools of a real local Ray cluster.
 
 The model is a small CNN with BatchNorm and its own loss (tests/api/zoo.py); the data a map-style torch
-Dataset whose examples carry ids. The second test kills an island twice and proves from the ids that each
-new incarnation resumes at the first example after its slot's last merged, salvaged or refused submission:
-no example reaches the global model twice, none is skipped.
+Dataset whose examples carry ids. The run kills an island twice, and the ids prove that each new
+incarnation resumes at the first example after its slot's last merged, salvaged or refused submission:
+no example reaches the global model twice, none is skipped. Then the run resumes from its checkpoint
+through the API, learns on, and its BatchNorm statistics are the merged ones.
 """
 
 from __future__ import annotations
@@ -42,30 +43,6 @@ def two_pools(**extra) -> dict:
     }
 
 
-def test_a_cnn_with_batchnorm_and_its_own_loss_trains_on_a_torch_dataset_and_resumes(ray_cluster, tmp_path):
-    datasets = {"train": zoo.Shapes(4096), "validation": zoo.Shapes(256, seed=9)}
-    half = build_config(two_pools())
-    half.run.token_budget = 6_000
-    first = DilocoTrainer(zoo.small_cnn, datasets=datasets, loss_fn=zoo.cnn_loss, run_config=half,
-                          run_dir=tmp_path / "run").fit()
-    assert first.metrics["tokens_processed"] >= 6_000  # a classifier's token is an example: labels.numel()
-    # The same model, loss and dataset continue the run from its checkpoint to the full budget.
-    result = DilocoTrainer(zoo.small_cnn, datasets=datasets, loss_fn=zoo.cnn_loss, run_config=build_config(two_pools()),
-                           run_dir=tmp_path / "run", resume=True).fit()
-    assert result.metrics["resumed"] and result.checkpoint != first.checkpoint
-    evals = [e["eval_loss"] for e in first.metrics["evals"] + result.metrics["evals"]]
-    assert evals[-1] < evals[0] - 0.3, evals
-    # The resumed session starts where the first ended (its first evaluation is of the restored model).
-    assert abs(result.metrics["evals"][0]["eval_loss"] - first.metrics["eval_loss"]) < 0.05
-    model = result.load_model()
-    # BatchNorm statistics were trained and merged (the islands' mean), not left at their init of 0 and 1.
-    assert float(model.bn.running_mean.abs().max()) > 1e-3 and float((model.bn.running_var - 1).abs().max()) > 1e-3
-    images = torch.stack([zoo.Shapes(256, seed=9)[i]["image"] for i in range(256)])
-    labels = torch.stack([zoo.Shapes(256, seed=9)[i]["label"] for i in range(256)])
-    accuracy = float((model(images).argmax(-1) == labels).float().mean())
-    assert accuracy > 0.5, accuracy  # chance is 0.25
-
-
 def _shard_cursor(samplers: list[ExampleSampler], ids: list[int]) -> tuple[int, int]:
     """(shard, cursor) of the batch whose example ids are `ids`."""
     for s in samplers:
@@ -78,7 +55,7 @@ def _shard_cursor(samplers: list[ExampleSampler], ids: list[int]) -> tuple[int, 
     raise AssertionError(f"no batch of any shard has ids {ids[:4]}...")
 
 
-def test_islands_resume_at_the_first_example_after_their_last_merged_submission_across_kills(ray_cluster, tmp_path):
+def test_a_cnn_resumes_exactly_across_kills_then_the_run_resumes_through_the_api(ray_cluster, tmp_path):
     ids_dir = tmp_path / "ids"
     ids_dir.mkdir()
     tape = FaultTape([Fault(island=0, kind="kill_island", at_s=2.5), Fault(island=0, kind="kill_island", at_s=7.0)])
@@ -89,8 +66,9 @@ def test_islands_resume_at_the_first_example_after_their_last_merged_submission_
         pool["emulated_slowdown"] = 4.0  # EMULATION: steps long enough for both kills to land mid-run
     cfg["health"].update({"salvage_every_steps": 5, "backoff_base_s": 0.2})
     data = zoo.Shapes(8192)
-    result = DilocoTrainer(zoo.small_cnn, datasets={"train": data, "validation": zoo.Shapes(64, seed=9)},
-                           loss_fn=zoo.IdLog(str(ids_dir)), run_config=build_config(cfg), run_dir=tmp_path / "run").fit()
+    datasets = {"train": data, "validation": zoo.Shapes(64, seed=9)}
+    result = DilocoTrainer(zoo.small_cnn, datasets=datasets, loss_fn=zoo.IdLog(str(ids_dir)), run_config=build_config(cfg),
+                           run_dir=tmp_path / "run").fit()
     run_dir = Path(result.path)
     assert result.metrics["restarts"] >= 2, "both kills happened and were healed"
 
@@ -125,3 +103,22 @@ def test_islands_resume_at_the_first_example_after_their_last_merged_submission_
     for key, cursors in merged_ranges.items():
         assert cursors == sorted(cursors) and len(set(cursors)) == len(cursors), key
     json.dumps(runs)  # (kept readable in a failure's locals)
+
+    # The same model, loss and dataset continue the run from its checkpoint (no more faults) to a larger budget.
+    cfg.update(chaos={"mode": "none"})
+    cfg["run"]["token_budget"] = 30_000
+    again = DilocoTrainer(zoo.small_cnn, datasets=datasets, loss_fn=zoo.IdLog(str(ids_dir)), run_config=build_config(cfg),
+                          run_dir=tmp_path / "run", resume=True).fit()
+    assert again.metrics["resumed"] and again.checkpoint != result.checkpoint
+    evals = [e["eval_loss"] for e in result.metrics["evals"] + again.metrics["evals"]]
+    assert evals[-1] < evals[0] - 0.3, evals
+    # The resumed session starts where the first ended (its first evaluation is of the restored model).
+    assert abs(again.metrics["evals"][0]["eval_loss"] - result.metrics["eval_loss"]) < 0.05
+    model = again.load_model()
+    # BatchNorm statistics were trained and merged (the islands' mean), not left at their init of 0 and 1.
+    assert float(model.bn.running_mean.abs().max()) > 1e-3 and float((model.bn.running_var - 1).abs().max()) > 1e-3
+    held = zoo.Shapes(256, seed=9)
+    images = torch.stack([held[i]["image"] for i in range(256)])
+    labels = torch.stack([held[i]["label"] for i in range(256)])
+    accuracy = float((model(images).argmax(-1) == labels).float().mean())
+    assert accuracy > 0.5, accuracy  # chance is 0.25

@@ -14,13 +14,21 @@ VOCAB = 256  # the byte corpus
 SEQ = 32  # the nano preset's window
 
 
-def tiny_gpt2():
+def tiny_gpt2(vocab: int = VOCAB):
     """GPT-2 with its output head tied to the token embedding (one Parameter, two names)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2,
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2,
                                       bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0))
+
+
+BPE_VOCAB = 512  # a tokenizer trained on the corpus (data.tokenizer: train)
+
+
+def tiny_gpt2_bpe():
+    """tiny_gpt2 for a run whose text goes through a BPE of BPE_VOCAB ids; by path, so sample and resume rebuild it."""
+    return tiny_gpt2(BPE_VOCAB)
 
 
 def tiny_llama():
