@@ -61,7 +61,7 @@ def test_a_cnn_resumes_exactly_across_kills_then_the_run_resumes_through_the_api
     tape = FaultTape([Fault(island=0, kind="kill_island", at_s=2.5), Fault(island=0, kind="kill_island", at_s=7.0)])
     tape.to_yaml(tmp_path / "tape.yaml")
     cfg = two_pools(chaos={"mode": "tape", "params": {"path": str(tmp_path / "tape.yaml")}})
-    cfg["run"]["token_budget"] = 24_000
+    cfg["run"]["token_budget"] = 12_000
     for pool in cfg["pools"]:
         pool["emulated_slowdown"] = 4.0  # EMULATION: steps long enough for both kills to land mid-run
     cfg["health"].update({"salvage_every_steps": 5, "backoff_base_s": 0.2})
@@ -106,7 +106,7 @@ def test_a_cnn_resumes_exactly_across_kills_then_the_run_resumes_through_the_api
 
     # The same model, loss and dataset continue the run from its checkpoint (no more faults) to a larger budget.
     cfg.update(chaos={"mode": "none"})
-    cfg["run"]["token_budget"] = 30_000
+    cfg["run"]["token_budget"] = 15_000
     again = DilocoTrainer(zoo.small_cnn, datasets=datasets, loss_fn=zoo.IdLog(str(ids_dir)), run_config=build_config(cfg),
                           run_dir=tmp_path / "run", resume=True).fit()
     assert again.metrics["resumed"] and again.checkpoint != result.checkpoint
