@@ -15,7 +15,7 @@ from orchestrator.config import build_config
 from tests.api import zoo
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -23,7 +23,7 @@ from orchestrator.core.eventlog import read_events
 from policies.chaos import Fault, FaultTape
 from tests.api import zoo
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]
 
 BATCH = 16
 
