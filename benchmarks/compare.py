@@ -607,20 +607,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     check_args(ap, args)
     fill_defaults(args)
-    args.out = args.out or Path(f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    if args.out.is_dir() and any(args.out.iterdir()):  # now, not when the first run refuses its directory minutes in
-        ap.error(f"--out {args.out} is not empty; pick a new directory (each run needs a fresh run directory)")
+    args.out = fresh_out_dir(ap, args.out, "compare")
     return args
+
+
+def fresh_out_dir(ap: argparse.ArgumentParser, out: Path | None, prefix: str) -> Path:
+    """`out`, or runs/PREFIX-<timestamp>; refused now (not when the first run refuses its directory minutes in)
+    when it already holds files: each run needs a fresh run directory."""
+    out = out or Path(f"runs/{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.is_dir() and any(out.iterdir()):
+        ap.error(f"--out {out} is not empty; pick a new directory (each run needs a fresh run directory)")
+    return out
+
+
+def log_runs_and_warn_on_console(out: Path) -> None:
+    """Every run's driver.log gets INFO (the driver adds its file handler to the root logger); the console
+    warnings only. Creates `out`."""
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=[console])
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run every method of the scenario, write table.md, results.json and the plots, print the table."""
     args = parse_args(argv)
-    # Every run's driver.log gets INFO (the driver adds its file handler to the root logger); the console warnings only.
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.WARNING)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=[console])
-    args.out.mkdir(parents=True, exist_ok=True)
+    log_runs_and_warn_on_console(args.out)
     args.started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())  # the footer's start time, not the table's
     # Before Ray starts: its daemons and prestarted workers would slow the timed steps for a few seconds.
     if args.local_step_s is None and args.network != "none":

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -55,7 +54,15 @@ import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (o
 # isort: split
 import ray  # noqa: E402
 
-from benchmarks.compare import ProgressLine, deep_merge, fmt, median, score_final  # noqa: E402
+from benchmarks.compare import (  # noqa: E402
+    ProgressLine,
+    deep_merge,
+    fmt,
+    fresh_out_dir,
+    log_runs_and_warn_on_console,
+    median,
+    score_final,
+)
 from orchestrator.actors.remote import WORKER_ENV, ignore_zero_copy_warnings  # noqa: E402
 from orchestrator.baselines.data_parallel import train_data_parallel  # noqa: E402
 from orchestrator.config import ConfigError, apply_overrides, build_config  # noqa: E402
@@ -181,18 +188,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             build_config(method_config(args, name)[1])
     except ConfigError as err:
         ap.error(str(err))
-    args.out = args.out or Path(f"runs/side-by-side-{time.strftime('%Y%m%d-%H%M%S')}")
-    if args.out.is_dir() and any(args.out.iterdir()):
-        ap.error(f"--out {args.out} is not empty; pick a new directory")
+    args.out = fresh_out_dir(ap, args.out, "side-by-side")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.WARNING)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=[console])
-    args.out.mkdir(parents=True, exist_ok=True)
+    log_runs_and_warn_on_console(args.out)
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     cfg = build_config(base_config(args))
     data = training_data(cfg)
