@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from orchestrator.cli import simulate as simulate_cli
-from orchestrator.simulator.goodput import SimConfig, quorum_met, run_rounds, simulate, straggler_efficiency
+from orchestrator.simulator.goodput import SimConfig, dp_closed_form, dp_fit_recovery_mean_s, quorum_met, run_rounds, simulate, straggler_efficiency
 from policies.quorum import decide_round
 
 YEAR_S = 365 * 86400
@@ -39,11 +39,12 @@ def test_one_learner_decoupled_is_elastic_dp():
                                          (2_400_000, 28)])
 def test_dp_matches_its_exact_closed_form_at_every_scale(chips, days):
     # A failure stalls the job for E[D] = E[R] + restart, and failures during a stall do not extend it, so
-    # up periods are Exp(lambda) and a renewal cycle is 1/lambda + E[D]. Checkpoints every tau keep
-    # tau / (exp(lambda tau) - 1) of each up period. Exact at any load, not only where stalls are rare.
+    # up periods are Exp(lambda) and a renewal cycle is 1/lambda + E[D]. Recovery from an intact replica keeps
+    # the completed steps of tau = step_time_s, tau / (exp(lambda tau) - 1) of each up period. Exact at any load,
+    # not only where stalls are rare.
     # One run's spread is about (1 - g) / sqrt(cycles), 0.6% at 1.2M over 28 days: four seeds keep 1% > 3 sd.
     cfg = SimConfig(method="dp", chips=chips, mtbi_chip_years=1.0, horizon_days=days)
-    lam, tau = chips / YEAR_S, cfg.checkpoint_interval_s
+    lam, tau = chips / YEAR_S, cfg.step_time_s
     expected = (lam * tau / math.expm1(lam * tau)) / (1.0 + lam * (cfg.recovery_mean_s + cfg.restart_s))
     runs = [simulate(dataclasses.replace(cfg, seed=seed)) for seed in range(4)]
     assert min(r.failures for r in runs) > 1_000
@@ -71,6 +72,34 @@ def test_dp_away_from_the_calibration_lands_on_the_paper_without_being_fitted_th
     # 2.4M are checks of the mechanism, within 0.05.
     assert simulate(SimConfig(method="dp", chips=150_000)).goodput == pytest.approx(0.72, abs=0.05)
     assert simulate(SimConfig(method="dp", chips=2_400_000)).goodput == pytest.approx(0.18, abs=0.05)
+
+
+def test_dp_loses_the_step_in_flight_per_failure():
+    # Recovery from an intact replica: a failure loses the work since the last completed step, on average
+    # about half a step (exactly 1/lambda - s / (exp(lambda s) - 1)), so a longer step costs dp more.
+    kw = dict(method="dp", chips=1_200_000, horizon_days=2, seed=1)
+    short, long = simulate(SimConfig(**kw, step_time_s=1.0)), simulate(SimConfig(**kw, step_time_s=10.0))
+    assert short.failures == long.failures  # same draws: only the lost work per failure differs
+    lam = 1_200_000 / YEAR_S
+    for r, s in ((short, 1.0), (long, 10.0)):
+        per_failure = r.details["rollback_lost_chip_s"] / 1_200_000 / r.details["wipes"]
+        assert per_failure == pytest.approx(1 / lam - s / math.expm1(lam * s), rel=0.1)
+    assert long.goodput < short.goodput
+
+
+def test_sensitivity_of_the_150k_check_to_the_step_in_flight():
+    # docs/simulator.md, "Sensitivity": refit the recovery mean so dp stays 0.27 at 1.2M for each step time
+    # (exact closed form), then read dp at 150k. The check holds for steps up to about 7 s and fails at 10 s,
+    # which is why it rests on the mechanism (lose the 1 s step in flight), not on its own result.
+    def dp_150k(step_s):
+        cfg = SimConfig(method="dp", step_time_s=step_s)
+        cfg = dataclasses.replace(cfg, recovery_mean_s=dp_fit_recovery_mean_s(cfg, 0.27, 1_200_000))
+        assert dp_closed_form(cfg, 1_200_000) == pytest.approx(0.27)
+        return dp_closed_form(cfg, 150_000)
+
+    assert dp_fit_recovery_mean_s(SimConfig(), 0.27, 1_200_000) == pytest.approx(55.0, abs=0.5)  # the default
+    assert all(abs(dp_150k(s) - 0.72) <= 0.05 for s in (0.5, 1.0, 2.0, 5.0))
+    assert abs(dp_150k(10.0) - 0.72) > 0.05
 
 
 def test_learner_size_sets_goodput():
@@ -172,6 +201,9 @@ def test_cli_sweep_writes_rows_and_png(capsys, tmp_path):
     (["--method", "dp", "--chips", "1000", "--mtbi-chip-years", "-1"], ["--mtbi-chip-years", "'-1'", "> 0"]),
     (["--method", "sgd", "--chips", "1000"], ["--method", "'sgd'", "choose from"]),
     (["--method", "dp", "--chips", "1000", "--salvage-period-s", "5"], ["--salvage-period-s 5.0", "decoupled"]),
+    (["--method", "dp", "--chips", "1000", "--checkpoint-interval-s", "10"],
+     ["--checkpoint-interval-s was removed", "intact replica", "--step-time-s"]),
+    (["--method", "dp", "--chips", "1000", "--step-time-s", "0"], ["--step-time-s 0.0", "> 0"]),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, argv, words):
     with pytest.raises(SystemExit) as exc:

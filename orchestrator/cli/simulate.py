@@ -60,6 +60,15 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+class _Removed(argparse.Action):
+    """``--checkpoint-interval-s`` (before issue 46 was closed): a one-line error naming what replaced it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was removed: dp and elastic-dp recover from an intact replica and lose "
+                     f"only the step in flight, so the lost work follows --step-time-s (default "
+                     f"{SimConfig().step_time_s:g}; docs/simulator.md, Calibration)")
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by both subcommands; each ``--x-y`` is the ``x_y`` field of SimConfig."""
     d = SimConfig()
@@ -75,7 +84,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         ("recovery-sigma", "lognormal log-space spread of recovery times (0 = constant)"),
         ("restart-s", "dp: job restart time after the failed slice is back"),
         ("reconfig-s", "elastic-dp / decoupled learner: pause to drop or re-add a slice"),
-        ("checkpoint-interval-s", "dp / elastic-dp: stepping seconds between durable checkpoints"),
+        ("step-time-s", "one inner step; dp / elastic-dp recover from an intact replica and lose the step in "
+                        "flight on each failure, and decoupled's grace window counts in steps"),
         ("sync-period-s", "decoupled: stepping seconds between a learner's submissions"),
         ("salvage-period-s", "decoupled: stepping seconds between a learner's progress snapshots held outside it; "
                              "a learner that loses every slice keeps the work up to its last one (0 = off)"),
@@ -88,6 +98,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                        help=f"{help_text} (default %(default)s)")
     g.add_argument("--min-quorum", type=POS_INT, default=d.min_quorum,
                    help="decoupled: minimum quorum K of learners per round (default %(default)s)")
+    g.add_argument("--checkpoint-interval-s", action=_Removed, help=argparse.SUPPRESS)
+
 
 
 def _config(args: argparse.Namespace, parser: argparse.ArgumentParser, **overrides) -> SimConfig:

@@ -10,21 +10,24 @@ Model (docs/simulator.md has the full list of assumptions and the calibration):
   other. A group's state is a piecewise-constant timeline (live chips, blocked or not), built by one
   sort and one cumulative sum over all its events, never a Python object per chip.
 * ``stall`` groups (``dp``): failure i stalls every chip for ``D_i = R_i + restart_s`` (the failed
-  slice is replaced by a spare, then the job restarts) and rolls back to the last checkpoint (every
-  ``checkpoint_interval_s`` of stepping). A failure during a stall does not extend it: the recovery
-  under way replaces its slice too. Exact closed form (renewal): ``goodput = k / (1 + lambda E[D])``,
-  ``lambda = chips / mtbi_chip_s``, ``k = lambda tau / (exp(lambda tau) - 1)`` the rollback's share.
+  slice is replaced by a spare, then the job restarts). The spare takes the model state from an intact
+  data-parallel replica, so the job loses only the step in flight: the work since its last completed
+  step (steps of ``step_time_s``). A failure during a stall does not extend it: the recovery under way
+  replaces its slice too. Exact closed form (renewal): ``goodput = k / (1 + lambda E[D])``,
+  ``lambda = chips / mtbi_chip_s``, ``k = lambda s / (exp(lambda s) - 1)`` the share of completed steps.
 * ``elastic`` groups (``elastic-dp``, each decoupled learner): a failed slice is out on
   ``[t_i, t_i + R_i)`` while the group steps on its other slices; dropping it and re-adding it are
   reconfigurations that pause the group for ``P = reconfig_s`` each, and a change during a running
   reconfiguration is handled by it without extending it. Closed form when the changes are close to
   Poisson: ``goodput ~ (1 - slice_chips E[R] / mtbi_chip_s) / (1 + 2 lambda_g P)`` for a group of
   ``lambda_g`` failures per second. Only when every slice of the group is down at once is its state
-  lost back to the last durable point.
-* Durable points: dp/elastic-dp checkpoints; decoupled learner submissions every
-  ``sync_period_s`` of stepping, merged by the outer optimizer with minimum quorum K and the
-  adaptive grace window (:func:`policies.quorum.decide_round`, :func:`policies.quorum.grace_window_s`).
-  The run ends with a final checkpoint / final round at the horizon.
+  lost back to the last durable point (never at the paper's scales; for elastic-dp, with no replica
+  left, the last completed step is an optimistic stand-in for a checkpoint in storage).
+* Durable points: dp/elastic-dp every completed step (what an intact replica holds); decoupled learner
+  submissions every ``sync_period_s`` of stepping, merged by the outer optimizer with minimum quorum K
+  and the adaptive grace window (:func:`policies.quorum.decide_round`,
+  :func:`policies.quorum.grace_window_s`). The run keeps its work at the horizon (dp, elastic-dp) or
+  closes a final round.
 * Optional stragglers: per-step lognormal jitter of sigma ``step_jitter_sigma`` per slice; a
   synchronous group of n slices steps at the pace of its slowest slice, so its chips are busy a
   fraction ``E[X] / E[max(X_1..X_n)]`` of the time. Decoupled learners wait only for their own slices.
@@ -81,8 +84,6 @@ class SimConfig:
     recovery_sigma: float = 0.5
     restart_s: float = RESTART_S
     reconfig_s: float = RECONFIG_S
-    # dp / elastic-dp: one in-memory checkpoint per step, so a stall loses at most the step in flight.
-    checkpoint_interval_s: float = 1.0
     sync_period_s: float = 100.0
     # decoupled: stepping seconds between a learner's progress snapshots (health.salvage_every_steps in the
     # engine), held outside the learner; a learner that loses every slice then loses only the work since its
@@ -92,6 +93,9 @@ class SimConfig:
     grace_gamma: float = 0.5
     grace_cap_s: float = 30.0
     tau_steps: float = 5.0
+    # One inner step. dp / elastic-dp recover from an intact replica (data parallel keeps the model state on
+    # every replica), so a failure loses the step in flight: the work since the last completed step. The
+    # grace window (decoupled) uses it too. Not fitted (docs/simulator.md, "Calibration").
     step_time_s: float = 1.0
     sync_time_s: float = 1.0
     step_jitter_sigma: float = 0.0
@@ -103,11 +107,11 @@ class SimConfig:
         for name in ("chips", "learners", "slice_chips", "min_quorum"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1", "pass a positive integer")
-        for name in ("mtbi_chip_years", "horizon_days", "checkpoint_interval_s", "sync_period_s"):
+        for name in ("mtbi_chip_years", "horizon_days", "step_time_s", "sync_period_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0", "pass a positive number")
         for name in ("recovery_mean_s", "recovery_sigma", "restart_s", "reconfig_s", "grace_gamma",
-                     "grace_cap_s", "tau_steps", "step_time_s", "sync_time_s", "step_jitter_sigma"):
+                     "grace_cap_s", "tau_steps", "sync_time_s", "step_jitter_sigma"):
             value = getattr(self, name)
             if math.isnan(value) or value < 0 or (math.isinf(value) and name != "grace_cap_s"):
                 raise ConfigError(name, value, "must be a finite number >= 0", "pass e.g. 0 or a positive value")
@@ -172,14 +176,24 @@ def dp_closed_form(cfg: SimConfig, chips: float | None = None) -> float:
     """Exact goodput of a ``dp`` job of ``chips`` (default ``cfg.chips``), without stragglers.
 
     Renewal cycle: up for ``U ~ Exp(lambda)``, then a stall of mean ``E[D] = recovery_mean_s +
-    restart_s`` that no failure extends. Checkpoints every ``tau`` of stepping keep
-    ``E[floor(U / tau) tau] = tau / (exp(lambda tau) - 1)`` of each up period, so
-    ``goodput = (lambda tau / (exp(lambda tau) - 1)) / (1 + lambda E[D])``.
+    restart_s`` that no failure extends. Recovery from an intact replica keeps the completed steps of
+    ``s = step_time_s``, ``E[floor(U / s) s] = s / (exp(lambda s) - 1)`` of each up period, so
+    ``goodput = (lambda s / (exp(lambda s) - 1)) / (1 + lambda E[D])``.
     """
     lam = (cfg.chips if chips is None else chips) / cfg.mtbi_chip_s
-    x = lam * cfg.checkpoint_interval_s
+    x = lam * cfg.step_time_s
     kept = 1.0 if x == 0 else x / math.expm1(x)
     return kept / (1.0 + lam * (cfg.recovery_mean_s + cfg.restart_s))
+
+
+def dp_fit_recovery_mean_s(cfg: SimConfig, goodput: float, chips: float) -> float:
+    """The ``recovery_mean_s`` at which :func:`dp_closed_form` gives ``goodput`` at ``chips``, other
+    settings as in ``cfg``: the dp half of the calibration, solved exactly instead of bisected on runs
+    (``benchmarks/simulate_sweep.py --sensitivity`` redoes it for other step times)."""
+    lam = chips / cfg.mtbi_chip_s
+    x = lam * cfg.step_time_s
+    kept = 1.0 if x == 0 else x / math.expm1(x)
+    return (kept / goodput - 1.0) / lam - cfg.restart_s
 
 
 def elastic_closed_form(cfg: SimConfig, chips: float | None = None) -> float:
@@ -286,7 +300,7 @@ def _single_group(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
         tl = interruptions.stall_timeline(t, r, chips=chips, restart_s=cfg.restart_s, horizon_s=T)
     else:
         tl = interruptions.elastic_timeline(t, r, sizes[s], chips=chips, reconfig_s=cfg.reconfig_s, horizon_s=T)
-    _, chip_s = interruptions.durable_points(tl, cfg.checkpoint_interval_s)
+    _, chip_s = interruptions.durable_points(tl, cfg.step_time_s)  # completed steps survive a failure
     eff = straggler_efficiency(len(sizes), cfg.step_jitter_sigma)
     productive = float(chip_s.sum()) * eff
     details = {
@@ -300,7 +314,7 @@ def _single_group(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
     if cfg.method != "dp":
         step = np.diff(tl.edges) * tl.stepping
         details["mean_live_fraction_when_stepping"] = float((step * tl.live).sum() / max(step.sum(), 1e-300) / chips)
-    return productive, interruptions.kept_stepping_s(tl, cfg.checkpoint_interval_s) / T, details
+    return productive, interruptions.kept_stepping_s(tl, cfg.step_time_s) / T, details
 
 
 def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
