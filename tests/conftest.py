@@ -50,7 +50,12 @@ def ray_cluster():
     )
     nodes = {name: add_pool_node(cluster, name) for name, _, _ in POOL_NODES}
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": WORKER_ENV}, logging_level="WARNING")
+    # RAY_ADDRESS in every worker of this driver: Ray Train's PlacementGroupCleaner asks the state API whether
+    # its controller lives, and without an address it picks the newest Ray on the machine. Under xdist another
+    # worker's test may have started one, where the controller is unknown, and the cleaner would then remove
+    # the data-parallel baseline's placement group mid-run ("Found multiple active Ray instances" in the log).
+    env = {**WORKER_ENV, "RAY_ADDRESS": cluster.address}
+    ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level="WARNING")
     yield cluster, nodes
     ray.shutdown()
     cluster.shutdown()
@@ -80,3 +85,23 @@ def no_leftovers(request):
             actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
             pytest.fail(f"leftovers after the test: {free}/{total} CPUs free, groups {groups}, named actors {actors}")
         time.sleep(0.5)
+
+
+# The one xdist group (.ci/run: `pytest -n 2 --dist loadgroup`) of every test on the shared cluster.
+SESSION_CLUSTER_GROUP = "session-cluster"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into each test's id
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, every test that uses the session's cluster runs in one worker, in collection order.
+
+    Those tests share one cluster (and the notebooks join it through DILOCO_RAY_ADDRESS), which a second
+    worker would start again. Everything else, Ray-free tests and tests that start a Ray of their own
+    (the Jobs test, the CLI runs), spreads over the other worker: on 2 cores the cluster's tests leave a
+    core idle about a third of the time (start-up, waits for detection), which they fill. Without xdist
+    the marker is inert.
+    """
+    group = pytest.mark.xdist_group(SESSION_CLUSTER_GROUP)
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(group)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from orchestrator.config import load_config
 from orchestrator.deploy.cluster_check import local_problems
 
@@ -52,6 +54,7 @@ def test_labels_and_custom_resources_the_node_lacks_are_named():
     assert local_problems(cfg, labels={"pool": "a"}, resources={**CPU_NODE, "pool_b": 2.0}) == []
 
 
+@pytest.mark.ray  # the CLI starts a local Ray of its own
 def test_diloco_train_refuses_a_gpu_pool_on_a_machine_without_gpus_at_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DILOCO_RAY_ADDRESS")}
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")
