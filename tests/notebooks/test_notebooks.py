@@ -90,6 +90,8 @@ def check_heterogeneous_pools(res: dict, cwd: Path) -> None:
         fast, slow = arm["submissions_per_island"]  # island 0 in pool fast, island 1 in the emulated slow pool
         assert fast > slow > 0, f"{name}: the emulated slow pool submits less often ({fast} vs {slow})"
         assert arm["summary_emulation"].startswith("EMULATION"), name
+    for name, arm in arms.items():
+        assert arm["min_distinct_participants"] is not None, f"{name}: no round closed before the final flush"
     assert arms["K = all"]["min_distinct_participants"] == n, "K = all: every round merges every island"
     assert arms["K = 1"]["mean_distinct_participants"] < n, "K = 1 closes rounds without waiting for everyone"
     assert res["emulation"].startswith("EMULATION")
@@ -149,10 +151,7 @@ def _result(nb) -> dict:
 @pytest.mark.notebook
 @pytest.mark.ray
 @pytest.mark.slow
-# Notebook 05 (a user's Llama, tokenizer and Ray Data end to end) is an `extended` test: left out of the
-# default run to keep CI under 15 minutes (pyproject.toml); `-m extended` runs it.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n.startswith("05-") else n
-                                  for n in EXPECTED])
+@pytest.mark.parametrize("name", EXPECTED)
 def test_notebook_runs(name, tmp_path, monkeypatch, ray_cluster):
     import nbclient  # the dev extras: pip install -e ".[dev]"
     import nbformat
