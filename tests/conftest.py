@@ -87,21 +87,24 @@ def no_leftovers(request):
         time.sleep(0.5)
 
 
-# The one xdist group (.ci/run: `pytest -n 2 --dist loadgroup`) of every test on the shared cluster.
-SESSION_CLUSTER_GROUP = "session-cluster"
+# The xdist groups (.ci/run: `pytest -n 2 --dist loadgroup`) of the tests on a shared cluster: the
+# integration tests in one, the rest (notebooks, API runs) in the other. Each group runs in one worker,
+# in collection order, on that worker's own session cluster (the fixture is per worker process).
+CLUSTER_GROUPS = {"integration": "cluster-integration"}
+OTHER_CLUSTER_GROUP = "cluster-other"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into each test's id
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, every test that uses the session's cluster runs in one worker, in collection order.
+    """Under pytest-xdist, the tests that use the session's cluster run in two groups, one per worker.
 
-    Those tests share one cluster (and the notebooks join it through DILOCO_RAY_ADDRESS), which a second
-    worker would start again. Everything else, Ray-free tests and tests that start a Ray of their own
-    (the Jobs test, the CLI runs), spreads over the other worker: on 2 cores the cluster's tests leave a
-    core idle about a third of the time (start-up, waits for detection), which they fill. Without xdist
-    the marker is inert.
+    Tests on one cluster share it (and the notebooks join it through DILOCO_RAY_ADDRESS), so each group
+    stays in one worker, which starts its own cluster for it: two clusters, each about half the suite's
+    end-to-end runs, with the Ray-free tests and the tests that start a Ray of their own (the Jobs test,
+    the CLI runs) spread over both workers. On 2 cores one run leaves a core idle a good part of the
+    time (start-up, waits for detection), which the other worker fills. Without xdist the marks are inert.
     """
-    group = pytest.mark.xdist_group(SESSION_CLUSTER_GROUP)
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(group)
+            tier = item.path.parent.name
+            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUPS.get(tier, OTHER_CLUSTER_GROUP)))
