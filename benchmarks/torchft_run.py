@@ -71,7 +71,10 @@ class TorchftRun:
         self.tokens_per_step = cfg.data.batch_size * self.recipe.seq_len
         self.outer_steps = max(1, math.ceil(cfg.run.token_budget / (m * cfg.outer.sync_every_steps * self.tokens_per_step)))
         np.save(run_dir / "train.npy", np.asarray(self.data.train))
-        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+        # The torchft_lighthouse command's defaults, stated: the Python binding's own join timeout is 100 ms, which
+        # on a loaded machine formed quorums without a replica group that was a few steps behind.
+        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=100,
+                                           heartbeat_timeout_ms=5_000)
         inner = replace(inner_settings(cfg), emulated_slowdown=1.0, emulated_jitter=0.0)  # the replica paces itself
         self.settings = ReplicaSettings(
             run_dir=str(run_dir), lighthouse=self.lighthouse.address(), num_replicas=m, recipe=self.recipe, inner=inner,
