@@ -14,7 +14,8 @@ What this file adds, all outside torchft's code path:
   all-reduce; DiLoCo runs with `use_bucketization=True`, so one sync is one all-reduce of the whole model;
 - the EMULATED slow pool: after each inner step the replica sleeps (slowdown - 1) x its compute, timed
   without the sync (optimizer hooks around DiLoCo's own), as `InnerTrainer` paces an island;
-- records: one JSON line per sync (`records-r<slot>-i<incarnation>.jsonl`), and the committed global
+- records: one JSON line per sync (`records-r<slot>-i<incarnation>.jsonl`), the inner steps taken so far
+  (`steps-r<slot>-i<incarnation>`, so a killed incarnation's unsynced steps are counted), and the committed global
   parameters (`params-s<step>.pt`, written by the replica of participating rank 0) for the driver to score.
 """
 
@@ -122,6 +123,7 @@ def main(argv: list[str]) -> int:
     # Around DiLoCo's own step hook: "pre" when the inner step's compute is done, "post" after DiLoCo's sync.
     hooks = [inner.register_step_post_hook(lambda *a: marks.__setitem__("pre", time.perf_counter()))]
     records = open(run_dir / f"records-r{slot}-i{incarnation}.jsonl", "a", buffering=1)
+    counter = open(run_dir / f"steps-r{slot}-i{incarnation}", "w")  # inner steps so far, rewritten every step
     (run_dir / f"ready-r{slot}-i{incarnation}").touch()
     go = run_dir / "go"
     while not go.exists():  # the first replica groups start together: the driver's clock starts at `go`
@@ -137,6 +139,9 @@ def main(argv: list[str]) -> int:
                                    / s.token_budget)
             result = trainer.step()
             losses.append(result.loss)
+            counter.seek(0)
+            counter.write(f"{trainer.steps:12d}")
+            counter.flush()
             sync_s = marks.get("post", 0.0) - marks.get("pre", 0.0)
             if slowdown > 1.0:  # EMULATED slow pool: stretch the compute, not the sync
                 time.sleep((result.compute_s - sync_s) * (slowdown - 1.0))
@@ -157,6 +162,7 @@ def main(argv: list[str]) -> int:
     records.write(json.dumps({"slot": slot, "incarnation": incarnation, "t": time.time(), "done": True,
                               "step": manager.current_step(), "inner_steps": trainer.steps, "wall_s": time.time() - t_start}) + "\n")
     records.close()
+    counter.close()
     manager.shutdown(wait=False)
     return 0
 

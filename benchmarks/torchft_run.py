@@ -123,8 +123,12 @@ class TorchftRun:
                     self.records.setdefault((rec["slot"], rec["incarnation"]), []).append(rec)
 
     def tokens_processed(self) -> int:
-        """Inner steps of every incarnation as last reported, in tokens."""
-        return sum(recs[-1]["inner_steps"] for recs in self.records.values()) * self.tokens_per_step
+        """Inner steps of every incarnation so far (a killed one's up to its kill), in tokens."""
+        steps = 0
+        for path in self.run_dir.glob("steps-r*-i*"):
+            text = path.read_text().strip()
+            steps += int(text) if text else 0
+        return steps * self.tokens_per_step
 
     def tokens_merged(self) -> int:
         """Tokens of every committed torchft step: participants x H x B x T, counted once per step."""
@@ -230,6 +234,7 @@ class TorchftRun:
             "mode": "torchft-diloco", "torchft": _torchft_version(), "eval_loss": final["eval_loss"],
             "eval_bits_per_byte": final["eval_bits_per_byte"], "evals": self.evals, **wide,
             "tokens_processed": self.tokens_processed(), "tokens_merged": self.tokens_merged(),
+            "tokens_lost": self.tokens_processed() - self.tokens_merged(),
             "token_budget": cfg.run.token_budget, "outer_steps_target": self.outer_steps, "outer_steps": step,
             "syncs": sum(1 for recs in self.records.values() for r in recs if "committed" in r), "commits": len(commits),
             "participants_per_commit": [commits[k] for k in sorted(commits)],
