@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--failures", type=int, default=None, help="kills per island on the tape (default 2; --quick 1)")
     ap.add_argument("--local-step-s", type=float, default=None, help="inner-step time the network is scaled to (default: measured once)")
     ap.add_argument("--final-eval-batches", type=int, default=64, help="held-out batches each final model is scored on (default 64)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help="comma-separated subset of decoupled, sync-diloco, torchft (decoupled is always run: ratios are over it)")
+    ap.add_argument("--analyse", type=Path, nargs="+", default=None, metavar="RUNS_JSON",
+                    help="run nothing: analyse the runs.json of earlier invocations together (their repeats pooled)")
     ap.add_argument("--seed", type=int, default=0, help="run and tape seed")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default runs/torchft-<timestamp>)")
     args = ap.parse_args(argv)
@@ -73,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [s for s in args.scenarios if s not in SCENARIOS]
     if bad or not args.scenarios:
         ap.error(f"--scenarios {bad or '(none)'}: pick from {', '.join(SCENARIOS)}")
+    args.systems = ["decoupled"] + [n for n in SYSTEMS[1:] if n in args.systems.split(",")]
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: pass 1 or more")
     args.repeats = 1 if args.quick else args.repeats
@@ -137,7 +142,8 @@ def run_repeat(args: argparse.Namespace, cargs: argparse.Namespace, r: int) -> d
             tape = [(f.at_s, f.island) for f in ft.faults]
             print(f"repeat {r} faults: {len(tape)} kills at {', '.join(f'{t:.0f}s (#{i})' for t, i in tape)}", file=sys.stderr)
         print(f"repeat {r}, scenario {scenario}", file=sys.stderr, flush=True)
-        rep[scenario] = {n: run_system(n, data, where / n, args, tape) for n, data in configs(cargs, scenario, tape_path).items()}
+        rep[scenario] = {n: run_system(n, data, where / n, args, tape) for n, data in configs(cargs, scenario, tape_path).items()
+                         if n in args.systems}
     return rep
 
 
@@ -168,13 +174,15 @@ def analyse(runs: list[dict[str, dict[str, dict]]]) -> dict:
                 row["systems"][n] = m
             dec = row["systems"]["decoupled"]
             for n in ("torchft", "sync-diloco"):
-                t = row["systems"][n]["time_to_target_s"]
+                t = row["systems"].get(n, {}).get("time_to_target_s")
                 row[f"{n}_over_decoupled"] = t / dec["time_to_target_s"] if t and dec["time_to_target_s"] else None
-            row["decoupled_loss_vs_torchft"] = dec["final_loss"] / row["systems"]["torchft"]["final_loss"] - 1
+            tft = row["systems"].get("torchft")
+            row["decoupled_loss_vs_torchft"] = dec["final_loss"] / tft["final_loss"] - 1 if tft else None
             rows.append(row)
         keys = ("time_to_target_s", "final_loss", "tokens_processed", "tokens_merged", "tokens_lost", "wall_s", "merged_per_s",
                 "kept_vs_clean", "loss_vs_clean", "faults")
-        med = {n: {k: compare.median([r["systems"][n].get(k) for r in rows]) for k in keys} for n in SYSTEMS}
+        med = {n: {k: compare.median([r["systems"][n].get(k) for r in rows if n in r["systems"]]) for k in keys}
+               for n in SYSTEMS if any(n in r["systems"] for r in rows)}
         out[scenario] = {"per_repeat": rows, "median": med, "target_loss": compare.median([r["target_loss"] for r in rows]),
                          **{f"{n}_over_decoupled": compare.median([r[f"{n}_over_decoupled"] for r in rows])
                             for n in ("torchft", "sync-diloco")},
@@ -213,15 +221,19 @@ def table(res: dict, notes: list[str]) -> str:
         if scenario in res:
             r = res[scenario]["torchft_over_decoupled"]
             gap = res[scenario]["decoupled_loss_vs_torchft"]
-            ok = r is not None and r >= TARGETS[scenario] and gap <= TARGETS["loss_gap"]
+            ok = r is not None and gap is not None and r >= TARGETS[scenario] and gap <= TARGETS["loss_gap"]
             checks.append(f"- {'PASS' if ok else 'MISS'}: {scenario}: decoupled reaches the target >= {TARGETS[scenario]:g}x sooner "
-                          f"than torchft at a final loss within 2% of it: measured {fmt(r, '.2f')}x, final loss {100 * gap:+.2f}% vs torchft")
+                          f"than torchft at a final loss within 2% of it: measured {fmt(r, '.2f')}x, final loss {pct(gap)} vs torchft")
     return "\n".join(lines + checks + [""] + notes)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     compare.log_runs_and_warn_on_console(args.out)
+    if args.analyse:
+        runs = [rep for path in args.analyse for rep in json.loads(path.read_text())]
+        args.repeats, args.scenarios = len(runs), list(runs[0])
+        return report(args, runs, "analysed from " + ", ".join(map(str, args.analyse)))
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     cargs = compare_args(args)
     if args.local_step_s is None:  # before Ray starts, as compare.py
@@ -238,15 +250,25 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / "runs.json").write_text(json.dumps(runs, indent=2, default=str))
     finally:
         ray.shutdown()
+    return report(args, runs, f"started {started} UTC")
+
+
+def report(args: argparse.Namespace, runs: list[dict[str, dict[str, dict]]], started: str) -> int:
+    """table.md and results.json in --out, the table printed."""
     res = analyse(runs)
-    first = runs[0][args.scenarios[0]]
-    notes = sorted({s["network"] for rep in runs for sc in rep.values() for s in sc.values()})
-    notes += sorted({s["emulation"] for rep in runs for sc in rep.values() for s in sc.values() if s.get("emulation")})
-    notes += [f"torchft {first['torchft']['torchft']} (PyPI), its DiLoCo with P = 1, use_bucketization (one all-reduce of the float32 "
-              f"pseudo-gradient per sync, EMULATED {first['torchft']['allreduce_emulated_s']:.1f} s among 4 regions), lighthouse "
-              "min_replicas 1, Manager min_replica_size 1, gloo; replica groups and islands restart as fresh processes",
-              f"{args.repeats} repeat(s), medians; token budget {args.budget:,}; H {args.sync_every}; model tiny; final losses on "
-              f"{args.final_eval_batches} held-out batches; fault tape {args.failures} kill(s) per island; started {started} UTC"]
+    every = [x for rep in runs for sc in rep.values() for x in sc.values()]
+    notes = sorted({x["network"] for x in every}) + sorted({x["emulation"] for x in every if x.get("emulation")})
+    tft = [x for x in every if x.get("mode") == "torchft-diloco"]
+    if tft:
+        delays = ", ".join(sorted({f"{x['allreduce_emulated_s']:.1f}" for x in tft}))
+        notes.append(f"torchft {tft[0]['torchft']} (PyPI), its DiLoCo with P = 1 and use_bucketization: one all-reduce of the "
+                     f"float32 pseudo-gradient per sync, EMULATED {delays} s among 4 regions; lighthouse min_replicas 1 with the "
+                     "torchft_lighthouse command's timeouts, Manager min_replica_size 1, gloo; replica groups and islands "
+                     "restart as fresh processes (no warm spares)")
+    budget = next((x["token_budget"] for x in every if "token_budget" in x), args.budget)
+    notes.append(f"{len(runs)} repeat(s), medians; token budget {budget:,} per run"
+                 + ("" if args.analyse else f"; H {args.sync_every}; {args.failures} kill(s) per island on the tape")
+                 + f"; model tiny; final losses on {args.final_eval_batches} held-out batches; {started}")
     text = table(res, notes)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "analysis": res,
