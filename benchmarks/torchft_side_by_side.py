@@ -13,7 +13,8 @@ inner lr schedule; the same token budget, H and held-out batches):
 
 Scenarios, each measured in one invocation, every repeat running all three systems:
 
-  clean   no failures: final held-out loss at equal tokens; wall time to the target loss
+  clean   no failures: held-out loss at equal tokens (the fewest any of the three processed, interpolated between
+          evaluations; final losses are on each run's own token count); wall time to the target loss
   faults  chaos.py's fault tape: each island / replica group killed --failures times at the same seconds
           (benchmarks/chaos.py's fixed_tape over 10 s to 85% of this repeat's clean decoupled wall time, so
           every kill fires in every run); killed islands and replica groups restart as fresh processes (no warm
@@ -68,8 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--final-eval-batches", type=int, default=64, help="held-out batches each final model is scored on (default 64)")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help="comma-separated subset of decoupled, sync-diloco, torchft (decoupled is always run: ratios are over it)")
-    ap.add_argument("--analyse", type=Path, nargs="+", default=None, metavar="RUNS_JSON",
-                    help="run nothing: analyse the runs.json of earlier invocations together (their repeats pooled)")
+    ap.add_argument("--analyse", type=Path, nargs="+", default=None, metavar="RUNS_JSON_OR_OUT_DIR",
+                    help="run nothing: analyse earlier invocations together (their repeats pooled), each a runs.json or an "
+                         "--out directory whose repeat was cut short (its finished runs' summary.json files, engine runs rescored)")
     ap.add_argument("--seed", type=int, default=0, help="run and tape seed")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default runs/torchft-<timestamp>)")
     args = ap.parse_args(argv)
@@ -150,19 +152,30 @@ def run_repeat(args: argparse.Namespace, cargs: argparse.Namespace, r: int) -> d
 # ---------------------------------------------------------------------------- analysis
 
 
+def loss_at_tokens(evals: list[dict], tokens: float) -> float | None:
+    """Held-out loss when the run had processed `tokens`, interpolated between its evaluations (None if it never did)."""
+    pts = sorted((e["tokens_processed"], e["eval_loss"]) for e in evals)
+    for (t0, l0), (t1, l1) in zip(pts, pts[1:]):
+        if t0 <= tokens <= t1:
+            return l0 if t1 == t0 else l0 + (tokens - t0) / (t1 - t0) * (l1 - l0)
+    return None
+
+
 def analyse(runs: list[dict[str, dict[str, dict]]]) -> dict:
     """Per scenario and repeat: target, times to it, ratios over decoupled, losses, kept throughput; then medians."""
     out: dict[str, Any] = {}
-    for scenario in runs[0]:
+    for scenario in dict.fromkeys(sc for rep in runs for sc in rep):  # every scenario any repeat ran, in run order
         rows = []
-        for rep in runs:
+        for rep in (r for r in runs if scenario in r):
             s = rep[scenario]
             target = max(x["eval_loss"] for x in s.values())  # compare.py's rule: the worst final loss (own evaluations)
-            row: dict[str, Any] = {"target_loss": target, "systems": {}}
+            equal = min(x["tokens_processed"] for x in s.values())
+            row: dict[str, Any] = {"target_loss": target, "equal_tokens": equal, "systems": {}}
             for n, x in s.items():
                 t, toks = compare.time_to_target(x["evals"], target)
                 merged = x.get("tokens_merged") or 0
                 m = {"time_to_target_s": t, "final_loss": compare.final_loss(x), "final_loss_own_eval": x["eval_loss"],
+                     "loss_at_equal_tokens": loss_at_tokens(x["evals"], equal),
                      "tokens_processed": x["tokens_processed"], "tokens_merged": merged,
                      "tokens_lost": x["tokens_processed"] - merged, "wall_s": x["wall_s"],
                      "merged_per_s": merged / x["wall_s"] if x["wall_s"] else None, "faults": x.get("faults_injected", 0)}
@@ -179,7 +192,7 @@ def analyse(runs: list[dict[str, dict[str, dict]]]) -> dict:
             tft = row["systems"].get("torchft")
             row["decoupled_loss_vs_torchft"] = dec["final_loss"] / tft["final_loss"] - 1 if tft else None
             rows.append(row)
-        keys = ("time_to_target_s", "final_loss", "tokens_processed", "tokens_merged", "tokens_lost", "wall_s", "merged_per_s",
+        keys = ("time_to_target_s", "final_loss", "loss_at_equal_tokens", "tokens_processed", "tokens_merged", "tokens_lost", "wall_s", "merged_per_s",
                 "kept_vs_clean", "loss_vs_clean", "faults")
         med = {n: {k: compare.median([r["systems"][n].get(k) for r in rows if n in r["systems"]]) for k in keys}
                for n in SYSTEMS if any(n in r["systems"] for r in rows)}
@@ -206,11 +219,12 @@ def table(res: dict, notes: list[str]) -> str:
                         f"{fmt(r['sync-diloco_over_decoupled'], '.2f')}x" for i, r in enumerate(s["per_repeat"]))
         lines += [f"**{scenario}** (target held-out loss {s['target_loss']:.4f}; time to it over decoupled's: torchft "
                   f"{fmt(s['torchft_over_decoupled'], '.2f')}x, sync-diloco {fmt(s['sync-diloco_over_decoupled'], '.2f')}x; {per})", "",
-                  "| system | final held-out loss | time to target s | tokens processed | tokens merged | tokens lost | "
-                  "merged tokens/s | kept vs own clean | loss vs own clean | kills | wall s |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| system | final held-out loss | loss at equal tokens | time to target s | tokens processed | tokens merged | "
+                  "tokens lost | merged tokens/s | kept vs own clean | loss vs own clean | kills | wall s |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for n, m in s["median"].items():
-            lines.append(f"| {n} | {m['final_loss']:.4f} | {fmt(m['time_to_target_s'], '.1f')} | {m['tokens_processed']:,.0f} | "
+            lines.append(f"| {n} | {m['final_loss']:.4f} | {fmt(m['loss_at_equal_tokens'], '.4f')} | "
+                         f"{fmt(m['time_to_target_s'], '.1f')} | {m['tokens_processed']:,.0f} | "
                          f"{m['tokens_merged']:,.0f} | {m['tokens_lost']:,.0f} | {fmt(m['merged_per_s'], ',.0f')} | "
                          f"{fmt(m['kept_vs_clean'], '.3f')} | "
                          f"{pct(m['loss_vs_clean'])} | "
@@ -231,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     compare.log_runs_and_warn_on_console(args.out)
     if args.analyse:
-        runs = [rep for path in args.analyse for rep in json.loads(path.read_text())]
-        args.repeats, args.scenarios = len(runs), list(runs[0])
+        runs = [rep for path in args.analyse for rep in load_runs(path, args.final_eval_batches)]
+        args.repeats, args.scenarios = len(runs), list(dict.fromkeys(sc for rep in runs for sc in rep))
         return report(args, runs, "analysed from " + ", ".join(map(str, args.analyse)))
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     cargs = compare_args(args)
@@ -251,6 +265,29 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     return report(args, runs, f"started {started} UTC")
+
+
+def load_runs(path: Path, final_eval_batches: int) -> list[dict[str, dict[str, dict]]]:
+    """An invocation's repeats: its runs.json, or from an --out directory OUT/r<k>/<scenario>/<system>/summary.json
+    (engine runs' final models scored again on `final_eval_batches` batches, as compare.run_one does)."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    runs = []
+    for rdir in sorted(path.glob("r[0-9]*")):
+        rep: dict[str, dict[str, dict]] = {}
+        for scenario in SCENARIOS:
+            done = {n: rdir / scenario / n for n in SYSTEMS if (rdir / scenario / n / "summary.json").is_file()}
+            if "decoupled" not in done:
+                continue
+            rep[scenario] = {}
+            for n, run_dir in done.items():
+                summary = json.loads((run_dir / "summary.json").read_text())
+                if n != "torchft" and final_eval_batches:
+                    summary.update(compare.score_final(run_dir, final_eval_batches))
+                rep[scenario][n] = summary
+        if rep:
+            runs.append(rep)
+    return runs
 
 
 def report(args: argparse.Namespace, runs: list[dict[str, dict[str, dict]]], started: str) -> int:
