@@ -207,6 +207,10 @@ def fmt(v: float | None, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+def times(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
 def pct(v: float | None) -> str:
     return "n/a" if v is None else f"{100 * v:+.2f}%"
 
@@ -215,10 +219,10 @@ def table(res: dict, notes: list[str]) -> str:
     """Markdown: per scenario one row per system (medians), the per-repeat ratios, the issue's checks, the notes."""
     lines = []
     for scenario, s in res.items():
-        per = "; ".join(f"r{i + 1}: torchft {fmt(r['torchft_over_decoupled'], '.2f')}x, sync-diloco "
-                        f"{fmt(r['sync-diloco_over_decoupled'], '.2f')}x" for i, r in enumerate(s["per_repeat"]))
+        per = "; ".join(f"r{i + 1}: torchft {times(r['torchft_over_decoupled'])}, sync-diloco "
+                        f"{times(r['sync-diloco_over_decoupled'])}" for i, r in enumerate(s["per_repeat"]))
         lines += [f"**{scenario}** (target held-out loss {s['target_loss']:.4f}; time to it over decoupled's: torchft "
-                  f"{fmt(s['torchft_over_decoupled'], '.2f')}x, sync-diloco {fmt(s['sync-diloco_over_decoupled'], '.2f')}x; {per})", "",
+                  f"{times(s['torchft_over_decoupled'])}, sync-diloco {times(s['sync-diloco_over_decoupled'])}; {per})", "",
                   "| system | final held-out loss | loss at equal tokens | time to target s | tokens processed | tokens merged | "
                   "tokens lost | merged tokens/s | kept vs own clean | loss vs own clean | kills | wall s |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -237,7 +241,7 @@ def table(res: dict, notes: list[str]) -> str:
             gap = res[scenario]["decoupled_loss_vs_torchft"]
             ok = r is not None and gap is not None and r >= TARGETS[scenario] and gap <= TARGETS["loss_gap"]
             checks.append(f"- {'PASS' if ok else 'MISS'}: {scenario}: decoupled reaches the target >= {TARGETS[scenario]:g}x sooner "
-                          f"than torchft at a final loss within 2% of it: measured {fmt(r, '.2f')}x, final loss {pct(gap)} vs torchft")
+                          f"than torchft at a final loss within 2% of it: measured {times(r)}, final loss {pct(gap)} vs torchft")
     return "\n".join(lines + checks + [""] + notes)
 
 
