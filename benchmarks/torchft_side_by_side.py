@@ -49,7 +49,7 @@ import ray  # noqa: E402
 from torchft_run import train_torchft  # noqa: E402
 
 from orchestrator.actors.remote import WORKER_ENV, ignore_zero_copy_warnings  # noqa: E402
-from policies.chaos import fixed_tape  # noqa: E402
+from policies.chaos import FaultTape, fixed_tape  # noqa: E402
 
 SYSTEMS = ("decoupled", "sync-diloco", "torchft")
 SCENARIOS = ("clean", "faults", "slow")
@@ -68,7 +68,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--local-step-s", type=float, default=None, help="inner-step time the network is scaled to (default: measured once)")
     ap.add_argument("--final-eval-batches", type=int, default=64, help="held-out batches each final model is scored on (default 64)")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help="comma-separated subset of decoupled, sync-diloco, torchft (decoupled is always run: ratios are over it)")
+                    help="comma-separated subset of decoupled, sync-diloco, torchft (ratios are over decoupled: leave it out "
+                         "only to complete an earlier invocation's repeat, then --analyse its directory)")
+    ap.add_argument("--tape", type=Path, default=None,
+                    help="the faults scenario's tape (a chaos tape YAML, e.g. an earlier invocation's r1/faults/tape.yaml) "
+                         "instead of one over 85%% of this repeat's clean decoupled run")
     ap.add_argument("--analyse", type=Path, nargs="+", default=None, metavar="RUNS_JSON_OR_OUT_DIR",
                     help="run nothing: analyse earlier invocations together (their repeats pooled), each a runs.json or an "
                          "--out directory whose repeat was cut short (its finished runs' summary.json files, engine runs rescored)")
@@ -79,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [s for s in args.scenarios if s not in SCENARIOS]
     if bad or not args.scenarios:
         ap.error(f"--scenarios {bad or '(none)'}: pick from {', '.join(SCENARIOS)}")
-    args.systems = ["decoupled"] + [n for n in SYSTEMS[1:] if n in args.systems.split(",")]
+    args.systems = [n for n in SYSTEMS if n in args.systems.split(",")]
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: pass 1 or more")
     args.repeats = 1 if args.quick else args.repeats
@@ -137,8 +141,8 @@ def run_repeat(args: argparse.Namespace, cargs: argparse.Namespace, r: int) -> d
         if scenario == "faults":
             clean = rep.get("clean", {}).get("decoupled")
             horizon = 0.85 * clean["wall_s"] if clean else 60.0
-            ft = fixed_tape(islands=len(compare.REGIONS), failures_per_island=args.failures, horizon_s=horizon,
-                            start_s=10.0, seed=args.seed)
+            ft = FaultTape.from_yaml(args.tape) if args.tape else fixed_tape(
+                islands=len(compare.REGIONS), failures_per_island=args.failures, horizon_s=horizon, start_s=10.0, seed=args.seed)
             tape_path = where / "tape.yaml"
             ft.to_yaml(tape_path)
             tape = [(f.at_s, f.island) for f in ft.faults]
@@ -256,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     cargs = compare_args(args)
     if args.local_step_s is None:  # before Ray starts, as compare.py
         args.local_step_s = cargs.local_step_s = compare.measure_local_step(cargs)
-    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-             runtime_env={"env_vars": WORKER_ENV}, logging_level="ERROR")
-    ignore_zero_copy_warnings()
+    engine = any(n != "torchft" for n in args.systems)  # torchft alone needs no Ray
+    if engine:
+        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                 runtime_env={"env_vars": WORKER_ENV}, logging_level="ERROR")
+        ignore_zero_copy_warnings()
     runs = []
     try:
         print(f"budget {args.budget:,} tokens, H {args.sync_every}, EMULATED wan-4-regions scaled to {args.local_step_s:.4f} s/step, "
@@ -267,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_repeat(args, cargs, r))
             (args.out / "runs.json").write_text(json.dumps(runs, indent=2, default=str))
     finally:
-        ray.shutdown()
+        if engine:
+            ray.shutdown()
+    if "decoupled" not in args.systems:
+        print(f"no decoupled run: copy this repeat's other runs into {args.out}/r1/ and --analyse it", file=sys.stderr)
+        return 0
     return report(args, runs, f"started {started} UTC")
 
 
