@@ -107,7 +107,8 @@ def theirs(cfg: RunConfig, run_dir: Path) -> tuple[list[list[float]], dict[str, 
     for slot in range(m):
         for line in (run_dir / f"records-r{slot}-i1.jsonl").read_text().splitlines():
             losses[slot] += json.loads(line).get("losses", [])
-    final = torch.load(run_dir / f"params-s{summary['outer_steps']}.pt")
+    files = run_dir.glob(f"params-s{summary['outer_steps']}-n*-r*.pt")  # the step's largest quorum
+    final = torch.load(max(files, key=lambda p: int(p.stem.split("-")[2][1:])))
     return losses, final, summary
 
 

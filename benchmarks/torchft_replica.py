@@ -16,7 +16,7 @@ What this file adds, all outside torchft's code path:
   without the sync (optimizer hooks around DiLoCo's own), as `InnerTrainer` paces an island;
 - records: one JSON line per sync (`records-r<slot>-i<incarnation>.jsonl`), the inner steps taken so far
   (`steps-r<slot>-i<incarnation>`, so a killed incarnation's unsynced steps are counted), and the committed global
-  parameters (`params-s<step>.pt`, written by the replica of participating rank 0) for the driver to score.
+  parameters (`params-s<step>-n<participants>-r<slot>.pt`, written by the replica of participating rank 0) for the driver to score.
 """
 
 from __future__ import annotations
@@ -152,9 +152,11 @@ def main(argv: list[str]) -> int:
                        "participants": manager.num_participants(), "rank": rank, "inner_steps": trainer.steps,
                        "sync_s": sync_s, "losses": losses}
                 if after > before and rank == 0:
+                    # Named by participants too: a group left out of a quorum can commit the same step alone (split
+                    # brain at the end of a run, seen with a slow pool); the driver scores the step's largest quorum.
                     tmp = run_dir / f".params-s{after}-r{slot}.tmp"
                     torch.save({n: p.detach().clone() for n, p in model.state_dict().items()}, tmp)
-                    os.replace(tmp, run_dir / f"params-s{after}.pt")
+                    os.replace(tmp, run_dir / f"params-s{after}-n{manager.num_participants()}-r{slot}.pt")
                 records.write(json.dumps(rec) + "\n")
                 losses = []
     for h in hooks:

@@ -140,8 +140,15 @@ class TorchftRun:
         return sum(steps.values()) * self.cfg.outer.sync_every_steps * self.tokens_per_step
 
     def _newest_params(self) -> tuple[int, Path | None]:
-        files = [(int(p.stem.split("-s")[1]), p) for p in self.run_dir.glob("params-s*.pt")]
-        return max(files) if files else (0, None)
+        """The newest committed step and its parameters from the largest quorum that committed it."""
+        files = []
+        for p in self.run_dir.glob("params-s*-n*-r*.pt"):
+            step, n, _ = (int(x[1:]) for x in p.stem.split("-")[1:])
+            files.append((step, n, p))
+        if not files:
+            return 0, None
+        step, _, path = max(files)
+        return step, path
 
     def _evaluate(self, step: int, path: Path | None, t0: float, initial: dict | None = None) -> None:
         params = initial if path is None else torch.load(path)
