@@ -241,6 +241,22 @@ def final_loss(s: dict) -> float:
     return s["eval_loss"] if wide is None else wide
 
 
+def start_local_ray(attempts: int = 3) -> None:
+    """A fresh local Ray for the benchmark's runs, tried `attempts` times: on a loaded 2-core box the raylet
+    can miss Ray's fixed 30 s registration wait."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                     runtime_env={"env_vars": WORKER_ENV}, logging_level="ERROR")
+            break
+        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this
+            ray.shutdown()
+            if attempt == attempts:
+                raise
+            print(f"ray.init failed ({err}); retrying", file=sys.stderr)
+    ignore_zero_copy_warnings()
+
+
 def measure_local_step(args: argparse.Namespace) -> float:
     """The inner-step time every run's network is scaled to, measured once so every method sees the same links.
 
@@ -637,17 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before Ray starts: its daemons and prestarted workers would slow the timed steps for a few seconds.
     if args.local_step_s is None and args.network != "none":
         args.local_step_s = measure_local_step(args)
-    for attempt in (1, 2, 3):  # on a loaded 2-core box the raylet can miss Ray's fixed 30 s registration wait
-        try:
-            ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                     runtime_env={"env_vars": WORKER_ENV}, logging_level="ERROR")
-            break
-        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this
-            ray.shutdown()
-            if attempt == 3:
-                raise
-            print(f"ray.init failed ({err}); retrying", file=sys.stderr)
-    ignore_zero_copy_warnings()
+    start_local_ray()
     try:
         print(f"{args.scenario}: budget {args.budget:,} tokens, network {args.network} scaled to "
               f"{fmt(args.local_step_s, '.4f')} s/step, {args.repeats} repeat(s), out {args.out}", file=sys.stderr)

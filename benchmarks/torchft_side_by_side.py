@@ -48,7 +48,6 @@ import compare  # noqa: E402 - sets up sys.path, PYTHONPATH and RAY_AUTH_MODE fo
 import ray  # noqa: E402
 from torchft_run import train_torchft  # noqa: E402
 
-from orchestrator.actors.remote import WORKER_ENV, ignore_zero_copy_warnings  # noqa: E402
 from policies.chaos import FaultTape, fixed_tape  # noqa: E402
 
 SYSTEMS = ("decoupled", "sync-diloco", "torchft")
@@ -261,18 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.local_step_s is None:  # before Ray starts, as compare.py
         args.local_step_s = cargs.local_step_s = compare.measure_local_step(cargs)
     engine = any(n != "torchft" for n in args.systems)  # torchft alone needs no Ray
-    for attempt in (1, 2, 3) if engine else ():  # as compare.py: a loaded box can miss Ray's start-up wait
-        try:
-            ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                     runtime_env={"env_vars": WORKER_ENV}, logging_level="ERROR")
-            break
-        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this
-            ray.shutdown()
-            if attempt == 3:
-                raise
-            print(f"ray.init failed ({err}); retrying", file=sys.stderr)
     if engine:
-        ignore_zero_copy_warnings()
+        compare.start_local_ray()
     runs = []
     try:
         print(f"budget {args.budget:,} tokens, H {args.sync_every}, EMULATED wan-4-regions scaled to {args.local_step_s:.4f} s/step, "
