@@ -14,7 +14,7 @@ from islands.data import DataError
 from islands.examples import ExampleSampler
 from islands.ray_source import RayDatasetExamples
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.extended]
 
 ROWS, FILES = 1000, 4
 
