@@ -240,8 +240,15 @@ def ensure_ray(cfg: RunConfig, address: str | None, *, init: Callable[..., Any] 
     needed = math.ceil(sum(p.cpus_per_island * p.reserved_bundles(cfg.health.warm_spares) for p in cfg.pools))
     # address="local": never join some other cluster running on this machine by accident.
     start_local_ray(init, address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
-                    runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING)
+                    runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING,
+                    _system_config=_LOCAL_SYSTEM_CONFIG)
     return True
+
+
+# Ray prestarts idle workers for the first driver; ours all carry a runtime env (the job's, or the control
+# plane's), so none was ever used (still idle at the end of a default run), and their starts (~0.8 s of CPU each) land
+# beside the islands' (benchmarks/startup.py).
+_LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 
 # Retry of a local start. Ray 2.60 waits a fixed 30 s for the new node to register (ray/_private/node.py,
@@ -269,7 +276,7 @@ def start_local_ray(init: Callable[..., Any], *, pause_s: float = RAY_RETRY_PAUS
     shutdown()
     time.sleep(pause_s)
     try:
-        init(**kwargs, _system_config=_RETRY_SYSTEM_CONFIG)
+        init(**{**kwargs, "_system_config": {**kwargs.get("_system_config", {}), **_RETRY_SYSTEM_CONFIG}})
     except Exception as err:
         shutdown()
         raise RayStartError(f"the local Ray did not start, twice ({_first_line(err)}); the machine is probably "

@@ -227,9 +227,14 @@ def test_a_keeper_is_placed_in_its_pool_away_from_its_islands(ray_cluster, tmp_p
         # islands shelve into the new one, which is placed by the same rule.
         old = actor(f"{run.run_id}-keeper-a")
         ray.kill(old, no_restart=True)
-        keepers_a = lambda: [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)  # noqa: E731
-                             if a["name"] == f"{run.run_id}-keeper-a"]
-        replaced = lambda: keepers_a() and actor(f"{run.run_id}-keeper-a")._actor_id != old._actor_id  # noqa: E731
+
+        def replaced() -> bool:
+            # One lookup: between two, the killed keeper's name can go (seen: listed, then not found).
+            try:
+                return ray.get_actor(f"{run.run_id}-keeper-a", namespace=NAMESPACE)._actor_id != old._actor_id
+            except ValueError:  # no actor of that name: the old one is gone, the new one not yet registered
+                return False
+
         wait_for("a new keeper of pool a", replaced, timeout_s=60)
         wait_for("island 0 to shelve into it", lambda: ray.get(actor(f"{run.run_id}-keeper-a").held.remote(), timeout=10))
         assert node(actor(f"{run.run_id}-keeper-a")) == (pool_a - {island_a}).pop()
