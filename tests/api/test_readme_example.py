@@ -85,7 +85,6 @@ def test_the_example_is_short_and_compiles():
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.extended
 def test_the_example_runs_as_written(tmp_path):
     pytest.importorskip("transformers")
     code, doc = example()

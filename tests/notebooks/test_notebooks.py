@@ -151,10 +151,7 @@ def _result(nb) -> dict:
 @pytest.mark.notebook
 @pytest.mark.ray
 @pytest.mark.slow
-# Notebook 05 (a user's Llama, tokenizer and Ray Data end to end) is an `extended` test: left out of the
-# default run to keep CI under 15 minutes (pyproject.toml); `-m extended` runs it.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n.startswith("05-") else n
-                                  for n in EXPECTED])
+@pytest.mark.parametrize("name", EXPECTED)
 def test_notebook_runs(name, tmp_path, monkeypatch, ray_cluster):
     import nbclient  # the dev extras: pip install -e ".[dev]"
     import nbformat
