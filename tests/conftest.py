@@ -87,24 +87,22 @@ def no_leftovers(request):
         time.sleep(0.5)
 
 
-# The xdist groups (.ci/run: `pytest -n 2 --dist loadgroup`) of the tests on a shared cluster: the
-# integration tests in one, the rest (notebooks, API runs) in the other. Each group runs in one worker,
-# in collection order, on that worker's own session cluster (the fixture is per worker process).
-CLUSTER_GROUPS = {"integration": "cluster-integration"}
-OTHER_CLUSTER_GROUP = "cluster-other"
+# The xdist group (.ci/run: `pytest -n 2 --dist loadgroup`) of every test that starts or uses Ray: one
+# worker runs them all, in collection order, on its own session cluster, while the other runs the Ray-free
+# tests beside them.
+RAY_GROUP = "ray"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into each test's id
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the tests that use the session's cluster run in two groups, one per worker.
+    """Under pytest-xdist, every test marked `ray` (the session cluster's, and those that start a Ray of their
+    own: the Jobs test, the CLI runs) runs in one group, so in one worker, one at a time.
 
-    Tests on one cluster share it (and the notebooks join it through DILOCO_RAY_ADDRESS), so each group
-    stays in one worker, which starts its own cluster for it: two clusters, each about half the suite's
-    end-to-end runs, with the Ray-free tests and the tests that start a Ray of their own (the Jobs test,
-    the CLI runs) spread over both workers. On 2 cores one run leaves a core idle a good part of the
-    time (start-up, waits for detection), which the other worker fills. Without xdist the marks are inert.
+    The Ray tests keep about 1.5 of 2 cores busy on their own (start-up, waits for detection, emulated slow
+    pools that sleep); the Ray-free tests (about 2 minutes of one core) fill the rest from the other worker.
+    Two Ray tests at once (two clusters, or a cluster and a CLI run's own Ray) fought for the cores and made a
+    start-up race fail (benchmarks/RESULTS.md#test-suite-timings). Without xdist the marks are inert.
     """
     for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
-            tier = item.path.parent.name
-            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUPS.get(tier, OTHER_CLUSTER_GROUP)))
+        if item.get_closest_marker("ray") is not None or "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
