@@ -1,8 +1,7 @@
 """OuterOptimizer: the single source of truth for the global parameters (docs/architecture.md section 3).
 
 A plain class, stepped with submissions and the current time. Per fragment p it keeps the global
-tensors, a Nesterov outer optimizer, the version, a ring of recent versions and the pending
-submissions. A round closes on quorum + grace (policies.quorum), merges with token weights
+tensors, a Nesterov outer optimizer, the version and the pending submissions. A round closes on quorum + grace (policies.quorum), merges with token weights
 (policies.weighting) and RDA (policies.merge), applies the outer step and yields a `RoundResult`
 for the shell to publish. Bad submissions are refused, counted and logged; they never touch state.
 
@@ -31,7 +30,6 @@ from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds
 from policies.outer_optimizer import FragmentOuterOptimizer
 from policies.quorum import MovingAverage, decide_round, grace_window_s
-from policies.staleness import VersionRing
 from policies.sync_schedule import sync_every_at
 
 __all__ = ["OuterOptimizer", "OuterSettings", "Refusal", "RoundRecord", "RoundResult"]
@@ -39,7 +37,7 @@ __all__ = ["OuterOptimizer", "OuterSettings", "Refusal", "RoundRecord", "RoundRe
 log = logging.getLogger(__name__)
 
 class OuterOptimizer:
-    """Global parameters, outer momentum, versions, version ring, pending rounds and token ledger."""
+    """Global parameters, outer momentum, versions, pending rounds and token ledger."""
 
     def __init__(
         self,
@@ -74,10 +72,8 @@ class OuterOptimizer:
         # The served model (run.average_window): a moving average of each fragment's global tensors, or None.
         self.average = None if settings.average_window is None else ServedAverage(self.params, settings.average_window)
         self.versions = [0] * P
-        # Recent versions per fragment: what any accepted submission can have been measured from.
-        self._rings: list[VersionRing] = [VersionRing(settings.max_staleness + 1) for _ in range(P)]
-        for p in range(P):
-            self._rings[p].push(0, [t.clone() for t in self.params[p]])
+        # No copy of older versions is kept: an island's outer gradient is measured from the version it holds,
+        # so a stale submission needs only its base version's number to be accepted or refused.
         self._open = [OpenRound(opened_at=now) for _ in range(P)]  # per fragment: its round, collecting
         self.islands: dict[int, int] = {}  # live island -> current incarnation
         self._last_incarnation: dict[int, int] = {}  # island slot -> newest incarnation ever registered
@@ -215,7 +211,6 @@ class OuterOptimizer:
                              live_islands=self._live_islands(), final=final)
         self.versions[p] += 1
         version = self.versions[p]
-        self._rings[p].push(version, [t.clone() for t in self.params[p]])
         record = RoundRecord.of(
             p, version, subs, weights=merged.weights, staleness=[st for _, st, _ in pending],
             quorum_s=(round_.quorum_at or now) - round_.opened_at, grace_s=round_.grace_s,
@@ -249,10 +244,6 @@ class OuterOptimizer:
     def fragment(self, p: int) -> list[torch.Tensor]:
         """A private copy of the current global tensors of fragment p."""
         return [t.clone() for t in self.params[p]]
-
-    def version_of(self, p: int, version: int) -> list[torch.Tensor]:
-        """Fragment p as it was at `version` (KeyError if older than the ring keeps)."""
-        return self._rings[p].get(version)
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """All current global parameters by name (copies)."""
@@ -336,8 +327,6 @@ class OuterOptimizer:
                     {"norms": norms, "sums": [tensors.get(f"rda_window/{n}") for n in names]})
             if self.average is not None:  # a checkpoint written without averaging starts it at its global model
                 self.average.load(p, names, tensors, self.params[p])
-            self._rings[p] = VersionRing(self.settings.max_staleness + 1)
-            self._rings[p].push(meta["versions"][p], [t.clone() for t in self.params[p]])
             self._open[p].clear()
         self.versions = list(meta["versions"])
         self.tokens_merged = list(meta["tokens_merged"])
