@@ -53,8 +53,14 @@ class _OuterShell:
                  network: NetworkModel | None = None, island_regions: dict[int, str] | None = None,
                  buffer_names: frozenset[str] = frozenset()) -> None:
         quiet_worker()
+        import torch
+
         from orchestrator.actors.published import PublishedFragments
         from orchestrator.core.outer_optimizer import OuterOptimizer
+
+        # The merge is memory- and compute-bound on one thread (docs/outer.md, Round speed); the actor reserves no
+        # CPU (num_cpus=0, so Ray sets OMP_NUM_THREADS=1), so more threads are the operator's choice.
+        torch.set_num_threads(settings.torch_threads)
 
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-core")
         self._t0 = time.monotonic()
