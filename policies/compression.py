@@ -370,10 +370,12 @@ def decode_into(c: Compressed, out: Tensor) -> Tensor:
     if c.scheme == "int8":
         flat.copy_(payload)  # int8 -> float32, exact
     else:
-        nibbles = torch.empty(2 * payload.numel(), dtype=torch.uint8)
-        torch.bitwise_and(payload, 0x0F, out=nibbles[0::2])
-        torch.bitwise_right_shift(payload, 4, out=nibbles[1::2])
-        flat.copy_(nibbles[:n])
+        pairs = n // 2  # low nibble first, as decompress interleaves them; an odd n's last byte has only a low one
+        if pairs:
+            flat[: 2 * pairs].view(pairs, 2)[:, 0].copy_(payload[:pairs] & 0x0F)
+            flat[: 2 * pairs].view(pairs, 2)[:, 1].copy_(payload[:pairs] >> 4)
+        if n % 2:
+            flat[n - 1:].copy_(payload[pairs:] & 0x0F)
         flat.sub_(_INT4_OFFSET)  # exact in float32, as decompress subtracts after converting
     full = n // c.block_size
     if full:
