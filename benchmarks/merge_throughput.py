@@ -1,22 +1,29 @@
 """Outer merge throughput: the OuterOptimizer core closing rounds of a 50M-parameter model vs a plain copy.
 
 The subject is what the outer optimizer's actor shell runs on its executor thread: ``receive`` for
-K submissions of every fragment (decompress, checks, token weights, RDA merge, Nesterov outer step,
-version ring push) until the ``RoundResult`` of the last fragment, timed from the first ``receive``.
-The submissions (random outer gradients, compressed with the row's scheme) are built before the
-timed region; what compressing costs an island is timed on its own and reported beside.
+K submissions of every fragment (checks, decode, token weights, RDA merge, Nesterov outer step)
+until the ``RoundResult`` of the last fragment, timed from the first ``receive``, on a core that has
+closed one round of every fragment before (untimed), so that its momentum and buffers exist as in a
+running job. The core hands out its live tensors (``copy_results=False``, what the actor asks for;
+a core that predates the option copies them); the actor then puts each new version in the object
+store, a copy of the fragment that neither side of the comparison includes. The submissions (random
+outer gradients, compressed with the row's scheme) are built before the timed region; what
+compressing costs an island is timed on its own and reported beside.
 
 The baseline, measured in the same repeat (order alternating), is a plain copy of the same bytes:
 for each of the K submissions, ``dst.copy_(src)`` of every fp32 tensor into preallocated buffers.
 Both throughputs count merged bytes = K x the model's fp32 bytes, so int8 rows divide the same
 bytes by the time to decode and merge them. Nothing is asserted; medians of ``--repeats``.
 
-Peak RSS increase comes from one extra, untimed close per configuration: VmHWM during it minus
-VmRSS before (Linux: free heap memory is first handed back with malloc_trim and the high-water mark
-reset through /proc/self/clear_refs; elsewhere the getrusage high-water mark, which only grows). The
-OuterOptimizer is built before that point, so its parameters and first ring entry are not counted;
-decoded deltas, merge temporaries, momentum buffers (made on the first step), the new ring entry and
-the result copy are.
+Peak RSS increase comes from one extra close per configuration, untimed: VmHWM during its second
+round minus VmRSS before it (Linux: free heap memory is first handed back with malloc_trim and the
+high-water mark reset through /proc/self/clear_refs; elsewhere the getrusage high-water mark, which
+only grows). What the core keeps (parameters, momentum, buffers) exists by then and is not counted;
+what one round allocates and frees is (decoded deltas, merge temporaries, copies).
+
+``--live-islands N`` registers N islands, so that rounds of K < N are partial (share K / N) and fold
+into RDA's window across rounds, as the default K = 1 does in a run; by default N = K (full rounds).
+``--profile`` prints a cProfile of one timed round of the first configuration before measuring.
 
 Run from the repository root::
 
@@ -25,18 +32,25 @@ Run from the repository root::
     python benchmarks/merge_throughput.py --repeats 5 --json merge_throughput.json
     python benchmarks/merge_throughput.py --fragments 2 --islands 1 8 --schemes none bf16 int8 int4
     python benchmarks/merge_throughput.py --torch-threads 2    # the shell's actor runs with 1 (Ray's default)
+    python benchmarks/merge_throughput.py --islands 1 --live-islands 4   # the default K = 1, partial rounds
+    python benchmarks/merge_throughput.py --profile --schemes int8 --fragments 1 --islands 4
+    python benchmarks/merge_throughput.py --d-model 2048 --n-layers 1 --fragments 1 --schemes none int8 int4
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import ctypes
 import dataclasses
 import datetime
 import gc
+import inspect
+import io
 import json
 import os
 import platform
+import pstats
 import resource
 import statistics
 import sys
@@ -160,30 +174,54 @@ def plain_copy(deltas: list[dict[str, torch.Tensor]], dst: dict[str, torch.Tenso
     return time.perf_counter() - t0
 
 
-def merge_rounds(initial, plan, settings: OuterSettings, embedding_names, subs: list[list[Submission]],
-                 *, peak_rss: bool = False) -> dict:
-    """Seconds from the first receive to the last fragment's RoundResult, on a fresh OuterOptimizer.
+def _core(initial, plan, settings: OuterSettings, embedding_names) -> OuterOptimizer:
+    """A fresh core that hands out its live tensors, as the actor asks (an older core copies them)."""
+    live = {"copy_results": False} if "copy_results" in inspect.signature(OuterOptimizer).parameters else {}
+    return OuterOptimizer(initial, plan, settings=settings, embedding_names=embedding_names, now=0.0, **live)
 
-    With ``peak_rss`` also the peak RSS increase; that run hands free heap memory back to the OS
-    first, so its fresh pages fault in and its time is not one of the timed repeats.
-    """
-    core = OuterOptimizer(initial, plan, settings=settings, embedding_names=embedding_names, now=0.0)
-    for k in range(len(subs)):
-        core.register(k, 1)
+
+def _close_round(core: OuterOptimizer, subs: list[list[Submission]]) -> list:
+    """Every island's submission of every fragment, measured from its current version; the RoundResults."""
     results, refusals = [], []
-    gc.collect()
-    with PeakRss(enabled=peak_rss) as peak:
-        t0 = time.perf_counter()
-        for p in range(plan.num_fragments):
-            for island in subs:
-                got, refusal = core.receive(island[p], 0.0)
-                results.extend(got)
-                if refusal is not None:
-                    refusals.append(refusal.reason)
-        seconds = time.perf_counter() - t0
-    if refusals or sorted(r.fragment for r in results) != list(range(plan.num_fragments)):
+    for p in range(core.plan.num_fragments):
+        for island in subs:
+            got, refusal = core.receive(dataclasses.replace(island[p], base_version=core.versions[p]), 0.0)
+            results.extend(got)
+            if refusal is not None:
+                refusals.append(refusal.reason)
+    if refusals or sorted(r.fragment for r in results) != list(range(core.plan.num_fragments)):
         raise RuntimeError(f"expected one round per fragment and no refusals; got rounds for "
                            f"{[r.fragment for r in results]}, refusals {refusals[:2]}")
+    return results
+
+
+def merge_rounds(initial, plan, settings: OuterSettings, embedding_names, subs: list[list[Submission]],
+                 *, live_islands: int, peak_rss: bool = False, profile: bool = False) -> dict:
+    """Seconds from the first receive to the last fragment's RoundResult of a fresh core's second round.
+
+    The first round (untimed) makes what a running core holds: momentum buffers, merge buffers, RDA's
+    window under partial rounds. With ``peak_rss`` also the peak RSS increase over the second round; that
+    run hands free heap memory back to the OS first, so its fresh pages fault in and its time is not one of
+    the timed repeats. With ``profile`` the second round runs under cProfile, printed.
+    """
+    core = _core(initial, plan, settings, embedding_names)
+    for k in range(max(live_islands, len(subs))):
+        core.register(k, 1)
+    _close_round(core, subs)
+    gc.collect()
+    prof = cProfile.Profile() if profile else None
+    with PeakRss(enabled=peak_rss) as peak:
+        if prof is not None:
+            prof.enable()
+        t0 = time.perf_counter()
+        results = _close_round(core, subs)
+        seconds = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+    if prof is not None:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+        print(text.getvalue(), flush=True)
     merge_s = sum(r.record.merge_s for r in results)
     del core, results
     return {"seconds": seconds, "merge_s": merge_s, "peak_rss_mb": peak.mb}
@@ -209,12 +247,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per configuration (median; default 3)")
     ap.add_argument("--preset", default="50m", help="model preset (default 50m, about 51M parameters)")
+    ap.add_argument("--d-model", type=int, default=None,
+                    help="override the preset's width, e.g. 2048 with --n-layers 1: 50M parameters in tensors of "
+                         "up to 16.8M elements, larger than the CPU's caches as a 12B model's are")
+    ap.add_argument("--n-layers", type=int, default=None, help="override the preset's depth")
     ap.add_argument("--fragments", type=int, nargs="+", default=[1, 4], help="P values (default 1 4)")
     ap.add_argument("--islands", type=int, nargs="+", default=[1, 2, 4], help="K values (default 1 2 4)")
     ap.add_argument("--schemes", nargs="+", default=["none", "int8"], help="compression schemes (default none int8)")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (default 1: the outer actor has num_cpus=0, "
                          "so Ray sets OMP_NUM_THREADS=1)")
+    ap.add_argument("--live-islands", type=int, default=None,
+                    help="islands registered (default: K, full rounds); more makes rounds of K partial")
+    ap.add_argument("--profile", action="store_true",
+                    help="print a cProfile of one round of the first configuration before measuring")
     ap.add_argument("--sync-every-steps", type=int, default=40,
                     help="H, only sets the submissions' counters (default 40)")
     ap.add_argument("--seed", type=int, default=0)
@@ -234,6 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.repeats = 1
     if args.repeats < 1 or min(args.islands) < 1 or min(args.fragments) < 1:
         ap.error("--repeats, --islands and --fragments must all be >= 1")
+    if args.live_islands is not None and args.live_islands < max(args.islands):
+        ap.error(f"--live-islands {args.live_islands} is fewer than K = {max(args.islands)}; give at least the largest K")
     return args
 
 
@@ -259,7 +307,8 @@ class Subject(NamedTuple):
 
 def load_model(args: argparse.Namespace) -> Model:
     """The preset's model, built from the seed."""
-    cfg = model_config(args.preset)
+    overrides = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.n_layers)) if v is not None}
+    cfg = model_config(args.preset, **overrides)
     model = build_model(cfg, seed=args.seed)
     initial = {n: p.detach() for n, p in model.named_parameters()}
     return Model(cfg=cfg, initial=initial, embedding_names=embedding_parameter_names(model),
@@ -278,11 +327,16 @@ def build_subject(args: argparse.Namespace, model: Model) -> Subject:
                for P in args.fragments})
 
 
+def round_settings(scheme: str, K: int) -> OuterSettings:
+    """The default outer settings, closing a round as soon as K islands are in (no grace: the clock stands still)."""
+    return dataclasses.replace(outer_settings(build_config({})), min_quorum=K, compression=scheme, grace_cap_s=0.0)
+
+
 def measure_round(args: argparse.Namespace, sub: Subject, scheme: str, P: int, K: int, wire: int,
                   subs_all: list[list[Submission]]) -> dict:
     """One row: `--repeats` merges and plain copies of K submissions (order alternating), then the peak RSS."""
-    settings = dataclasses.replace(outer_settings(build_config({})), min_quorum=K,
-                                   compression=scheme)  # closes when all K are in
+    settings = round_settings(scheme, K)
+    live = args.live_islands or K
     merged_bytes = K * sub.model.model_bytes
     reps = []
     for r in range(args.repeats):
@@ -290,15 +344,16 @@ def measure_round(args: argparse.Namespace, sub: Subject, scheme: str, P: int, K
         got = {}
         for side in order:
             got[side] = (plain_copy(sub.deltas[:K], sub.dst) if side == "copy"
-                         else merge_rounds(sub.model.initial, sub.plans[P], settings, sub.model.embedding_names, subs_all[:K]))
+                         else merge_rounds(sub.model.initial, sub.plans[P], settings, sub.model.embedding_names,
+                                           subs_all[:K], live_islands=live))
         reps.append({"repeat": r, "order": "/".join(order), "copy_s": got["copy"],
                      **{f"merge_{k}": v for k, v in got["merge"].items()}})
     copy_s = statistics.median(x["copy_s"] for x in reps)
     merge_s = statistics.median(x["merge_seconds"] for x in reps)
     peak = merge_rounds(sub.model.initial, sub.plans[P], settings, sub.model.embedding_names, subs_all[:K],
-                        peak_rss=True)
+                        live_islands=live, peak_rss=True)
     row = {
-        "scheme": scheme, "P": P, "K": K, "merged_bytes": merged_bytes,
+        "scheme": scheme, "P": P, "K": K, "live_islands": live, "merged_bytes": merged_bytes,
         "wire_bytes": K * wire, "merge_s": merge_s, "copy_s": copy_s,
         "merge_gb_per_s": merged_bytes / merge_s / 1e9, "copy_gb_per_s": merged_bytes / copy_s / 1e9,
         "ratio": statistics.median(x["copy_s"] / x["merge_seconds"] for x in reps),
@@ -326,6 +381,10 @@ def measure_scheme(args: argparse.Namespace, sub: Subject, scheme: str) -> tuple
         subs_all = build_submissions(payloads, sub.plans[P], sync_every_steps=args.sync_every_steps,
                                      tokens_per_step=16 * sub.model.cfg.seq_len)
         for K in args.islands:
+            if args.profile and not rows and scheme == args.schemes[0] and P == args.fragments[0]:
+                print(f"  profile of one round, {scheme} P={P} K={K}:", flush=True)
+                merge_rounds(sub.model.initial, sub.plans[P], round_settings(scheme, K), sub.model.embedding_names,
+                             subs_all[:K], live_islands=args.live_islands or K, profile=True)
             rows.append(measure_round(args, sub, scheme, P, K, wire, subs_all))
         del subs_all
     del payloads
@@ -340,8 +399,10 @@ def print_tables(args: argparse.Namespace, model_bytes: int, compress_rows: list
     print("| --- | ---: | ---: | ---: |")
     for c in compress_rows:
         print(f"| {c['scheme']} | {c['seconds']:.3f} | {c['gb_per_s']:.2f} | {c['wire_mb_per_island']:.1f} |")
-    print(f"\nround close, medians of {args.repeats} (GB/s of merged fp32 bytes = K x {model_bytes / 1e6:.1f} MB; "
-          "ratio = median of per-repeat merge GB/s / copy GB/s):\n")
+    live = f"{args.live_islands} live islands (partial rounds)" if args.live_islands else "K live islands (full rounds)"
+    print(f"\nround close, medians of {args.repeats}, torch threads {torch.get_num_threads()} (both sides), {live} "
+          f"(GB/s of merged fp32 bytes = K x {model_bytes / 1e6:.1f} MB; ratio = median of per-repeat merge GB/s / "
+          "copy GB/s):\n")
     print("| scheme | P | K | merged MB | merge s | merge GB/s | copy s | copy GB/s | ratio | peak RSS +MB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
@@ -359,7 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine()}")
     print(f"date: {started.isoformat(timespec='seconds')}, load average at start: {os.getloadavg()}")
     print(SHARED_NOTE)
-    print(f"model {args.preset}: {model.n_params:,} params, {model.model_bytes / 1e6:.1f} MB fp32 in {len(model.initial)} tensors; "
+    shape = f" (d_model {model.cfg.d_model}, {model.cfg.n_layers} layers)" if args.d_model or args.n_layers else ""
+    largest = max(t.numel() for t in model.initial.values())
+    print(f"model {args.preset}{shape}: largest tensor {largest:,} elements; {model.n_params:,} params, "
+          f"{model.model_bytes / 1e6:.1f} MB fp32 in {len(model.initial)} tensors; "
           f"torch threads {torch.get_num_threads()}; {args.repeats} repeats\n", flush=True)
 
     sub = build_subject(args, model)

@@ -160,10 +160,13 @@ class OuterSection(_Section):
     merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings) or 'mean'.")
     lr: float = Field(0.7, gt=0, description="Outer SGD learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain SGD.")
-    max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old.")
+    max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old; "
+                               "costs no memory (only version numbers are kept).")
     adoption: str = Field("rebase", description="How islands adopt a new fragment: 'rebase' keeps their progress not yet "
                           "merged; 'overwrite' replaces it (the paper); 'mix(alpha)' keeps alpha of it.")
     wait_for_round: bool = Field(False, description="Islands block after each submission until its round is adopted (synchronous DiLoCo).")
+    torch_threads: int = Field(1, gt=0, description="torch intra-op threads of the outer optimizer's merges; it reserves no CPU, "
+                               "so raise it only where its node has cores to spare (docs/outer.md).")
 
     # Rounds that merge fewer than all live islands (K < all): on by default, measured (docs/config.md).
     step_scale: Literal["clock", "participation", "none"] = Field(
@@ -188,7 +191,7 @@ class OuterSection(_Section):
         "(per-block scales); the outer optimizer keeps float32.")
     downlink_delta: Literal["bf16", "int8", "int4", "int2", "sign", "topk"] | None = Field(
         None, description="Send a new version of a fragment as its difference from the island's copy, in this format; "
-        "a first send goes whole in `downlink`; null = all whole. Costs a float32 model copy per island on the outer.")
+        "a first send goes whole in `downlink`; null = all whole. Costs N + 4 float32 model copies on the outer.")
 
     # Experimental: off by default (docs/config.md).
     sync_every_schedule: list[tuple[float, int]] = Field(
@@ -388,7 +391,8 @@ class RunSection(_Section):
 
     # Experimental: off by default (docs/config.md).
     average_window: float | None = Field(None, gt=0, le=1, description="Experimental: serve a moving average of the "
-        "global model over this fraction of the tokens merged so far (policies/averaging.py); islands train on the raw one. None = off.")
+        "global model over this fraction of merged tokens (policies/averaging.py); islands train on the raw one. None = off. "
+        "Costs a float32 model copy.")
 
 
 class RunConfig(_Section):

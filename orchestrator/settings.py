@@ -35,7 +35,7 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
         partial_momentum=o.partial_momentum, max_staleness=o.max_staleness, compression=o.compression,
         step_scale=o.step_scale, rda_across_rounds=o.rda_across_rounds, downlink=o.downlink,
         downlink_delta=o.downlink_delta, publish_to=o.publish_to, compression_block_size=o.compression_block_size,
-        topk_density=o.topk_density, average_window=cfg.run.average_window,
+        topk_density=o.topk_density, average_window=cfg.run.average_window, torch_threads=o.torch_threads,
     )
 
 

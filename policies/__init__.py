@@ -3,7 +3,7 @@
 Among them: fragment planning (``fragments``), round closing with a minimum quorum and an adaptive
 grace window (``quorum``), merge weights (``weighting``), merge rules such as radial-directional
 averaging (``merge``), the per-fragment Nesterov outer step (``outer_optimizer``), how an island
-adopts a published fragment (``adoption``), staleness checks and the version ring (``staleness``),
+adopts a published fragment (``adoption``), staleness checks (``staleness``),
 outer-gradient quantization and top-k (``compression``) with error feedback (``error_feedback``)
 and H over the run (``sync_schedule``).
 Every module is plain functions and small classes over tensors and numbers that take time and

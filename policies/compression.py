@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SCHEMES", "DENSE_SCHEMES", "FEEDBACK_SCHEMES", "WIRE_DTYPES", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed", "compress", "decompress",
-           "error_bound", "topk_keep", "check_density"]
+           "error_bound", "topk_keep", "check_density", "FUSED_SCHEMES", "finite_without_decoding", "decode_into"]
 
 SCHEMES = ("none", "bf16", "int8", "int4", "int2", "sign", "topk")
 # Formats precise enough to carry whole weights (the downlink's full format): every element, >= 4 bits.
@@ -314,6 +314,75 @@ def _scaled(levels: Tensor, c: Compressed) -> Tensor:
         levels = torch.cat([levels, levels.new_zeros(pad)])
     out = levels.view(num_blocks, c.block_size) * c.scales[:, None].to(torch.float32)
     return out.reshape(-1)[: c.numel].reshape(c.shape).contiguous()
+
+
+# Formats whose decode writes straight into a caller's float32 buffer (decode_into), and whose finiteness
+# shows in their scales alone (finite_without_decoding): the outer optimizer's hot path.
+FUSED_SCHEMES = ("int8", "int4")
+# Largest level magnitude a well-formed int8 or int4 payload can decode to (int8 -128; an int4 nibble 0 is -8).
+_MAX_LEVEL = 128.0
+# A scale below this cannot overflow float32 at any level: 128 * 1e36 < 3.4e38.
+_SAFE_SCALE = 1e36
+
+
+def _fused_sizes_ok(c: Compressed) -> bool:
+    """Whether an int8 or int4 `c` holds exactly the payload bytes and float32 scales its shape needs."""
+    if c.scheme not in FUSED_SCHEMES or c.scales is None or c.scales.dtype != torch.float32 or c.block_size <= 0:
+        return False
+    n = c.numel
+    payload = n if c.scheme == "int8" else math.ceil(n / 2)
+    return c.payload.numel() == payload and c.scales.dim() == 1 and c.scales.numel() == math.ceil(n / c.block_size)
+
+
+def finite_without_decoding(c: Compressed) -> bool:
+    """True when ``decompress(c)`` is sure to decode without error to finite values, known from its sizes and
+    scales alone (no pass over the payload): an int8 or int4 tensor, well formed, every scale finite and small
+    enough that no level times it overflows. False means only that decoding is needed to know."""
+    if not _fused_sizes_ok(c):
+        return False
+    assert c.scales is not None, "checked by _fused_sizes_ok"
+    if c.scales.numel() == 0:
+        return True
+    # max of a tensor holding NaN is NaN, and NaN < x is False: one reduction covers NaN, inf and overflow.
+    return float(c.scales.abs().max()) < _SAFE_SCALE
+
+
+def decode_into(c: Compressed, out: Tensor) -> Tensor:
+    """``decompress(c)`` for an int8 or int4 `c`, written into `out` (float32, contiguous, ``c.numel``
+    elements) and returned viewed as ``c.shape``: bitwise the same values, without allocating a float32 tensor.
+
+    Same arithmetic as :func:`decompress`: each level converted to float32 exactly (int4: nibble minus 8),
+    then multiplied by its block's scale; the blocks are views, so nothing is padded.
+
+    Raises:
+        ValueError: when `c` is not a well-formed int8 or int4 tensor, or `out` does not fit it.
+    """
+    if not _fused_sizes_ok(c):
+        raise ValueError(f"decode_into takes a well-formed {' or '.join(FUSED_SCHEMES)} tensor, got {c.scheme!r} "
+                         f"with {c.payload.numel()} payload values; use decompress()")
+    n = c.numel
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n:
+        raise ValueError(f"decode_into needs a contiguous float32 buffer of {n} elements, got {out.dtype} "
+                         f"with {out.numel()}; pass scratch[:numel]")
+    assert c.scales is not None, "checked by _fused_sizes_ok"
+    flat = out.view(-1)
+    payload = c.payload.reshape(-1)
+    if c.scheme == "int8":
+        flat.copy_(payload)  # int8 -> float32, exact
+    else:
+        pairs = n // 2  # low nibble first, as decompress interleaves them; an odd n's last byte has only a low one
+        if pairs:
+            flat[: 2 * pairs].view(pairs, 2)[:, 0].copy_(payload[:pairs] & 0x0F)
+            flat[: 2 * pairs].view(pairs, 2)[:, 1].copy_(payload[:pairs] >> 4)
+        if n % 2:
+            flat[n - 1:].copy_(payload[pairs:] & 0x0F)
+        flat.sub_(_INT4_OFFSET)  # exact in float32, as decompress subtracts after converting
+    full = n // c.block_size
+    if full:
+        flat[: full * c.block_size].view(full, c.block_size).mul_(c.scales[:full, None])
+    if full * c.block_size < n:
+        flat[full * c.block_size:].mul_(c.scales[full:full + 1])
+    return out.view(c.shape)
 
 
 def error_bound(t: Tensor, scheme: str, *, block_size: int = 256, density: float = DEFAULT_DENSITY) -> Tensor:

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MERGE_RULES", "RdaAcrossRounds", "rda_merge", "mean_merge", "merge_fragment", "join_segments"]
+from policies.compression import FUSED_SCHEMES, Compressed, decode_into, decompress
+
+__all__ = ["MERGE_RULES", "RdaAcrossRounds", "rda_merge", "mean_merge", "merge_fragment", "merge_into", "join_segments", "segment_groups"]
 
 MERGE_RULES = ("rda", "mean")
 
@@ -77,6 +79,79 @@ def rda_merge(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
     return u.mul_(r / u_norm)
 
 
+def merge_into(
+    out: Tensor,
+    column: Sequence[Tensor | Compressed],
+    weights: Sequence[float],
+    *,
+    rda: bool,
+    norms: Sequence[float | None] | None = None,
+    scratch: Tensor | None = None,
+) -> Tensor:
+    """``rda_merge(column, weights)`` (``rda``) or ``mean_merge(column, weights)`` written into `out`: the
+    same operations in the same order, so bitwise the same values, without allocating a tensor of the
+    merged size. The outer optimizer's hot path (orchestrator/core/round_merge.py) calls it per tensor.
+
+    Args:
+        out: contiguous float32, the column's shape; overwritten.
+        column: one outer gradient per submission, float32 tensors (read where they lie) or wire tensors
+            (``Compressed``: ``none`` read in place, int8/int4 decoded into `scratch`, others decompressed).
+        weights: one normalized weight per entry.
+        rda: radial-directional average; False: the weighted mean.
+        norms: ``norms[m]`` is ``float(torch.linalg.vector_norm(value of column[m]))`` when the caller
+            already has it (the outer optimizer's finite check computes it), or None to compute it here.
+        scratch: contiguous float32 with at least ``out.numel()`` elements, for decoding; allocated when
+            needed and not given.
+    """
+    if len(column) == 0:
+        raise ValueError("merge got no deltas; a round merges at least one submission")
+    if len(weights) != len(column) or (norms is not None and len(norms) != len(column)):
+        raise ValueError(f"got {len(column)} deltas, {len(weights)} weights and "
+                         f"{'no' if norms is None else len(norms)} norms; give one weight (and norm) per delta")
+    shape = tuple(out.shape)
+    for m, d in enumerate(column):
+        if tuple(d.shape) != shape:
+            raise ValueError(f"delta {m} has shape {tuple(d.shape)} but the output has {shape}; "
+                             "merge the same tensor from every submission")
+    for m, w in enumerate(weights):
+        if math.isnan(w) or w < 0:
+            raise ValueError(f"weights[{m}] must be >= 0, got {w}; use merge_weights()")
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32, got {out.dtype}; pass a view of the merge buffer")
+    # Zeros, then += w * d per entry, exactly as mean_merge and rda_merge accumulate (signed zeros included).
+    out.zero_()
+    if not rda:
+        for m, w in enumerate(weights):
+            out.add_(_value(column[m], out, scratch), alpha=float(w))
+        return out
+    r = 0.0
+    for m, w in enumerate(weights):
+        d = _value(column[m], out, scratch)
+        known = None if norms is None else norms[m]
+        norm = float(torch.linalg.vector_norm(d)) if known is None else known
+        if norm == 0.0:
+            continue
+        r += float(w) * norm
+        out.add_(d, alpha=float(w) / norm)
+    u_norm = float(torch.linalg.vector_norm(out))
+    if u_norm == 0.0:
+        return out.zero_()
+    return out.mul_(r / u_norm)
+
+
+def _value(d: Tensor | Compressed, out: Tensor, scratch: Tensor | None) -> Tensor:
+    """The float32 values of one column entry: in place where they already are float32, else decoded."""
+    if isinstance(d, Tensor):
+        return d.to(torch.float32)
+    if d.scheme == "none":
+        return d.payload.to(torch.float32).reshape(d.shape)  # decompress's view, no copy
+    if d.scheme in FUSED_SCHEMES:
+        if scratch is None:
+            scratch = torch.empty(out.numel(), dtype=torch.float32)
+        return decode_into(d, scratch.view(-1)[: out.numel()])
+    return decompress(d)
+
+
 def merge_fragment(
     submissions: Sequence[Sequence[Tensor]],
     weights: Sequence[float],
@@ -130,6 +205,19 @@ def merge_fragment(
     return out
 
 
+def segment_groups(keys: Sequence[Hashable]) -> list[list[int]]:
+    """The groups :func:`join_segments` forms: ``groups[g]`` lists the indexes of ``keys`` equal to the g-th
+    distinct key, keys in order of first appearance, indexes in order."""
+    index: dict[Hashable, int] = {}
+    groups: list[list[int]] = []
+    for i, key in enumerate(keys):
+        if key not in index:
+            index[key] = len(groups)
+            groups.append([])
+        groups[index[key]].append(i)
+    return groups
+
+
 def join_segments(
     keys: Sequence[Hashable], submissions: Sequence[Sequence[Tensor]]
 ) -> tuple[list[list[int]], list[list[Tensor]]]:
@@ -147,13 +235,7 @@ def join_segments(
     """
     if len(keys) != len(submissions):
         raise ValueError(f"got {len(keys)} keys for {len(submissions)} submissions; give one key per submission")
-    index: dict[Hashable, int] = {}
-    groups: list[list[int]] = []
-    for i, key in enumerate(keys):
-        if key not in index:
-            index[key] = len(groups)
-            groups.append([])
-        groups[index[key]].append(i)
+    groups = segment_groups(keys)
     joined: list[list[Tensor]] = []
     for members in groups:
         if len(members) == 1:
@@ -217,32 +299,40 @@ class RdaAcrossRounds:
         Full rounds (``share == 1``) before the first partial round are not tracked (K = all holds no
         extra copy of the fragment); after it they decay and join the window like any round.
         """
+        factors = [1.0] * len(outer_grad)
+        if not self.begin([tuple(g.shape) for g in outer_grad], share):
+            return factors
+        return [self.fold(t, g, share) for t, g in enumerate(outer_grad)]
+
+    def begin(self, shapes: Sequence[tuple[int, ...]], share: float) -> bool:
+        """Check a round's tensor `shapes` and `share`; whether its tensors fold in (:meth:`fold`, one by one).
+
+        False for a full round while no partial round has been seen: every factor is then 1.
+        """
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share={share} must be in (0, 1]; pass the round's step scale")
-        if len(outer_grad) != len(self._tracked):
-            raise ValueError(f"outer_grad has {len(outer_grad)} tensors but the tracker has {len(self._tracked)}")
-        for t, (g, v) in enumerate(zip(outer_grad, self._sums)):  # all checked before any is folded in
-            if v is not None and v.shape != g.shape:
-                raise ValueError(f"outer_grad[{t}] has shape {tuple(g.shape)} but the tracker holds "
+        if len(shapes) != len(self._tracked):
+            raise ValueError(f"outer_grad has {len(shapes)} tensors but the tracker has {len(self._tracked)}")
+        for t, (shape, v) in enumerate(zip(shapes, self._sums)):  # all checked before any is folded in
+            if v is not None and tuple(v.shape) != tuple(shape):
+                raise ValueError(f"outer_grad[{t}] has shape {tuple(shape)} but the tracker holds "
                                  f"{tuple(v.shape)}; one tracker per fragment")
-        factors = [1.0] * len(outer_grad)
-        if share >= 1.0 and not self.active:
-            return factors
+        return not (share >= 1.0 and not self.active)
+
+    def fold(self, t: int, g: Tensor, share: float) -> float:
+        """Fold tensor `t` of a round that :meth:`begin` admitted; its factor (1 where not tracked)."""
+        if not self._tracked[t]:
+            return 1.0
         decay = math.exp(-self.DECAY * share)
         cap = 1.0 / math.sqrt(share)
-        for t, g in enumerate(outer_grad):
-            if not self._tracked[t]:
-                continue
-            g32 = g.detach().to(torch.float32)
-            acc = self._sums[t]
-            if acc is None:
-                acc = self._sums[t] = torch.zeros_like(g32)
-            self._norms[t] = decay * self._norms[t] + share * float(torch.linalg.vector_norm(g32))
-            v = acc.mul_(decay).add_(g32, alpha=share)
-            v_norm = float(torch.linalg.vector_norm(v))
-            if v_norm > 0.0:
-                factors[t] = min(cap, max(1.0, self._norms[t] / v_norm))
-        return factors
+        g32 = g.detach().to(torch.float32)
+        acc = self._sums[t]
+        if acc is None:
+            acc = self._sums[t] = torch.zeros_like(g32)
+        self._norms[t] = decay * self._norms[t] + share * float(torch.linalg.vector_norm(g32))
+        v = acc.mul_(decay).add_(g32, alpha=share)
+        v_norm = float(torch.linalg.vector_norm(v))
+        return min(cap, max(1.0, self._norms[t] / v_norm)) if v_norm > 0.0 else 1.0
 
     def state_dict(self) -> dict[str, Any]:
         """``{"norms": [float], "sums": [Tensor | None]}``, copies."""

@@ -1,10 +1,11 @@
 """The outer step of one fragment: SGD with Nesterov momentum (docs/architecture.md section 3, step 6).
 
-A thin wrapper over ``torch.optim.SGD``, as torchft's ``local_sgd.py`` does, so the Nesterov update
-of a full round is torch's own and not a rewrite; only a partial round under the ``clock`` step scale
-(:meth:`FragmentOuterOptimizer.step`) is computed here, on torch's momentum buffers, and a test pins
-it to torch's step at share 1. One instance per fragment owns that fragment's global parameters.
-"""
+``torch.optim.SGD`` holds the hyperparameters and momentum buffers, as torchft's ``local_sgd.py`` uses it;
+the arithmetic is torch's single-tensor SGD step written out operation for operation, so that it runs in
+place of a gradient buffer the caller owns, tensor by tensor (the outer optimizer merges and steps each
+tensor while it is in cache) instead of through ``p.grad`` copies; a test pins it bitwise to torch's step.
+A partial round under the ``clock`` step scale (:meth:`FragmentOuterOptimizer.step`) has its own formula,
+pinned to torch's step at share 1. One instance per fragment owns that fragment's global parameters."""
 
 from __future__ import annotations
 
@@ -162,9 +163,10 @@ class FragmentOuterOptimizer:
         is exactly the plain step (torch's SGD), and with ``mu = 0`` it is ``p -= s * lr * g``, the
         same as the default. For ``s < 1``, ``mu`` is the constructor's ``partial_momentum`` capped at the
         momentum in effect (default: that momentum); the buffer is the one full rounds use.
+
+        The caller's tensors are never written to; :meth:`step_tensor` steps one tensor in place of its gradient.
         """
-        if not 0.0 < scale <= 1.0:
-            raise ValueError(f"scale={scale} must be in (0, 1]; pass round_step_scale(...)")
+        self._check_scale(scale)
         outer_grad = list(outer_grad)
         if len(outer_grad) != len(self._params):
             raise ValueError(
@@ -177,41 +179,80 @@ class FragmentOuterOptimizer:
                     f"outer_grad[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}; "
                     "merge the same fragment the optimizer owns"
                 )
-        if clock and scale != 1.0 and self._sgd.param_groups[0]["momentum"] > 0:
-            self._clock_step(outer_grad, scale)
-            return
-        try:
-            for p, g in zip(self._params, outer_grad):
-                # A private float32 copy: torch's foreach Nesterov path adds into grads in place.
-                p.grad = g.detach().to(device=p.device, dtype=torch.float32, copy=True)
-                if scale != 1.0:
-                    p.grad.mul_(scale)
-            self._sgd.step()
-        finally:
-            for p in self._params:
-                p.grad = None
+        for i, (p, g) in enumerate(zip(self._params, outer_grad)):
+            # A private float32 copy, as torch's SGD got one through p.grad: the step works in it.
+            self._step_one(i, g.detach().to(device=p.device, dtype=torch.float32, copy=True), scale, clock)
 
-    def _clock_step(self, outer_grad: list[Tensor], s: float) -> None:
-        """The ``clock=True`` step for ``0 < s < 1`` and ``momentum > 0`` (see :meth:`step`).
+    def step_tensor(self, i: int, grad: Tensor, *, scale: float = 1.0, clock: bool = False) -> None:
+        """:meth:`step` for ``params[i]`` alone, using `grad` (contiguous float32, the parameter's shape) as
+        its workspace: `grad` is overwritten. Stepping every tensor of a fragment this way, in any order, is
+        bitwise :meth:`step` (each tensor's update reads only its own gradient, buffer and parameter), without
+        a copy of the gradient; the outer optimizer's round steps each tensor as soon as it is merged."""
+        self._check_scale(scale)
+        p = self._params[i]
+        if grad.shape != p.shape or grad.dtype != torch.float32 or grad.device != p.device:
+            raise ValueError(f"grad for params[{i}] must be float32 of shape {tuple(p.shape)} on {p.device}, got "
+                             f"{grad.dtype} {tuple(grad.shape)} on {grad.device}; use step() for other gradients")
+        self._step_one(i, grad, scale, clock)
 
-        The buffers stay in torch's SGD state, so :meth:`state_dict` and later plain steps see them.
-        """
+    @staticmethod
+    def _check_scale(scale: float) -> None:
+        if not 0.0 < scale <= 1.0:
+            raise ValueError(f"scale={scale} must be in (0, 1]; pass round_step_scale(...)")
+
+    def _step_one(self, i: int, g: Tensor, scale: float, clock: bool) -> None:
+        """One tensor's step, in place on `g` (float32, owned by this call). The plain step is torch's
+        ``_single_tensor_sgd`` (torch 2.x, on CPU) operation for operation, so its rounding is torch's:
+        ``buf.mul_(mu).add_(g)``, then ``g + mu * buf`` (Nesterov), then ``p.add_(., alpha=-lr)``; the first
+        step starts the buffer as a copy of the gradient. tests/policies/test_outer_optimizer.py pins it
+        bitwise to ``torch.optim.SGD``."""
         group = self._sgd.param_groups[0]
-        lr, nesterov = group["lr"], group["nesterov"]
-        mu = group["momentum"] if self._partial_momentum is None else min(self._partial_momentum, group["momentum"])
-        decay = mu**s
-        gain = (1.0 - decay) / (1.0 - mu)
+        if group["weight_decay"] != 0 or group["dampening"] != 0 or group["maximize"]:
+            raise ValueError("the outer SGD state carries weight_decay, dampening or maximize; "
+                             "load a state written by FragmentOuterOptimizer.state_dict()")
+        lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        p = self._params[i]
         with torch.no_grad():
-            for p, g in zip(self._params, outer_grad):
-                g = g.detach().to(device=p.device, dtype=torch.float32)
+            if clock and scale != 1.0 and momentum > 0:
+                self._clock_one(p, g, scale, lr, momentum, nesterov)
+                return
+            if scale != 1.0:
+                g.mul_(scale)
+            if momentum != 0:
                 state = self._sgd.state[p]
                 buf = state.get("momentum_buffer")
-                if buf is None:  # torch's first step starts the buffer at g, i.e. from zero with gain 1
-                    buf = torch.zeros_like(p)
-                buf.mul_(decay).add_(g, alpha=gain)
-                state["momentum_buffer"] = buf
-                direction = g.add(buf, alpha=mu) if nesterov else buf
-                p.sub_(direction, alpha=s * lr)
+                if buf is None:
+                    buf = state["momentum_buffer"] = g.detach().clone()
+                else:
+                    buf.mul_(momentum).add_(g)
+                if nesterov:
+                    g.add_(buf, alpha=momentum)
+                else:
+                    g = buf
+            p.add_(g, alpha=-lr)
+
+    def _clock_one(self, p: Tensor, g: Tensor, s: float, lr: float, momentum: float, nesterov: bool) -> None:
+        """The ``clock=True`` step of one tensor for ``0 < s < 1`` and ``momentum > 0`` (see :meth:`step`), in
+        place on `g`. The buffers stay in torch's SGD state, so :meth:`state_dict` and later plain steps see them."""
+        mu = momentum if self._partial_momentum is None else min(self._partial_momentum, momentum)
+        decay = mu**s
+        gain = (1.0 - decay) / (1.0 - mu)
+        state = self._sgd.state[p]
+        buf = state.get("momentum_buffer")
+        if buf is None:  # torch's first step starts the buffer at g, i.e. from zero with gain 1
+            buf = torch.zeros_like(p)
+        buf.mul_(decay).add_(g, alpha=gain)
+        state["momentum_buffer"] = buf
+        direction = g.add_(buf, alpha=mu) if nesterov else buf
+        p.sub_(direction, alpha=s * lr)
+
+    def _clock_step(self, outer_grad: list[Tensor], s: float) -> None:
+        """The ``clock=True`` step for ``0 < s < 1`` of a whole fragment, on private copies of `outer_grad`."""
+        group = self._sgd.param_groups[0]
+        with torch.no_grad():
+            for p, g in zip(self._params, outer_grad):
+                g = g.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                self._clock_one(p, g, s, group["lr"], group["momentum"], group["nesterov"])
 
     def average_step(self, outer_grad: Sequence[Tensor]) -> None:
         """``params -= outer_grad``: move to the merged islands' position (their weighted mean), without lr or momentum.
@@ -226,6 +267,14 @@ class FragmentOuterOptimizer:
         with torch.no_grad():
             for p, g in zip(self._params, outer_grad):
                 p.sub_(g.to(device=p.device, dtype=p.dtype))
+
+    def average_step_tensor(self, i: int, grad: Tensor) -> None:
+        """:meth:`average_step` for ``params[i]`` alone (`grad` is read, not written)."""
+        p = self._params[i]
+        if grad.shape != p.shape:
+            raise ValueError(f"grad for params[{i}] has shape {tuple(grad.shape)}, the parameter {tuple(p.shape)}")
+        with torch.no_grad():
+            p.sub_(grad.to(device=p.device, dtype=p.dtype))
 
     def state_dict(self) -> dict[str, Any]:
         """Momentum buffers and hyperparameters, deep-copied so later steps do not alter it."""

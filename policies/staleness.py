@@ -1,9 +1,10 @@
 """Staleness: which submissions a round may accept, and the ring of recent versions.
 
 A submission was computed from fragment version ``base_version``; its staleness is
-``current_version - base_version`` (docs/architecture.md section 3, outer step 3). The outer optimizer keeps
-the last few versions of each fragment in a :class:`VersionRing` so it can anchor any submission
-it accepts.
+``current_version - base_version`` (docs/architecture.md section 3, outer step 3). The outer optimizer
+needs only version numbers for it: an island's outer gradient is measured from the version the island
+holds, so no older version's tensors are kept. :class:`VersionRing` keeps the last few
+values of anything versioned; the outer optimizer no longer uses it.
 """
 
 from __future__ import annotations

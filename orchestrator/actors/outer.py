@@ -27,6 +27,7 @@ from orchestrator.actors.transport import IslandTransport, ShellHooks
 from policies.network import NetworkModel
 
 if TYPE_CHECKING:
+    from orchestrator.actors.published import Prepared
     from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
     from orchestrator.core.rounds import RoundResult
     from policies.fragments import FragmentPlan
@@ -52,8 +53,14 @@ class _OuterShell:
                  network: NetworkModel | None = None, island_regions: dict[int, str] | None = None,
                  buffer_names: frozenset[str] = frozenset()) -> None:
         quiet_worker()
+        import torch
+
         from orchestrator.actors.published import PublishedFragments
         from orchestrator.core.outer_optimizer import OuterOptimizer
+
+        # The merge is memory- and compute-bound on one thread (docs/outer.md, Round speed); the actor reserves no
+        # CPU (num_cpus=0, so Ray sets OMP_NUM_THREADS=1), so more threads are the operator's choice.
+        torch.set_num_threads(settings.torch_threads)
 
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-core")
         self._t0 = time.monotonic()
@@ -61,8 +68,10 @@ class _OuterShell:
         # checkpoint 0, so no tensor travels in the constructor arguments (which a restart would need).
         self._checkpoints = CheckpointWriter(checkpoint_uri, checkpoint_every_s, checkpoint_keep)
         latest = self._checkpoints.load_latest()
+        # Rounds hand out the live global tensors: _closing puts each new version in the object store on the core's
+        # thread before anything can change them, so no private copy of a fragment is made per round.
         self.core = OuterOptimizer(latest.parameters(), plan, settings=settings, embedding_names=embedding_names,
-                                   buffer_names=buffer_names, now=0.0)
+                                   buffer_names=buffer_names, now=0.0, copy_results=False)
         self.core.load_state_dict(latest.tensors, latest.meta["outer"])
         self.core.build_optimizers()  # off the first round's path (policies/outer_optimizer.py, build)
         self.epoch = latest.meta.get("epoch", -1) + 1  # the seed checkpoint carries epoch -1
@@ -93,6 +102,14 @@ class _OuterShell:
 
     async def _core(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _closing(self, fn, *args) -> tuple[Any, list[Prepared]]:
+        """On the core's thread: `fn(*args)` (a core call that may close rounds), then each new version put in the
+        object store at once, while the core's tensors it returned cannot change. Returns (fn's result, one
+        Prepared per RoundResult, in order)."""
+        out = fn(*args)
+        results = out[0] if isinstance(out, tuple) else out
+        return out, [self.published.put(r.tensors) for r in results]
 
     def _live(self, island: int) -> tuple[int, Any] | None:
         return self._islands.get(island)
@@ -180,13 +197,15 @@ class _OuterShell:
         await self._receive(island, sub, handle)
 
     async def _receive(self, island: int, sub: Submission, handle: Any) -> None:
-        results, refusal = await self._core(self.core.receive, sub, self._now())
-        await self._publish(results)
+        (results, refusal), prepared = await self._core(self._closing, self.core.receive, sub, self._now())
+        await self._publish(results, prepared)
         if refusal is not None and handle is not None:  # None: a salvage, whose island is gone
             # Resync the refused island's fragment to the current version (or just clear its bookkeeping).
             p = refusal.fragment
             if 0 <= p < len(self.published.refs):
-                version, tensors = await self._core(lambda: (self.core.versions[p], self.core.fragment(p)))
+                # The float32 values only matter to a difference (outer.downlink_delta); else no copy is made.
+                delta = self.published.delta
+                version, tensors = await self._core(lambda: (self.core.versions[p], self.core.fragment(p) if delta else None))
                 update = FragmentUpdate(p, version, [self.published.refs[p]], refused=(refusal.key,), epoch=self.epoch,
                                         progress=self._progress())
                 self.transport.send_down(island, handle, update, tensors)
@@ -202,7 +221,7 @@ class _OuterShell:
             self._wake.clear()
             if self._stopping:
                 return
-            await self._publish(await self._core(self.core.poll, self._now()))
+            await self._publish(*await self._core(self._closing, self.core.poll, self._now()))
             if self._checkpoints.due():
                 await self.checkpoint()
 
@@ -210,18 +229,19 @@ class _OuterShell:
         if self._wake is not None:
             self._wake.set()
 
-    async def _publish(self, results: list[RoundResult]) -> None:
-        for result in results:
+    async def _publish(self, results: list[RoundResult], prepared: list[Prepared]) -> None:
+        # `result.tensors` are the core's live tensors, already put (_closing): only `prepared` is used here.
+        for result, ready in zip(results, prepared):
             t0 = time.perf_counter()
-            ref = await self.published.publish(result.fragment, result.version, result.tensors, self._core)
+            ref = self.published.publish(result.fragment, result.version, ready)
             update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged, epoch=self.epoch,
                                     progress=self._progress())
             if not self._finishing:  # after the final flush nobody trains on it any more
                 to = set(result.record.participants) if self.core.settings.publish_to == "participants" else None
                 for island, (_, handle) in list(self._islands.items()):
                     if to is None or island in to:
-                        self.transport.send_down(island, handle, update, result.tensors)
-            await self._core(self.core.observe_publish, time.perf_counter() - t0, result.record.merge_s)
+                        self.transport.send_down(island, handle, update, ready.copy)
+            await self._core(self.core.observe_publish, time.perf_counter() - t0 + ready.seconds, result.record.merge_s)
 
     # ------------------------------------------------------------ control plane
 
@@ -323,8 +343,8 @@ class _OuterShell:
             await asyncio.wait(pollers, timeout=timeout_s)
         while self.transport.in_transit and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        results = await self._core(self.core.close_all, self._now())
-        await self._publish(results)
+        results, prepared = await self._core(self._closing, self.core.close_all, self._now())
+        await self._publish(results, prepared)
         return len(results)
 
     async def stop(self) -> dict:

@@ -14,7 +14,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+import time
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -28,6 +28,17 @@ if TYPE_CHECKING:
     from orchestrator.core.outer_optimizer import OuterSettings
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A version as `PublishedFragments.put` left it: its ref, and with differences down its float32 copy and
+    the whole version as islands decode it (None otherwise)."""
+
+    ref: Any
+    copy: list | None
+    decoded: list | None
+    seconds: float  # spent encoding and putting it (part of the round's publish time, t_sync)
 # Published versions per fragment kept decoded for registering islands (differences down only): a restarted
 # island registers a second or two after it fetched latest(), while K = 1 rounds go on.
 _REMEMBERED_VERSIONS = 4
@@ -61,19 +72,26 @@ class PublishedFragments:
         """Whether later versions go down as differences from each island's copy."""
         return self.copies.delta is not None
 
-    async def publish(self, fragment: int, version: int, tensors: list[torch.Tensor],
-                      run_on_core: Callable[..., Awaitable[Any]]) -> Any:
-        """Make `version` of `fragment` the latest: encoded whole (and, with differences down, decoded as the
-        islands will hold it) on the core's thread via `run_on_core`, put in the object store. Returns its ref."""
-        whole = await run_on_core(self.copies.whole, tensors)
+    def put(self, tensors: list[torch.Tensor]) -> Prepared:
+        """A new version encoded whole and put in the object store, on the core's thread while `tensors` (the
+        core's live global tensors) cannot change. ray.put copies them into the store: that copy is the only one
+        made of a version unless differences go down, which need a private float32 copy to be taken from, later,
+        and the decoded whole version for islands that register holding it."""
+        t0 = time.perf_counter()
+        copy = [t.clone() for t in tensors] if self.delta else None
+        whole = self.copies.whole(copy if copy is not None else tensors)
         ref = ray.put(whole)
-        if self.delta:
+        return Prepared(ref, copy, decode_fragment(whole) if self.delta else None, time.perf_counter() - t0)
+
+    def publish(self, fragment: int, version: int, prepared: Prepared) -> Any:
+        """Make `version` of `fragment`, as `put` prepared it, the latest (on the shell's loop). Returns its ref."""
+        if prepared.decoded is not None:
             recent = self.decoded[fragment]
-            recent[version] = await run_on_core(decode_fragment, whole)
+            recent[version] = prepared.decoded
             while len(recent) > _REMEMBERED_VERSIONS:
                 recent.popitem(last=False)
-        self.refs[fragment] = ref  # dropping the old ref lets the store free it
-        return ref
+        self.refs[fragment] = prepared.ref  # dropping the old ref lets the store free it
+        return prepared.ref
 
     def encode(self, island: int, incarnation: int, update: FragmentUpdate, tensors: list) -> tuple[FragmentUpdate, int]:
         """(update as sent, bytes on the wire) for this island's copy: whole or a difference (delta mode only)."""

@@ -71,7 +71,7 @@ class IslandTransport:
         self.in_transit: dict[Any, Submission] = {}  # submission key -> submission on its uplink
         self._transfers: set[asyncio.Task] = set()
         # island -> fragment -> (newest waiting update, its float32 tensors: what a difference is taken of)
-        self._down_queue: dict[int, dict[int, tuple[FragmentUpdate, list]]] = {}
+        self._down_queue: dict[int, dict[int, tuple[FragmentUpdate, list | None]]] = {}
         self._down_senders: set[int] = set()  # islands whose downlink sender task is running
 
     def region(self, island: int) -> str:
@@ -142,11 +142,11 @@ class IslandTransport:
             await asyncio.sleep(wait)
         self.waits.down += max(wait, 0.0)
 
-    def send_down(self, island: int, handle: Any, update: FragmentUpdate, tensors: list) -> None:
+    def send_down(self, island: int, handle: Any, update: FragmentUpdate, tensors: list | None) -> None:
         """Send a fragment version to an island: now, or over its EMULATED downlink, whole or as a difference.
 
         `update.tensors` is the version's shared whole-fragment ref; `tensors` are its float32 values,
-        from which a difference from the island's copy is taken (outer.downlink_delta).
+        from which a difference from the island's copy is taken (outer.downlink_delta; None without it).
 
         Whole fragments with no emulated network go at once (fire and forget). Otherwise each island has
         one sender that always sends the newest version of each fragment: a version published while an

@@ -1,10 +1,10 @@
 """OuterOptimizer: the single source of truth for the global parameters (docs/architecture.md section 3).
 
 A plain class, stepped with submissions and the current time. Per fragment p it keeps the global
-tensors, a Nesterov outer optimizer, the version, a ring of recent versions and the pending
-submissions. A round closes on quorum + grace (policies.quorum), merges with token weights
-(policies.weighting) and RDA (policies.merge), applies the outer step and yields a `RoundResult`
-for the shell to publish. Bad submissions are refused, counted and logged; they never touch state.
+tensors, a Nesterov outer optimizer, the version and the pending submissions (its resident memory, as
+a formula: docs/outer.md). A round closes on quorum + grace (policies.quorum), merges with token
+weights (policies.weighting) and RDA (policies.merge), applies the outer step and yields a
+`RoundResult` for the shell to publish. Bad submissions are refused, counted and logged; they never touch state.
 
 Its pieces live beside it in orchestrator/core/: the checks a submission passes (submission_check.py),
 the merge and outer step of one round (round_merge.py), the served moving average (served_average.py),
@@ -22,8 +22,8 @@ import torch
 
 from islands.messages import Submission
 from orchestrator.core.checkpoint import PARAM_PREFIX
-from orchestrator.core.round_merge import merge_round
-from orchestrator.core.rounds import OpenRound, Refusal, RoundRecord, RoundResult
+from orchestrator.core.round_merge import MergeWorkspace, merge_round
+from orchestrator.core.rounds import OpenRound, Pending, Refusal, RoundRecord, RoundResult
 from orchestrator.core.served_average import ServedAverage
 from orchestrator.core.settings import OuterSettings  # re-exported: the outer optimizer's settings
 from orchestrator.core.submission_check import check_submission
@@ -31,7 +31,6 @@ from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds
 from policies.outer_optimizer import FragmentOuterOptimizer
 from policies.quorum import MovingAverage, decide_round, grace_window_s
-from policies.staleness import VersionRing
 from policies.sync_schedule import sync_every_at
 
 __all__ = ["OuterOptimizer", "OuterSettings", "Refusal", "RoundRecord", "RoundResult"]
@@ -39,7 +38,7 @@ __all__ = ["OuterOptimizer", "OuterSettings", "Refusal", "RoundRecord", "RoundRe
 log = logging.getLogger(__name__)
 
 class OuterOptimizer:
-    """Global parameters, outer momentum, versions, version ring, pending rounds and token ledger."""
+    """Global parameters, outer momentum, versions, pending rounds and token ledger."""
 
     def __init__(
         self,
@@ -50,10 +49,13 @@ class OuterOptimizer:
         embedding_names: frozenset[str] | set[str] = frozenset(),
         buffer_names: frozenset[str] | set[str] = frozenset(),
         now: float = 0.0,
+        copy_results: bool = True,
     ) -> None:
         """`embedding_names`: merged by the plain mean under RDA. `buffer_names`: trained buffers (BatchNorm
         statistics, islands.model_api.buffer_names), set to the islands' weighted mean with no outer lr or
-        momentum (core/round_merge.py)."""
+        momentum (core/round_merge.py). `copy_results`: each RoundResult carries a private copy of the new
+        version; False hands out the live global tensors instead, valid only until this object's next call
+        (the actor shell puts them in the object store at once, on the same thread, and saves the copy)."""
         self.plan = plan
         self.settings = settings
         self.progress: float | None = None  # tokens processed / budget, as the driver last said (tau_schedule)
@@ -74,10 +76,11 @@ class OuterOptimizer:
         # The served model (run.average_window): a moving average of each fragment's global tensors, or None.
         self.average = None if settings.average_window is None else ServedAverage(self.params, settings.average_window)
         self.versions = [0] * P
-        # Recent versions per fragment: what any accepted submission can have been measured from.
-        self._rings: list[VersionRing] = [VersionRing(settings.max_staleness + 1) for _ in range(P)]
-        for p in range(P):
-            self._rings[p].push(0, [t.clone() for t in self.params[p]])
+        # No copy of older versions is kept: an island's outer gradient is measured from the version it holds,
+        # so a stale submission needs only its base version's number to be accepted or refused.
+        self.copy_results = copy_results
+        # One tensor's merged outer gradient at a time (core/round_merge.py): the largest tensor's size.
+        self._workspace = MergeWorkspace(max((t.numel() for frag in self.params for t in frag), default=1))
         self._open = [OpenRound(opened_at=now) for _ in range(P)]  # per fragment: its round, collecting
         self.islands: dict[int, int] = {}  # live island -> current incarnation
         self._last_incarnation: dict[int, int] = {}  # island slot -> newest incarnation ever registered
@@ -130,7 +133,7 @@ class OuterOptimizer:
         if sub.step_time_s > 0:
             self.step_time.update(sub.step_time_s)
         round_ = self._open[p]
-        round_.pending.append((sub, verdict.staleness, verdict.deltas))
+        round_.pending.append(Pending(sub, verdict.staleness, verdict.deltas, verdict.norms))
         if not sub.salvaged and self.islands.get(sub.island) == sub.incarnation:
             round_.voters.add(sub.island)
         if round_.quorum_at is None and self._pending_islands(p) >= self.settings.min_quorum:
@@ -209,15 +212,14 @@ class OuterOptimizer:
         t0 = time.perf_counter()
         round_ = self._open[p]
         pending = round_.pending
-        subs = [s for s, _, _ in pending]
+        subs = [e.sub for e in pending]
         merged = merge_round(pending, opt=self._opts[p], window=self._rda_windows[p], settings=self.settings,
                              embedding_mask=self._embedding_mask[p], buffer_mask=self._buffer_mask[p],
-                             live_islands=self._live_islands(), final=final)
+                             live_islands=self._live_islands(), final=final, workspace=self._workspace)
         self.versions[p] += 1
         version = self.versions[p]
-        self._rings[p].push(version, [t.clone() for t in self.params[p]])
         record = RoundRecord.of(
-            p, version, subs, weights=merged.weights, staleness=[st for _, st, _ in pending],
+            p, version, subs, weights=merged.weights, staleness=[e.staleness for e in pending],
             quorum_s=(round_.quorum_at or now) - round_.opened_at, grace_s=round_.grace_s,
             wait_s=now - round_.opened_at, merge_s=time.perf_counter() - t0, reason=reason,
             step_scale=merged.step_scale, rda_factor=merged.rda_factor,
@@ -227,7 +229,8 @@ class OuterOptimizer:
         round_.opened_at = now
         log.info("round fragment %d -> v%d: islands %s weights %s staleness %s (%s)", p, version,
                  record.participants, [round(w, 3) for w in merged.weights], record.staleness, reason)
-        return RoundResult(p, version, [t.clone() for t in self.params[p]], tuple(s.key for s in subs), record)
+        tensors = [t.clone() for t in self.params[p]] if self.copy_results else list(self.params[p])
+        return RoundResult(p, version, tensors, tuple(s.key for s in subs), record)
 
     def _account(self, p: int, subs: list[Submission], record: RoundRecord) -> None:
         # A closed round's tokens, served average, useful time, data cursors, uptime and record.
@@ -250,10 +253,6 @@ class OuterOptimizer:
         """A private copy of the current global tensors of fragment p."""
         return [t.clone() for t in self.params[p]]
 
-    def version_of(self, p: int, version: int) -> list[torch.Tensor]:
-        """Fragment p as it was at `version` (KeyError if older than the ring keeps)."""
-        return self._rings[p].get(version)
-
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """All current global parameters by name (copies)."""
         return self._by_name(self.params)
@@ -268,7 +267,7 @@ class OuterOptimizer:
 
     def pending_tokens(self) -> list[int]:
         """Per fragment: tokens in accepted submissions waiting for their round."""
-        return [sum(s.tokens for s, _, _ in r.pending) for r in self._open]
+        return [sum(e.sub.tokens for e in r.pending) for r in self._open]
 
     def record_late(self, sub: Submission) -> None:
         """A submission taken after stop began: received, never merged (in flight at stop)."""
@@ -311,8 +310,8 @@ class OuterOptimizer:
     def _received_without_pending(self) -> dict[tuple[int, int], list[int]]:
         out = {k: list(v) for k, v in self.received.items()}
         for r in self._open:
-            for sub, _, _ in r.pending:
-                out[(sub.island, sub.incarnation)][sub.fragment] -= sub.tokens
+            for e in r.pending:
+                out[(e.sub.island, e.sub.incarnation)][e.sub.fragment] -= e.sub.tokens
         return out
 
     def build_optimizers(self) -> None:
@@ -336,8 +335,6 @@ class OuterOptimizer:
                     {"norms": norms, "sums": [tensors.get(f"rda_window/{n}") for n in names]})
             if self.average is not None:  # a checkpoint written without averaging starts it at its global model
                 self.average.load(p, names, tensors, self.params[p])
-            self._rings[p] = VersionRing(self.settings.max_staleness + 1)
-            self._rings[p].push(meta["versions"][p], [t.clone() for t in self.params[p]])
             self._open[p].clear()
         self.versions = list(meta["versions"])
         self.tokens_merged = list(meta["tokens_merged"])

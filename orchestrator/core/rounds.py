@@ -10,13 +10,21 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from islands.messages import Submission, SubmissionKey
+from policies.compression import Compressed
 
-# One accepted submission waiting for its round: (submission, staleness, decoded fp32 deltas).
-Pending = tuple[Submission, int, list[torch.Tensor]]
+
+class Pending(NamedTuple):
+    """One accepted submission waiting for its round (a plain 3-tuple of the first fields is accepted too)."""
+
+    sub: Submission
+    staleness: int
+    deltas: list[torch.Tensor | Compressed]  # per tensor: float32 values, or an int8/int4 wire tensor
+    norms: list[float | None] | None = None  # per tensor: its norm when the submission check computed it
 
 
 @dataclass
@@ -104,6 +112,8 @@ class RoundResult:
 
     fragment: int
     version: int
-    tensors: list[torch.Tensor]  # a private copy, safe to hand to the object store
+    # A private copy, safe to hand to the object store; or, from an OuterOptimizer built with copy_results=False,
+    # the live global tensors, valid only until the optimizer's next call (the actor puts them at once).
+    tensors: list[torch.Tensor]
     merged: tuple[SubmissionKey, ...]
     record: RoundRecord

@@ -36,3 +36,4 @@ class OuterSettings:
     compression_block_size: int  # elements per quantization scale block, both directions
     topk_density: float  # fraction of each chunk a topk difference keeps (downlink_delta topk)
     average_window: float | None  # served model: moving average over this fraction of merged tokens (None = raw)
+    torch_threads: int  # torch intra-op threads of the actor's core thread

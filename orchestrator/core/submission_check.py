@@ -1,28 +1,34 @@
 """The checks a submission passes before it may join a round (docs/architecture.md section 3).
 
 In order: the sender's identity (a live or recently live incarnation), the fragment and counters,
-the wire format and shapes, staleness (policies.staleness), then the decoded values: shapes again
-and finiteness. The first failure is the refusal's reason; a refused submission never touches state.
+the wire format and shapes, staleness (policies.staleness), then the values: int8/int4 tensors whose
+scales prove them finite stay in their wire format; the rest are decoded and their shapes and
+finiteness checked. The first failure is the refusal's reason; a refused submission never touches state.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from islands.messages import Submission
-from policies.compression import WIRE_DTYPES, Compressed, decompress
+from policies.compression import WIRE_DTYPES, Compressed, decompress, finite_without_decoding
 from policies.staleness import check_staleness
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What `check_submission` found: a refusal's reason (None: accepted), the staleness, the decoded deltas."""
+    """What `check_submission` found: a refusal's reason (None: accepted), the staleness, and for an accepted
+    submission its outer gradients and what is known of their norms."""
 
     reason: str | None
     staleness: int = 0
-    deltas: list[torch.Tensor] = field(default_factory=list)  # fp32 outer gradients of an accepted submission
+    # Per tensor: float32 values, or the wire tensor itself (int8/int4, decoded when the round merges it).
+    deltas: list[torch.Tensor | Compressed] = field(default_factory=list)
+    # Per tensor: float(torch.linalg.vector_norm(values)) when the finite check computed it, else None.
+    norms: list[float | None] = field(default_factory=list)
 
 
 def check_submission(
@@ -45,18 +51,26 @@ def check_submission(
     )
     if not decision.accept:
         return Verdict(decision.reason, decision.staleness)
+    # A well-formed int8/int4 tensor with small finite scales decodes to finite values: it waits in its wire
+    # format (a quarter or an eighth of float32) and is decoded when its round merges it. The rest decode now.
     try:
-        deltas = [decompress(c) for c in sub.payload]
+        deltas = [c if finite_without_decoding(c) else decompress(c) for c in sub.payload]
     except Exception as err:  # noqa: BLE001 - a malformed payload is the sender's fault, refuse it
         return Verdict(f"payload does not decode: {err}")
+    norms: list[float | None] = []
     for i, d in enumerate(deltas):
+        if isinstance(d, Compressed):
+            norms.append(None)
+            continue
         if tuple(d.shape) != shapes[sub.fragment][i]:
             return Verdict(f"tensor {i}: decoded shape {tuple(d.shape)} != {shapes[sub.fragment][i]}")
-        # NaN/Inf propagate into a sum, so one reduction clears the common case; only a non-finite
-        # sum (which finite values can also reach by overflow) pays for the elementwise scan.
-        if not torch.isfinite(d.sum()) and not torch.isfinite(d).all():
+        # NaN/Inf propagate into the norm, so one reduction clears the common case, and RDA reuses it; only a
+        # non-finite norm (which finite values can also reach by overflow) pays for the elementwise scan.
+        norm = float(torch.linalg.vector_norm(d))
+        if not math.isfinite(norm) and not torch.isfinite(d).all():
             return Verdict(f"tensor {i}: non-finite values (NaN/Inf)")
-    return Verdict(None, decision.staleness, deltas)
+        norms.append(norm)
+    return Verdict(None, decision.staleness, deltas, norms)
 
 
 def _identity_problem(sub: Submission, live: int | None, last: int | None) -> str | None:
