@@ -1,6 +1,6 @@
 """GPU check: the CUDA and NCCL paths this project's CPU-only CI cannot run, in one short script.
 
-Eight sections, each reported whatever the others do (a failure is a row, not a crash):
+Nine sections, each reported whatever the others do (a failure is a row, not a crash):
 
 1. ``env``: torch, CUDA, NCCL versions and the cards.
 2. ``cuda_matches_cpu``: an island's inner trainer (islands/trainer.py) takes the same 10 AdamW steps
@@ -29,13 +29,17 @@ Eight sections, each reported whatever the others do (a failure is a row, not a 
 8. ``dp_on_gpu``: the data-parallel baseline through Ray Train on GPU workers (NCCL; one worker on
    one card, two on two or more) in fp32 and bf16, and the same run on a CPU worker (gloo): the GPU
    runs must report NCCL and a CUDA device, train, and fp32 must end within 2% of the CPU run.
+9. ``fsdp_nccl``: a two-worker FSDP island (``shard: fsdp``, islands/fsdp.py) over NCCL, one GPU per
+   worker, against a one-worker island on one GPU trained on both workers' batches: each worker holds
+   half of every parameter, and parameters and outer gradients after 8 steps (4 cuts, an adoption)
+   agree within 1% (relative L2). Needs two GPUs; written, not yet run (the machines lent so far had one).
 
 Run from the repository root on a machine with a GPU, Ray and this project's dependencies::
 
     python benchmarks/gpu_check.py --out gpu_check.json
 
 Prints a markdown table per section and writes them all as JSON. Exits 1 when a check fails.
-``--device cpu`` runs sections 2 and 5 with the CPU standing in for the GPU (a plumbing smoke test on
+``--device cpu`` runs sections 2, 5 and 9 with the CPU standing in for the GPU (a plumbing smoke test on
 a machine without one; it checks nothing about CUDA and says so).
 """
 
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -243,6 +248,150 @@ def nccl_two_workers() -> dict:
         note = ("one GPU: NCCL must refuse two ranks on one card (config validation rejects such pools); "
                 "the two-worker NCCL island itself needs two GPUs")
     return {"ok": ok, "note": note, "rows": sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0))}
+
+
+def _fsdp_script(island, steps: int) -> dict:
+    """Every island of `fsdp_nccl` does this: `steps` steps, each cut taken at once, and after step 4 a new version
+    of fragment 0 (the initial one times 0.9) that merges the first cut; returns its parameters (an FSDP worker's
+    parts) and, on a leader, the outer gradients of its cuts."""
+    from islands.messages import FragmentUpdate, SubmissionKey
+    from policies.downlink import decode_fragment
+
+    subs = []
+    for step in range(1, steps + 1):
+        island.step()
+        while (sub := island.next_submission(0.0)) is not None:
+            subs.append((sub.fragment, sub.tokens, [t.cpu().numpy() for t in decode_fragment(sub.payload)]))
+        if step == 4:
+            frag = island.spec.plan.fragments[0]
+            init = _fsdp_initial(island.spec.model.model.cfg)
+            island.adopt(FragmentUpdate(0, 1, [[init[n] * 0.9 for n in frag]], merged=(SubmissionKey(0, 1, 0),)))
+    return {"params": {n: t.numpy() for n, t in island.parameters().items()}, "subs": subs}
+
+
+def _fsdp_initial(cfg) -> dict[str, torch.Tensor]:
+    from islands.model import build_model
+
+    return {n: p.detach().clone() for n, p in build_model(cfg, seed=0).named_parameters()}
+
+
+def _fsdp_spec(cfg, accelerator: str, workers: int, shard: str):
+    from orchestrator.settings import island_specs, model_recipe
+    from policies.fragments import plan_fragments
+
+    run_cfg = build_config({"data": {"batch_size": 4}, "inner": {"warmup_steps": 0}, "outer": {"sync_every_steps": 4},
+                            "health": {"salvage_every_steps": 0},
+                            "pools": [{"name": "g", "workers_per_island": workers, "shard": shard,
+                                       "accelerator": accelerator, "gpus_per_worker": 1 if accelerator != "cpu" else 0}]})
+    plan = plan_fragments([(n, t.numel() * 4) for n, t in _fsdp_initial(cfg).items()], 2)
+    return dataclasses.replace(island_specs(run_cfg, model_recipe(run_cfg, shape=cfg), plan)[0], num_islands=1)
+
+
+def _fsdp_updates(spec) -> list:
+    from islands.messages import FragmentUpdate
+
+    init = _fsdp_initial(spec.model.model.cfg)
+    return [FragmentUpdate(p, 0, [[init[n] for n in frag]]) for p, frag in enumerate(spec.plan.fragments)]
+
+
+def _fsdp_rank(rank: int, accelerator: str, gpus: int, steps: int, port_q, out_q) -> None:
+    """One worker of a two-worker FSDP island (islands/fsdp.py) over NCCL (gloo for accelerator 'cpu')."""
+    if gpus >= 2:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # what Ray does for a worker holding one whole GPU
+    try:
+        from islands.distributed import WorkerGroup, backend_for
+        from islands.island import LearnerIsland
+
+        backend = backend_for(accelerator)
+        if rank == 0:
+            group = WorkerGroup(rank=0, world_size=2, addr="127.0.0.1", backend=backend, timeout_s=120)
+            port_q.put(group.port)
+        else:
+            group = WorkerGroup(rank=1, world_size=2, addr="127.0.0.1", port=port_q.get(timeout=120), backend=backend,
+                                timeout_s=120)
+        spec = _fsdp_spec(model_config("small"), accelerator, 2, "fsdp")
+        island = LearnerIsland(spec, _data(), _fsdp_updates(spec) if rank == 0 else [], group=group)
+        island.build_shards()
+        if rank == 0:
+            got = _fsdp_script(island, steps)
+            island.stop()
+        else:
+            for _ in range(steps):
+                island.step()
+            got = {"params": {n: t.numpy() for n, t in island.parameters().items()}, "subs": []}
+            island.step()  # the leader's stop
+        out_q.put({"rank": rank, "device": str(group.device), "error": None, **got})
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        out_q.put({"rank": rank, "device": None, "error": f"{type(err).__name__}: {err}"[:400]})
+
+
+def fsdp_nccl(device: str, steps: int = 8) -> dict:
+    """A two-worker FSDP island over NCCL (one GPU each) against a one-worker island on one GPU on both batches.
+
+    Like tests/islands/test_fsdp.py, on GPUs: the `small` preset, `steps` steps with a cut every 2, an adoption
+    after step 4. Each worker must hold half of every parameter; parameters and outer gradients must match the
+    one-worker island within 1% (relative L2 of the change from the initial parameters; the GPU's reductions
+    differ in order, TF32 is off). Needs two GPUs (NCCL refuses two ranks on one card); `--device cpu` runs it
+    over gloo as a plumbing smoke test.
+    """
+    if device != "cpu" and (not torch.cuda.is_available() or torch.cuda.device_count() < 2):
+        return {"ok": None, "note": "skipped: needs two GPUs (NCCL refuses two ranks of one group on one card)",
+                "rows": []}
+    from islands.island import LearnerIsland
+
+    accelerator = "cpu" if device == "cpu" else _accelerator()
+    gpus = 0 if device == "cpu" else torch.cuda.device_count()
+    ctx = mp.get_context("spawn")
+    port_q, out_q = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_fsdp_rank, args=(r, accelerator, gpus, steps, port_q, out_q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        try:
+            item = out_q.get(timeout=600)
+            got[item["rank"]] = item
+        except Exception:  # noqa: BLE001 - a hung rank is a result too
+            break
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    errors = [g["error"] for g in got.values() if g.get("error")] + (["a rank did not answer"] if len(got) < 2 else [])
+    if errors:
+        return {"ok": False, "note": "; ".join(errors), "rows": []}
+
+    # The one-worker island on this process's first device, trained on batches 2c and 2c+1 together.
+    spec = _fsdp_spec(model_config("small"), accelerator, 1, "none")
+    ref = LearnerIsland(spec, _data(), _fsdp_updates(spec))
+    sampler = ref.trainer.sampler
+    dev = ref.trainer.device
+
+    def pairs():
+        c = sampler.cursor
+        (x0, y0), (x1, y1) = sampler.batch_at(2 * c), sampler.batch_at(2 * c + 1)
+        sampler.load_state_dict({**sampler.state_dict(), "cursor": c + 1})
+        return torch.cat([x0, x1]).to(dev), torch.cat([y0, y1]).to(dev)
+
+    ref.trainer.next_batch = pairs
+    want = _fsdp_script(ref, steps)
+    init = {n: t.numpy() for n, t in _fsdp_initial(spec.model.model.cfg).items()}
+    halves = all(got[0]["params"][n].shape[0] + got[1]["params"][n].shape[0] == t.shape[0]
+                 and got[0]["params"][n].shape[0] == -(-t.shape[0] // 2) for n, t in init.items())
+    params = {n: np.concatenate([got[0]["params"][n], got[1]["params"][n]]) for n in init}
+    num = math.sqrt(sum(float(((params[n] - want["params"][n]) ** 2).sum()) for n in init))
+    den = math.sqrt(sum(float(((want["params"][n] - init[n]) ** 2).sum()) for n in init))
+    sub_errs = [math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in zip(mine[2], theirs[2])))
+                / max(1e-12, math.sqrt(sum(float((b ** 2).sum()) for b in theirs[2])))
+                for mine, theirs in zip(got[0]["subs"], want["subs"])]
+    same_cuts = [s[:2] for s in got[0]["subs"]] == [s[:2] for s in want["subs"]]
+    ok = halves and same_cuts and num / den < 0.01 and max(sub_errs, default=1.0) < 0.01
+    rows = [{"workers": "fsdp x2", "device": got[0]["device"] + " / " + got[1]["device"], "half_each": halves,
+             "cuts": len(got[0]["subs"]), "same_cuts": same_cuts, "param_rel_l2": num / den,
+             "worst_cut_rel_l2": max(sub_errs, default=None)},
+            {"workers": "one worker", "device": str(dev), "cuts": len(want["subs"])}]
+    note = "SMOKE TEST: --device cpu runs it over gloo" if device == "cpu" else "real hardware, nothing emulated"
+    return {"ok": ok, "note": note, "rows": rows}
 
 
 def _time_steps(preset: str, device: str, steps: int, warmup: int, precision: str = "fp32") -> float:
@@ -466,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          tuple(args.precision.split(",")), args.engine_repeats,
                                                          args.engine_pools, args.score_batches),
         "dp_on_gpu": lambda: dp_on_gpu(device, args.dp_budget, args.run_root),
+        "fsdp_nccl": lambda: fsdp_nccl(device),
     }
     only = set(args.only.split(",")) if args.only else set(sections)
     results = {}

@@ -19,6 +19,9 @@ and the follower all import it and nothing imports back:
   concatenated (mean loss), which tests/integration/test_multiworker.py checks against a
   single-process reference.
 
+With `pools[].shard: fsdp` the workers instead each hold 1/W of the model (islands/fsdp.py); this
+group is still their rendezvous and process group.
+
 Torch only: the Ray side (actors, placement) is in orchestrator/actors/remote.py and launcher.py.
 The NCCL path has run only up to NCCL's own refusal of two ranks on one card (one-GPU machine,
 benchmarks/gpu_check.py); a two-worker NCCL island needs two GPUs and has not run.
@@ -152,6 +155,13 @@ class WorkerGroup:
                     p.grad.copy_(mean)
                 offset += n
         return flat[-1]
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a scalar over the workers (one all_reduce): an FSDP island's reported loss, whose
+        gradients FSDP has already averaged."""
+        flat = value.detach().reshape(1).to(device=self.device, dtype=torch.float32)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        return flat[0] / self.world_size
 
     def broadcast_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Rank 0's values of `tensors` into every rank's tensors, in place (one broadcast per dtype)."""

@@ -5,6 +5,11 @@ compressed downlink there, off the compute path. `apply_updates` runs on the loo
 inner steps: it undoes downlink differences, applies each update with the island's adoption policy
 (overwrite, rebase or mix; policies/adoption.py) and resolves the outbox's cuts the update merged or
 refused. `resync` replaces everything with the outer optimizer's state after it went back to a checkpoint.
+
+In an FSDP island (islands/fsdp.py) the fragments hold this worker's parts and every worker keeps an
+inbox: the leader's `take`s what arrived and tells the others, and each `apply`s it to its parts. The
+leader then fetches an update only when it applies it and hands each worker its part (`split`), so it
+holds one whole fragment at a time; a resync clears the cuts at that boundary, on every worker alike.
 """
 
 from __future__ import annotations
@@ -21,8 +26,12 @@ from islands.outbox import Outbox
 from policies.adoption import AdoptionPolicy, adopt_fragment
 from policies.downlink import apply_delta, decode_fragment
 
-Fetched = tuple[FragmentUpdate, list[torch.Tensor]]
-"""An update with its fragment's tensors resolved, decoded and on the island's device."""
+Fetched = tuple[FragmentUpdate, list[torch.Tensor] | None]
+"""An update with its fragment's tensors resolved, decoded and on the island's device (None in an FSDP
+island: fetched, or received as this worker's part, when applied)."""
+
+Split = Callable[[int, list[torch.Tensor] | None], list[torch.Tensor]]
+"""`split(p, whole)`: this worker's part of fragment p's whole tensors (given on the leader, None elsewhere)."""
 
 
 class Inbox:
@@ -30,9 +39,10 @@ class Inbox:
 
     def __init__(self, *, island: int, adoption: AdoptionPolicy, fragments: FragmentState, outbox: Outbox,
                  cv: threading.Condition, device: torch.device, resolve: Callable[[Any], Any],
-                 hear_progress: Callable[[float], None]) -> None:
+                 hear_progress: Callable[[float], None], split: Split | None = None) -> None:
         """`resolve` fetches a list-wrapped object ref (ray.get in an actor); `hear_progress` receives the
-        run progress every update carries, before it is applied (the inner learning rate follows it)."""
+        run progress every update carries, before it is applied (the inner learning rate follows it);
+        `split` makes this the inbox of one worker of an FSDP island (see the module's docstring)."""
         self.island = island
         self.adoption = adoption
         self._fragments = fragments
@@ -41,6 +51,7 @@ class Inbox:
         self._device = device
         self._resolve = resolve
         self._hear_progress = hear_progress
+        self._split = split
         self._updates: list[Fetched] = []
         self._resync_pending: list[Fetched] = []
 
@@ -57,8 +68,8 @@ class Inbox:
         return [t.to(self._device) for t in tensors]
 
     def queue(self, update: FragmentUpdate) -> None:
-        """Fetch a published fragment now; it is applied at the next step boundary."""
-        tensors = self._to_device(self._resolve(update.tensors[0]))
+        """Fetch a published fragment now (FSDP: when applied); it is applied at the next step boundary."""
+        tensors = self._to_device(self._resolve(update.tensors[0])) if self._split is None else None
         with self._cv:
             self._updates.append((update, tensors))
             self._cv.notify_all()
@@ -69,43 +80,77 @@ class Inbox:
             if u.delta_from is not None:
                 raise ValueError(f"resync needs whole fragments, got a difference for fragment {u.fragment}; "
                                  "pass the outer optimizer's latest()")
+        if self._split is not None:  # FSDP: every worker forgets its cuts at the boundary that adopts these
+            with self._cv:
+                self._updates.clear()
+                self._resync_pending = [(u, None) for u in latest]
+                self._cv.notify_all()
+            return
         fetched = [(u, self._to_device(self._resolve(u.tensors[0]))) for u in latest]
-        state = self._fragments
         with self._cv:
-            # Outbox tokens were counted as submitted; dropping them makes them "taken, never received".
-            self._outbox.clear()
             self._updates.clear()
-            for p in range(state.num_fragments):
-                state.discarded[p] += state.tokens[p]
-                state.reset_progress(p)
+            self._forget_progress()
             self._resync_pending = fetched
             self._cv.notify_all()
+
+    def _forget_progress(self) -> None:
+        """A resync: drop every cut, and count the progress since them as discarded (caller holds `cv`)."""
+        state = self._fragments
+        # Outbox tokens were counted as submitted; dropping them makes them "taken, never received".
+        self._outbox.clear()
+        for p in range(state.num_fragments):
+            state.discarded[p] += state.tokens[p]
+            state.reset_progress(p)
 
     def apply_updates(self) -> set[int]:
         """The step boundary: apply every received update in (fragment, version) order. Loop thread only.
 
         Returns the fragments whose parameters changed (what a multi-worker island's followers must copy).
         """
+        return self.apply(*self.take())
+
+    def take(self) -> tuple[list[Fetched], list[Fetched]]:
+        """What arrived since the last boundary: (resync, updates), each in the order `apply` applies them."""
         with self._cv:
             updates, self._updates = self._updates, []
             forced, self._resync_pending = self._resync_pending, []
+        # In version order per fragment, so a chain of differences applies link by link.
+        return forced, sorted(updates, key=lambda u: (u[0].fragment, u[0].version))
+
+    def apply(self, forced: list[Fetched], updates: list[Fetched]) -> set[int]:
+        """Apply a resync's fragments, then `updates`, in order; returns the fragments whose parameters changed.
+
+        In an FSDP island every worker calls this with the same updates in the same order (the leader's
+        `take`), so the parts of each fragment are fetched and split one fragment at a time."""
         changed: set[int] = set()
         for update, _ in forced + updates:  # the learning rate's progress never runs backwards (late or stale updates)
             if update.progress is not None:
                 self._hear_progress(update.progress)
+        if forced and self._split is not None:
+            with self._cv:
+                self._forget_progress()
         for update, tensors in forced:
+            tensors = self._part(update, tensors)
             with torch.no_grad():
                 for t, g in zip(self._fragments.theta[update.fragment], tensors):
                     t.copy_(g)
             self._fragments.adopted(update.fragment, tensors, version=update.version, epoch=update.epoch)
             changed.add(update.fragment)
-        # In version order per fragment, so a chain of differences applies link by link.
-        for update, tensors in sorted(updates, key=lambda u: (u[0].fragment, u[0].version)):
+        for update, tensors in updates:
+            tensors = self._part(update, tensors)
             if update.delta_from is not None:
                 tensors = self._undelta(update, tensors)
             if self._apply_one(update, tensors):
                 changed.add(update.fragment)
         return changed
+
+    def _part(self, update: FragmentUpdate, tensors: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The update's tensors for this worker: as fetched, or (FSDP) this worker's part of them."""
+        if self._split is None:
+            assert tensors is not None
+            return tensors
+        whole = self._to_device(self._resolve(update.tensors[0])) if update.tensors else None  # the leader's copy
+        return self._split(update.fragment, whole)
 
     def _undelta(self, update: FragmentUpdate, delta: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The global fragment a downlink difference stands for, or None if it is not for our copy."""

@@ -17,6 +17,11 @@ An island of several workers (`spec.workers` > 1, islands/distributed.py) is dat
 class is rank 0, the leader, and keeps the whole interface; at every step boundary it tells its
 followers whether to step and sends them the fragments it just adopted, so all workers hold the
 same parameters.
+
+An FSDP island (`spec.shard == "fsdp"`, islands/fsdp.py) runs this class on every worker, each over
+its 1/W of the model: rank 0 leads as above and decides (what to adopt, whether to step, when to
+cut), ranks >= 1 follow it, so every worker's bookkeeping agrees, and whole fragments pass only
+through rank 0, one at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 from islands.distributed import WorkerGroup, describe_device, island_device
 from islands.faults import InjectedFaults
 from islands.fragment_state import FragmentState
+from islands.fsdp import Boundary, Layout, Order, ShardLink, local_part, without_tensors
 from islands.inbox import Inbox
 from islands.messages import FragmentUpdate, Submission
 from islands.outbox import LoopReadings, Outbox, OutboxSettings
@@ -55,22 +61,30 @@ def _check_spec(spec: IslandSpec, group: WorkerGroup | None) -> None:
     if (group.world_size if group is not None else 1) != spec.workers:
         raise ValueError(f"island {spec.island} has workers={spec.workers} but its worker group has "
                          f"{group.world_size if group else 1}; build a WorkerGroup of world_size=workers (rank 0)")
-    if group is not None and group.rank != 0:
+    if spec.shard == "fsdp" and group is None:
+        raise ValueError(f"island {spec.island} shards its model (fsdp) but has no worker group; build a WorkerGroup")
+    if group is not None and group.rank != 0 and spec.shard != "fsdp":
         raise ValueError(f"a LearnerIsland is rank 0 of its group, got rank {group.rank}; use IslandFollower")
 
 
 def _build_trainer(spec: IslandSpec, train: Any, *, cursor: int, group: WorkerGroup | None,
                    device: torch.device) -> InnerTrainer:
-    """The island's inner trainer on its shard, its sampler at `cursor`; the plan must cover the model."""
+    """The island's inner trainer on its shard, its sampler at `cursor` (FSDP: its model is built later)."""
     trainer = InnerTrainer(
-        spec.model, train, settings=spec.inner,
-        shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed, group=group, device=device,
+        spec.model, train, settings=spec.inner, shard_index=spec.island, num_shards=spec.num_islands,
+        seed=spec.seed, group=group, device=device, shard=spec.shard == "fsdp",
     )
     trainer.sampler.load_state_dict({**trainer.sampler.state_dict(), "cursor": cursor})
+    if trainer.model is not None:
+        _check_plan(spec, trainer)
+    return trainer
+
+
+def _check_plan(spec: IslandSpec, trainer: InnerTrainer) -> None:
+    """The fragment plan must cover every state tensor of the model."""
     missing = set(trainer.params) - {n for frag in spec.plan.fragments for n in frag}
     if missing:
         raise ValueError(f"fragment plan does not cover state tensors {sorted(missing)[:3]}...; rebuild the plan from this model")
-    return trainer
 
 
 class LearnerIsland:
@@ -92,19 +106,28 @@ class LearnerIsland:
         self.spec = spec
         _check_spec(spec, group)
         self._group = group
+        # FSDP: every worker runs this class over its part of the model, joined by `_link` once it is built.
+        self._sharded = spec.shard == "fsdp"
+        self._link: ShardLink | None = None
+        if self._sharded and shelve is not None:
+            raise ValueError("an FSDP island leaves no progress snapshots (each would hold the whole model); "
+                             "set health.salvage_every_steps: 0")
         device = island_device(spec.accelerator)
         self._device_name = describe_device(device)
         adoption = parse_adoption(spec.adoption)
         check_sync_every(spec.sync_every_steps, spec.sync_every_schedule, spec.plan.num_fragments)
         train = resolve(data[0]) if isinstance(data, list) else data
         self.trainer = _build_trainer(spec, train, cursor=cursor, group=group, device=device)
-        self.fragments = FragmentState.of([[self.trainer.params[n] for n in frag] for frag in spec.plan.fragments])
+        # FSDP: the fragments get this worker's parts once the model is built (`build_shards`).
+        self.fragments = FragmentState.of([[] if self._sharded else [self.trainer.params[n] for n in frag]
+                                           for frag in spec.plan.fragments])
         self._cv = threading.Condition()  # guards the fragments, the outbox, the inbox and the loop's state
         self.faults = InjectedFaults(spec.island)  # a hang stops the inner loop while the control interface answers
         self.outbox = Outbox(OutboxSettings.from_spec(spec), self.fragments, cv=self._cv, faults=self.faults,
-                             readings=self._readings)
+                             readings=self._readings, assemble=self._gather if self._sharded else None)
         self.inbox = Inbox(island=spec.island, adoption=adoption, fragments=self.fragments, outbox=self.outbox,
-                           cv=self._cv, device=device, resolve=resolve, hear_progress=self._hear_progress)
+                           cv=self._cv, device=device, resolve=resolve, hear_progress=self._hear_progress,
+                           split=self._scatter if self._sharded else None)
         self.shelf = None if shelve is None else SalvageShelf(
             island=spec.island, incarnation=spec.incarnation, every_steps=spec.salvage_every_steps, shelve=shelve,
             fragments=self.fragments, outbox=self.outbox, cv=self._cv)
@@ -120,18 +143,30 @@ class LearnerIsland:
         self._since_cut = 0
         self.total_steps = 0
         self.total_tokens = 0
+        self._leads = group is None or group.rank == 0  # rank 0 keeps the interface; FSDP ranks >= 1 follow it
+        self._cut_after: tuple[int, bool] | None = None  # FSDP: the cut the leader ordered after this step
         for update in initial:
             self.inbox.queue(update)
-        self.apply_updates()
-        if min(self.fragments.version) < 0:
-            raise ValueError("initial global state must cover every fragment; pass the outer optimizer's latest()")
+        if self._sharded:  # adopted at the first boundary, once every worker holds its part of the model
+            if self._leads and {u.fragment for u in initial} != set(range(spec.plan.num_fragments)):
+                raise ValueError("initial global state must cover every fragment; pass the outer optimizer's latest()")
+        else:
+            self.apply_updates()
+            if min(self.fragments.version) < 0:
+                raise ValueError("initial global state must cover every fragment; pass the outer optimizer's latest()")
         log.info("island %d (incarnation %d, pool %s) ready at versions %s, cursor %d",
                  spec.island, spec.incarnation, spec.pool, self.fragments.version, cursor)
 
     # ---------------------------------------------------------------- inner loop
 
     def step(self) -> bool:
-        """Apply pending updates, then one inner step unless blocked. Returns False when blocked."""
+        """Apply pending updates, then one inner step unless blocked. Returns False when blocked.
+
+        In an FSDP island every worker calls this in step with the others (the leader's messages pace them);
+        a worker other than the leader returns False when the leader took no step, or said stop.
+        """
+        if self._sharded:
+            return self._step_sharded()
         changed = self.apply_updates()
         with self._cv:
             blocked = self.spec.wait_for_round and self.outbox.busy()
@@ -164,6 +199,64 @@ class LearnerIsland:
             self.shelf.after_step(self.total_steps)
         return True
 
+    def _step_sharded(self) -> bool:
+        """`step` of an FSDP island's worker: adopt what the leader took, step if it says so, cut if it says so."""
+        link = self._link
+        if link is None:
+            raise RuntimeError("an FSDP island builds its sharded model in run(), once its workers are connected; "
+                               "call build_shards() first when driving step() by hand")
+        if self._leads:
+            forced, updates = self.inbox.take()
+            link.send(Boundary(forced=tuple(without_tensors(u) for u, _ in forced),
+                               updates=tuple(without_tensors(u) for u, _ in updates)))
+        else:
+            boundary = link.receive()
+            if boundary.stop:
+                self._finish_sharded(boundary.cuts)
+                return False
+            forced, updates = [(u, None) for u in boundary.forced], [(u, None) for u in boundary.updates]
+        self.inbox.apply(forced, updates)
+        if self._leads:
+            with self._cv:
+                blocked = self.spec.wait_for_round and self.outbox.busy()
+                if blocked:
+                    self._state = "blocked"
+                elif self._state in ("starting", "blocked"):
+                    self._state = "training"
+                hung = not blocked and self.faults.hung(time.monotonic())
+                train = not blocked and not hung
+                # Decided before the step, so the workers know to take part in the cut: nothing between here and
+                # the end of the step changes when the cut is due (progress is heard at boundaries only). While a
+                # cut waits to be taken the next is postponed, so at most one whole fragment waits here
+                # (docs/islands.md, FSDP islands); it is cut, with the steps since, after the first step once taken.
+                cut = None
+                if train and self._since_cut + 1 >= self.cut_every() and not self.outbox.has_ready():
+                    cut = (self.outbox.next_fragment(), self.faults.take_drop())
+            order = Order(train=train, cut=cut)
+            link.send(order)
+        else:
+            order = link.receive()
+            with self._cv:
+                if self._state == "starting":
+                    self._state = "training"
+        if not order.train:
+            if self._leads and not blocked:
+                time.sleep(0.05)  # injected hang: no progress, control calls still answered
+                return True
+            return False
+        self._cut_after = order.cut
+        result = self.trainer.step()
+        wall = result.wall_s
+        with self._cv:
+            slow = self.faults.slowdown(time.monotonic())
+        if slow > 1.0:
+            time.sleep(wall * (slow - 1.0))  # injected straggler (the leader's: its workers wait for it)
+            wall *= slow
+        if not math.isfinite(result.loss):  # the island's mean loss: every worker sees it
+            raise IslandFailed(f"island {self.spec.island} diverged: non-finite training loss at step {self.total_steps}")
+        self._count_step(result.loss, result.tokens, wall)
+        return True
+
     def _count_step(self, loss: float, tokens: int, wall_s: float) -> None:
         """Count a finished inner step, and cut the next fragment if its turn has come."""
         self._loss.update(loss)
@@ -173,7 +266,12 @@ class LearnerIsland:
             self.total_tokens += tokens
             self.fragments.count_step(tokens, wall_s)
             self._since_cut += 1
-            if self._since_cut >= self.cut_every():  # >=: a schedule may shorten H past the steps already taken
+            if self._sharded:  # the leader ordered it before the step (`_step_sharded`)
+                if self._cut_after is not None:
+                    self._since_cut = 0
+                    p, drop = self._cut_after
+                    self.outbox.cut(p, drop=drop)
+            elif self._since_cut >= self.cut_every():  # >=: a schedule may shorten H past the steps already taken
                 self._since_cut = 0
                 self.outbox.cut()
 
@@ -181,6 +279,14 @@ class LearnerIsland:
         """Inner steps between two cuts (one fragment each, round-robin): H/P, H at the run's progress as last heard."""
         h = sync_every_at(self.trainer.progress, self.spec.sync_every_schedule, self.spec.sync_every_steps)
         return int(h) // self.spec.plan.num_fragments
+
+    def _gather(self, p: int, parts: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        assert self._link is not None
+        return self._link.gather(p, parts)
+
+    def _scatter(self, p: int, whole: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        assert self._link is not None
+        return self._link.scatter(p, whole)
 
     def _readings(self) -> LoopReadings:
         return LoopReadings(step_time_s=self._step_time.value or 0.0, train_loss=self._loss.value or math.nan,
@@ -193,11 +299,16 @@ class LearnerIsland:
     def run(self) -> None:
         """Train until `stop()`; record a failure instead of raising so the control interface can report it."""
         try:
-            if self._group is not None:
+            if self._sharded:
+                self.build_shards()  # joins the group first
+                if not self._leads:
+                    while self.step() or not self._stop:
+                        pass  # the leader paces this loop, and says stop
+            elif self._group is not None:
                 self._group.connect()  # blocks until every follower joined (bounded by the group's timeout)
                 # Followers start from our parameters.
                 self._group.broadcast_([t for frag in self.fragments.theta for t in frag])
-            while True:
+            while self._leads:
                 with self._cv:
                     if self._stop:
                         break
@@ -206,6 +317,8 @@ class LearnerIsland:
                     with self._cv:
                         self._cv.wait_for(lambda: self._stop or self.inbox.has_updates(), timeout=0.5)
                         self._blocked_s += time.monotonic() - t0
+            if self._sharded and self._leads:
+                self.stop_shards()
         except Exception as err:  # noqa: BLE001 - reported through status() and next_submission()
             with self._cv:
                 self._state = "diverged" if isinstance(err, IslandFailed) else "failed"
@@ -213,10 +326,48 @@ class LearnerIsland:
                 self._cv.notify_all()
             log.error("island %d inner loop stopped: %s", self.spec.island, self._error)
             return
-        self._stop_followers()
+        if not self._sharded:
+            self._stop_followers()
         with self._cv:
             self._state = "stopped"
             self._cv.notify_all()
+
+    def build_shards(self) -> None:
+        """FSDP: join the worker group, build and shard the model, and point the fragments at this worker's parts.
+
+        `run` calls it; a test that drives `step()` by hand calls it on every worker first. Idempotent."""
+        if self._link is not None:
+            return
+        assert self._group is not None
+        self._group.connect()  # blocks until every worker joined (bounded by the group's timeout)
+        self.trainer.materialize()
+        _check_plan(self.spec, self.trainer)
+        params = self.trainer.params
+        with self._cv:
+            for frag, names in zip(self.fragments.theta, self.spec.plan.fragments):
+                frag[:] = [local_part(params[n]) for n in names]
+        self._link = ShardLink(self._group, [[Layout.of(params[n]) for n in names] for names in self.spec.plan.fragments])
+
+    def stop_shards(self) -> None:
+        """FSDP leader, at the stop: tell the workers, with the final flush's cuts when stopping with flush.
+
+        The flush is cut here, on the loop thread, since every worker takes part in each cut."""
+        assert self._link is not None and self._leads
+        with self._cv:
+            cuts = tuple((p, self.faults.take_drop()) for p in range(self.fragments.num_fragments)
+                         if self._flush and self.fragments.has_progress(p))
+        self._link.send(Boundary(stop=True, cuts=cuts))
+        self._finish_sharded(cuts)
+
+    def _finish_sharded(self, cuts: tuple[tuple[int, bool], ...]) -> None:
+        """Every FSDP worker at the stop: the final flush's cuts, then leave the group."""
+        with self._cv:
+            for p, drop in cuts:
+                self.outbox.cut(p, drop=drop)
+            self._stop = True
+            self._cv.notify_all()
+        assert self._group is not None
+        self._group.close()
 
     def _stop_followers(self) -> None:
         if self._group is None:
@@ -248,12 +399,14 @@ class LearnerIsland:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        elif self._link is not None and self._leads:
+            self.stop_shards()  # FSDP driven by hand (tests): what the loop would have told the workers
         if self.shelf is not None:
             self.shelf.close()  # no more snapshots: the outbox or the flush has the rest
         if flush:
             with self._cv:
                 stopped = self._thread is None or not self._thread.is_alive()
-                if stopped and self._error is None:
+                if stopped and self._error is None and not self._sharded:  # FSDP: cut by the loop (`stop_shards`)
                     self.outbox.cut_remaining()
                 self._flush_pending = False
                 self._cv.notify_all()
@@ -332,5 +485,8 @@ class LearnerIsland:
             self.shelf.wait()
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """A copy of the island's current parameters by name (for tests and checkpoints)."""
+        """A copy of the island's current parameters by name (for tests and checkpoints); in an FSDP island,
+        this worker's part of each (rows of dim 0; buffers whole)."""
+        if self._sharded:
+            return {n: local_part(p).cpu().clone() for n, p in self.trainer.params.items()}
         return {n: p.detach().cpu().clone() for n, p in self.trainer.params.items()}

@@ -79,12 +79,17 @@ class Outbox:
     """
 
     def __init__(self, settings: OutboxSettings, fragments: FragmentState, *, cv: threading.Condition,
-                 faults: InjectedFaults, readings: Callable[[], LoopReadings]) -> None:
+                 faults: InjectedFaults, readings: Callable[[], LoopReadings],
+                 assemble: Callable[[int, list[torch.Tensor]], list[torch.Tensor] | None] | None = None) -> None:
+        """`assemble(p, parts)`: in an FSDP island (islands/fsdp.py), where the fragments hold this worker's
+        parts, puts a cut's parts together: the whole differences on the leader, None on the other workers,
+        which keep the bookkeeping only."""
         self.settings = settings
         self._fragments = fragments
         self._cv = cv
         self._faults = faults
         self._readings = readings
+        self._assemble = assemble
         # Top-k, int2 and sign drop much of each outer gradient: what a cut does not carry is owed to the next.
         P = fragments.num_fragments
         self.feedback = (ErrorFeedback(P, settings.feedback_decay)
@@ -95,21 +100,37 @@ class Outbox:
 
     # ------------------------------------------------------------ cutting
 
-    def cut(self, fragment: int | None = None) -> None:
-        """Cut the next fragment (round-robin, fragment = seq mod P) or `fragment` (the final flush) into a submission."""
+    def next_fragment(self) -> int:
+        """The fragment the next round-robin cut takes (seq mod P)."""
+        return self.next_seq % self._fragments.num_fragments
+
+    def cut(self, fragment: int | None = None, *, drop: bool | None = None) -> None:
+        """Cut the next fragment (round-robin, fragment = seq mod P) or `fragment` (the final flush) into a submission.
+
+        `drop`: whether an injected fault loses it on the way; None asks the island's faults (an FSDP
+        island's leader asks them and tells its workers, whose bookkeeping must agree)."""
         s, state = self.settings, self._fragments
-        p = self.next_seq % state.num_fragments if fragment is None else fragment
+        p = self.next_fragment() if fragment is None else fragment
         seq = self.next_seq
         self.next_seq += 1
         sub = self.progress(p, seq)
+        sends = True
+        if self._assemble is not None:
+            whole = self._assemble(p, sub.payload)
+            sends = whole is not None  # only the leader hands out the cut; the other workers keep the bookkeeping
+            sub.payload = whole if sends else []
         owed = sub.payload
-        sub.payload = self.encode(owed)
-        if self.feedback is not None:  # what this cut does not carry is owed to the next one
-            self.feedback.settle(p, owed, decode_fragment(sub.payload))
+        if sends:
+            sub.payload = self.encode(owed)
+            if self.feedback is not None:  # what this cut does not carry is owed to the next one
+                self.feedback.settle(p, owed, decode_fragment(sub.payload))
         state.submitted[p] += sub.tokens
         state.reset_progress(p)
-        if self._faults.take_drop():  # injected fault: the submission is lost on the way (its tokens are lost)
+        if self._faults.take_drop() if drop is None else drop:  # injected fault: lost on the way (its tokens are lost)
             log.warning("island %d: dropping submission %d (injected fault)", s.island, seq)
+            return
+        if not sends:  # its part of theta at the cut: what its later progress is measured from
+            self.inflight[sub.key] = InFlight(p, [t.detach().clone() for t in state.theta[p]])
             return
         if self._faults.take_corrupt():  # injected fault: NaN on the wire; the outer optimizer must refuse it
             sub.payload = [corrupt(c) for c in sub.payload]

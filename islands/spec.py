@@ -150,7 +150,8 @@ class IslandSpec:
     feedback_decay: float  # int2, sign, topk: decay of the error-feedback accumulator (policies/error_feedback.py)
     wait_for_round: bool  # synchronous DiLoCo: block until every in-flight submission resolves
     seed: int
-    workers: int  # data-parallel workers in this island (rank 0 is this LearnerIsland)
+    workers: int  # workers in this island (rank 0 is this LearnerIsland)
+    shard: str  # 'none': every worker holds the whole model (data parallel); 'fsdp': each holds 1/workers (islands/fsdp.py)
     accelerator: str  # 'cpu' trains on CPU with gloo; anything else on the worker's GPU with NCCL
     salvage_every_steps: int  # leave unsubmitted progress with the keeper every n steps (0: never)
     keeper: tuple[str, str] | None  # (namespace, actor name) of the pool's progress keeper; None: no keeper

@@ -119,6 +119,9 @@ class InnerTrainer:
     clip and the AdamW step, and a step counts the tokens of all W batches. The sampler's cursor
     still counts island steps, so resuming from a cursor works as with one worker.
 
+    With `shard` too (an FSDP island, islands/fsdp.py) the model is built only by `materialize`, once
+    the group is up, and sharded there: `params` are then DTensors of which this worker holds 1/W,
+    FSDP averages the gradients, and the optimizer steps this worker's pieces.
     """
 
     def __init__(
@@ -133,25 +136,26 @@ class InnerTrainer:
         group: WorkerGroup | None = None,
         device: torch.device | str = "cpu",
         loss_fn: LossFn | None = None,
+        shard: bool = False,
     ) -> None:
         recipe = as_recipe(model, seed=seed, loss=loss_fn)
+        if shard and group is None:
+            raise ValueError("a sharded trainer is one worker of an FSDP island; pass its WorkerGroup")
         self.recipe = recipe
         self.settings = settings
         self.loss_fn = resolve_loss(recipe.loss)
         self.group = group
+        self.sharded = shard
         self.world = group.world_size if group is not None else 1
         self.rank = group.rank if group is not None else 0
         self.device = torch.device(device)
-        self.model = instantiate(recipe.model, recipe.seed)
-        if self.device.type != "cpu":
-            self.model.to(self.device)  # before the optimizer is built, so its state lives there too
-        self.model.train()
+        self.model: torch.nn.Module | None = None
         # Parameters and trained buffers (islands/model_api.py state_tensors): what fragments carry.
-        self.params: dict[str, torch.Tensor] = state_tensors(self.model)
-        self.optimizer = build_optimizer(recipe.optimizer, self.model, lr=settings.lr,
-                                         betas=(settings.beta1, settings.beta2), weight_decay=settings.weight_decay)
-        # Each group's own lr is its peak; the schedule scales it (a user's optimizer may set several).
-        self._peak_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.params: dict[str, torch.Tensor] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._peak_lrs = [settings.lr]  # until the optimizer is built (a user's may set its own)
+        if not shard:  # a sharded model needs the group up: `materialize` builds it then
+            self.materialize()
         self.sampler = make_sampler(data, shard_index=shard_index, num_shards=num_shards, seq_len=recipe.seq_len,
                                     batch_size=settings.batch_size, seed=seed)
         # Jitter draws are seeded per island so an emulated run replays the same pacing.
@@ -160,6 +164,26 @@ class InnerTrainer:
         # The run's tokens processed / token budget, as last heard (islands: from published fragments;
         # followers: from their leader). Only a decaying lr schedule reads it.
         self.progress = 0.0
+
+    def materialize(self) -> None:
+        """Build the model and its optimizer (in the constructor, or for a sharded trainer once its group is up)."""
+        if self.model is not None:
+            return
+        model = instantiate(self.recipe.model, self.recipe.seed)
+        if self.device.type != "cpu":
+            model.to(self.device)  # before the optimizer is built, so its state lives there too
+        model.train()
+        if self.sharded:
+            from islands.fsdp import shard_model
+
+            shard_model(model, device=self.device, world=self.world)
+        self.model = model
+        self.params = state_tensors(model)
+        s = self.settings
+        self.optimizer = build_optimizer(self.recipe.optimizer, model, lr=s.lr, betas=(s.beta1, s.beta2),
+                                         weight_decay=s.weight_decay)
+        # Each group's own lr is its peak; the schedule scales it (a user's optimizer may set several).
+        self._peak_lrs = [group["lr"] for group in self.optimizer.param_groups]
 
     def lr_factor_at(self, step: int) -> float:
         """The schedule's factor on every group's peak lr at inner step `step` and the run progress last told."""
@@ -180,7 +204,9 @@ class InnerTrainer:
             group["lr"] = peak * factor
         loss = forward_backward(self.model, batch, precision=self.settings.precision, loss_fn=self.loss_fn)
         mean_loss = loss.detach()
-        if self.group is not None:  # every worker now holds the island's mean gradient (and loss)
+        if self.sharded:  # FSDP has averaged the gradients into each worker's pieces; the loss is reported
+            mean_loss = self.group.mean(mean_loss)
+        elif self.group is not None:  # every worker now holds the island's mean gradient (and loss)
             mean_loss = self.group.average_gradients(self.model.parameters(), mean_loss)
         if self.settings.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)

@@ -272,6 +272,9 @@ class PoolConfig(_Section):
     accelerator: str = Field("cpu", description="Hardware kind of this pool's nodes, e.g. 'cpu', 'H100', 'v5p'; islands use CUDA when it is not 'cpu'.")
     workers_per_island: int = Field(1, ge=1, description="Workers per island, data-parallel inside the island (gloo on CPU, NCCL on GPU); one failure domain.")
     gpus_per_worker: float = Field(0.0, ge=0, description="GPUs reserved per worker bundle (0 on CPU pools).")
+    shard: Literal["none", "fsdp"] = Field(
+        "none", description="How an island's workers split the model: 'none' = each holds it whole (data parallel); "
+        "'fsdp' = each holds 1/W of parameters and AdamW state (torch FSDP2); needs workers_per_island > 1.")
     precision: Literal["fp32", "tf32", "bf16"] | None = Field(
         None, description="This pool's inner-step arithmetic, overriding inner.precision (e.g. bf16 on an H100 pool, "
         "fp32 on an older generation without bf16 units); None follows inner.precision.")
@@ -291,6 +294,9 @@ class PoolConfig(_Section):
             raise ValueError(f"pool {self.name!r}: {self.workers_per_island} workers per island on GPUs need a whole "
                              f"GPU each (NCCL refuses two ranks on one card), but gpus_per_worker is "
                              f"{self.gpus_per_worker:g}; set gpus_per_worker: 1 or workers_per_island: 1")
+        if self.shard == "fsdp" and self.workers_per_island < 2:
+            raise ValueError(f"pool {self.name!r}: shard 'fsdp' splits an island's model over its workers, but "
+                             f"workers_per_island is {self.workers_per_island}; set workers_per_island: 2 or more, or shard: none")
         return self
 
     @property
@@ -445,10 +451,28 @@ class RunConfig(_Section):
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
+        self._fsdp_supported()
         k = self.outer.min_quorum
         if isinstance(k, int) and k > self.num_islands:
             raise ValueError(f"outer.min_quorum={k} exceeds the {self.num_islands} islands; lower it or use 'all'")
         return self
+
+    def _fsdp_supported(self) -> None:
+        # What an FSDP island cannot do yet (docs/islands.md, FSDP islands): each would need a whole model's
+        # worth of tensors on one worker, which sharding exists to avoid.
+        fsdp = [p.name for p in self.pools if p.shard == "fsdp"]
+        if not fsdp:
+            return
+        if self.health.salvage_every_steps > 0:
+            raise ValueError(f"pools {fsdp} shard 'fsdp' but health.salvage_every_steps is "
+                             f"{self.health.salvage_every_steps}: a progress snapshot covers every fragment, the whole "
+                             f"model on one worker; set health.salvage_every_steps: 0 or shard: none")
+        from policies.compression import FEEDBACK_SCHEMES
+
+        if self.outer.compression in FEEDBACK_SCHEMES:
+            raise ValueError(f"pools {fsdp} shard 'fsdp' but outer.compression {self.outer.compression!r} keeps an "
+                             f"error-feedback residual of every fragment on the leader; use none, bf16, int8 or int4, "
+                             f"or shard: none")
 
     @property
     def num_islands(self) -> int:

@@ -85,7 +85,7 @@ def island_specs(cfg: RunConfig, recipe: ModelRecipe, plan: FragmentPlan,
                 sync_every_schedule=tuple(tuple(e) for e in o.sync_every_schedule), adoption=o.adoption,
                 compression=o.compression, compression_block_size=o.compression_block_size,
                 topk_density=o.topk_density, feedback_decay=o.feedback_decay, wait_for_round=o.wait_for_round,
-                seed=cfg.run.seed, workers=pool.workers_per_island, accelerator=pool.accelerator,
+                seed=cfg.run.seed, workers=pool.workers_per_island, shard=pool.shard, accelerator=pool.accelerator,
                 salvage_every_steps=cfg.health.salvage_every_steps, keeper=keeper,
             ))
             island += 1

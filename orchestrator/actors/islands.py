@@ -179,7 +179,8 @@ class _IslandShell:
 
 
 class _IslandWorker:
-    """Rank `rank` >= 1 of an island of several workers: a follower that mirrors its leader.
+    """Rank `rank` >= 1 of an island of several workers: a follower that mirrors its leader, or in an FSDP
+    island (`spec.shard == "fsdp"`) a LearnerIsland over its 1/W of the model that the leader paces.
 
     Created by the health monitor on bundle `rank` of the island's placement group once the leader
     says where to join. If its loop fails (the leader died, a collective timed out) the process ends,
@@ -192,22 +193,28 @@ class _IslandWorker:
 
         from islands.distributed import WorkerGroup, backend_for
         from islands.follower import IslandFollower
+        from islands.island import LearnerIsland
 
         torch.set_num_threads(spec.inner.torch_threads)
         self.spec, self.rank = spec, rank
         group = WorkerGroup(rank=rank, world_size=spec.workers, addr=addr, port=port, backend=backend_for(spec.accelerator))
-        self._follower = IslandFollower(
-            model=spec.model, inner=spec.inner, plan=spec.plan, data=ray.get(data[0]),
-            shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed, group=group,
-        )
+        self._follower: IslandFollower | LearnerIsland
+        if spec.shard == "fsdp":  # the leader sends the initial versions, as its part of each, at the first boundary
+            self._follower = LearnerIsland(spec, ray.get(data[0]), [], group=group)
+        else:
+            self._follower = IslandFollower(
+                model=spec.model, inner=spec.inner, plan=spec.plan, data=ray.get(data[0]),
+                shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed, group=group,
+            )
         self._thread = threading.Thread(target=self._run, name=f"island-{spec.island}-w{rank}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         self._follower.run()
-        if self._follower.state == "failed":
-            logging.getLogger(__name__).error("island %d worker %d ends its process: %s",
-                                              self.spec.island, self.rank, self._follower.error)
+        state = self._follower.watch(0)
+        if state in ("failed", "diverged"):
+            logging.getLogger(__name__).error("island %d worker %d ends its process: %s", self.spec.island, self.rank,
+                                              getattr(self._follower, "error", None) or self._follower.status().error)
             os._exit(1)  # one failure domain: take the island's collectives down with us
 
     def ping(self) -> tuple[int, int, int, float]:
@@ -225,11 +232,12 @@ class _IslandWorker:
     def watch(self, timeout_s: float = 5.0) -> str:
         """Wait up to `timeout_s` for the follower loop to end; returns its state."""
         self._thread.join(timeout_s)
-        return self._follower.state
+        return self._follower.watch(0)
 
     def steps(self) -> int:
         """Inner steps this worker has taken."""
-        return self._follower.steps
+        f = self._follower
+        return f.status().steps if self.spec.shard == "fsdp" else f.steps
 
     def parameters(self) -> dict:
         """A copy of this worker's parameters (tests: every worker of an island holds the same ones)."""

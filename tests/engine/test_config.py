@@ -73,6 +73,15 @@ def test_sync_diloco_preset_sets_the_degenerate_settings():
         (["pools=[{name: a, accelerator: H100}]"], "pool 'a': accelerator 'H100' trains on a GPU but gpus_per_worker is 0"),
         (["pools=[{name: a, accelerator: H100, workers_per_island: 2, gpus_per_worker: 0.5}]"],
          "pool 'a': 2 workers per island on GPUs need a whole GPU each (NCCL refuses two ranks on one card)"),
+        (["pools.fast.shard=fsdp"], "pool 'fast': shard 'fsdp' splits an island's model over its workers, but "
+                                    "workers_per_island is 1; set workers_per_island: 2 or more, or shard: none"),
+        (["pools=[{name: a, workers_per_island: 2, shard: fsdp}]"],
+         "shard 'fsdp' but health.salvage_every_steps is 5: a progress snapshot covers every fragment, the whole model "
+         "on one worker; set health.salvage_every_steps: 0 or shard: none"),
+        (["pools=[{name: a, workers_per_island: 2, shard: fsdp}]", "health.salvage_every_steps=0", "outer.compression=int2"],
+         "outer.compression 'int2' keeps an error-feedback residual of every fragment on the leader; use none, bf16, "
+         "int8 or int4, or shard: none"),
+        (["pools.0.shard=zero3"], "config field 'pools.0.shard': Input should be 'none' or 'fsdp'"),
         (["network.step_concurrency=0"], "config field 'network.step_concurrency'"),
         (["inner.precision=fp16"], "config field 'inner.precision': Input should be 'fp32', 'tf32' or 'bf16'"),
         (["pools.0.precision=fp8"], "config field 'pools.0.precision': Input should be 'fp32', 'tf32' or 'bf16'"),
@@ -93,6 +102,12 @@ def test_bad_config_gives_one_line_error_naming_field_and_fix(overrides, expecte
     msg = str(err.value)
     assert expected in msg
     assert "\n" not in msg
+
+
+def test_fsdp_pool_with_what_it_supports_loads():
+    cfg = load_config(None, ["pools=[{name: a, workers_per_island: 2, shard: fsdp}]", "health.salvage_every_steps=0",
+                             "outer.compression=int4"])
+    assert cfg.pools[0].shard == "fsdp" and RunConfig().pools[0].shard == "none"
 
 
 def test_set_addresses_one_pool_by_index_or_name_and_leaves_the_others(tmp_path):

@@ -87,7 +87,7 @@ def test_island_specs_are_the_config_pools_outer_and_health_sections():
         derived = {"island": s.island, "incarnation": 1, "pool": pool.name, "num_islands": cfg.num_islands,
                    "model": None, "plan": plan, "inner": inner_settings(cfg, pool),
                    "sync_every_schedule": tuple(tuple(e) for e in cfg.outer.sync_every_schedule),
-                   "seed": cfg.run.seed, "workers": pool.workers_per_island, "accelerator": pool.accelerator,
+                   "seed": cfg.run.seed, "workers": pool.workers_per_island, "shard": pool.shard, "accelerator": pool.accelerator,
                    "salvage_every_steps": cfg.health.salvage_every_steps, "keeper": None}
         for f in dataclasses.fields(IslandSpec):
             want = derived[f.name] if f.name in derived else getattr(cfg.outer, f.name)
@@ -100,7 +100,8 @@ def test_every_outer_and_island_setting_follows_a_changed_config():
     changed = {"outer": {"compression_block_size": 128, "adoption": "overwrite", "topk_density": 0.25,
                          "feedback_decay": 0.5, "sync_every_steps": 12, "num_fragments": 3, "publish_to": "participants"},
                "inner": {"lr": 1e-2, "precision": "bf16"}, "data": {"batch_size": 3},
-               "health": {"salvage_every_steps": 0}, "run": {"seed": 4, "average_window": 0.5}}
+               "health": {"salvage_every_steps": 0}, "run": {"seed": 4, "average_window": 0.5},
+               "pools": [{"name": "a", "workers_per_island": 2, "shard": "fsdp"}]}
     cfg = build_config(changed)
     outer = outer_settings(cfg)
     assert (outer.compression_block_size, outer.topk_density, outer.publish_to, outer.average_window) == (
@@ -111,6 +112,7 @@ def test_every_outer_and_island_setting_follows_a_changed_config():
         128, "overwrite", 0.25, 0.5)
     assert (spec.sync_every_steps, spec.seed, spec.salvage_every_steps, spec.keeper) == (12, 4, 0, None)
     assert (spec.inner.lr, spec.inner.precision, spec.inner.batch_size) == (1e-2, "bf16", 3)
+    assert (spec.workers, spec.shard) == (2, "fsdp")
 
 
 def test_model_recipe_is_the_config_model_section_unless_the_api_passes_objects():

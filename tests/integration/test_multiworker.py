@@ -138,3 +138,53 @@ def test_run_with_two_worker_island_merges_rebuilds_whole_after_a_follower_dies(
     step_tokens = 2 * 8 * 32
     assert summary["tokens_processed"] % step_tokens == 0
 
+
+def test_run_with_fsdp_island_shards_merges_and_rebuilds_whole_after_a_worker_dies(ray_cluster, tmp_path):
+    cfg = {
+        "run": {"token_budget": 10**9, "seed": 3, "call_timeout_s": 20},
+        "model": {"preset": "nano"},
+        "data": {"max_bytes": 1_000_000, "batch_size": 8},
+        "eval": {"interval_s": 5.0, "batches": 2},
+        "outer": {"sync_every_steps": 8, "num_fragments": 2},
+        # An FSDP island leaves no progress snapshots (each would hold the whole model): salvage off, as the config asks.
+        "health": {"hang_floor_s": 30.0, "tick_s": 0.2, "salvage_every_steps": 0},
+        "pools": [{"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "workers_per_island": 2,
+                   "shard": "fsdp"}],
+    }
+    run = Run(build_config(cfg), tmp_path / "run")
+    th, out = start(run)
+    whole = {n: tuple(p.shape) for n, p in build_model(model_config("nano"), seed=3).named_parameters()}
+    try:
+        wait_for("the run to start", lambda: run.monitor is not None and run.snapshot["slots"])
+        monitor = lambda: actor(f"monitor-{run.run_id}")  # noqa: E731
+        outer = lambda: actor(f"outer-{run.run_id}")  # noqa: E731
+        rounds = lambda: ray.get(outer().status.remote(), timeout=10)["rounds"]  # noqa: E731
+        wait_for("rounds from the FSDP island", lambda: rounds() >= 2)
+
+        leader, worker = (ray.get_actor(f"{run.run_id}-island0-inc1{w}", namespace=NAMESPACE) for w in ("", "-w1"))
+        # Each worker holds its half of every parameter (dim-0 shards), never the whole.
+        for handle in (leader, worker):
+            parts = ray.get(handle.parameters.remote(), timeout=30)
+            assert {n: p.shape[0] for n, p in parts.items()} == {n: s[0] // 2 for n, s in whole.items()}
+        assert ray.get(worker.steps.remote(), timeout=10) > 0
+
+        ray.kill(worker, no_restart=True)  # one worker dies: the leader's next collective fails
+        wait_for("the island to be rebuilt whole as incarnation 2", lambda: (
+            lambda s: s["incarnation"] == 2 and s["state"] == "training")(
+            ray.get(monitor().snapshot.remote(), timeout=10)["slots"][0]))
+        names = lambda: {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if run.run_id in a["name"]}  # noqa: E731
+        assert {f"{run.run_id}-island0-inc2", f"{run.run_id}-island0-inc2-w1"} <= names()
+        wait_for("the old leader killed too", lambda: f"{run.run_id}-island0-inc1" not in names(), 60)
+        after = rounds()
+        wait_for("rounds from the rebuilt island", lambda: rounds() >= after + 2)
+    finally:
+        summary = finish(run, th, out)
+
+    assert summary["failures"] == 1 and summary["restarts"] == 1
+    assert summary["islands"][0]["incarnation"] == 2
+    ledger = summary["token_ledger"]
+    for p in range(2):
+        assert ledger["processed"][p] == (ledger["merged"][p] + ledger["refused"][p] + ledger["in_flight"][p]
+                                          + ledger["lost"][p] + ledger["overwritten"][p])
+    assert summary["tokens_merged"] > 0 and math.isfinite(summary["eval_loss"])
+    assert summary["tokens_processed"] % (2 * 8 * 32) == 0, "every island step counts both workers' batches"
