@@ -103,26 +103,11 @@ class Layout:
         return cls(tuple(t.shape), isinstance(t, DTensor))
 
     def rows(self, rank: int, world: int) -> tuple[int, int]:
-        """[start, stop) of dim 0 that `rank` holds: the rank-th of torch.chunk(t, world), empty past the last."""
-        if not self.sharded:
-            return 0, self.shape[0] if self.shape else 1
+        """[start, stop) of dim 0 that `rank` holds of a sharded tensor: the rank-th of torch.chunk(t, world),
+        empty past the last."""
         n = self.shape[0]
         size = math.ceil(n / world)
         return min(rank * size, n), min((rank + 1) * size, n)
-
-    def part_shape(self, rank: int, world: int) -> tuple[int, ...]:
-        """The shape of `rank`'s part."""
-        if not self.sharded:
-            return self.shape
-        start, stop = self.rows(rank, world)
-        return (stop - start, *self.shape[1:])
-
-    def part(self, whole: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-        """`rank`'s part of the whole tensor (a view)."""
-        if not self.sharded:
-            return whole
-        start, stop = self.rows(rank, world)
-        return whole[start:stop]
 
 
 @dataclass(frozen=True)
@@ -131,7 +116,8 @@ class Boundary:
 
     The updates carry no tensors (each worker gets its part by `ShardLink.scatter`, in this order).
     `forced` is a resync: whole fragments adopted over everything, after every cut is forgotten.
-    `stop` ends the loop, after the final flush's `cuts` (fragment, dropped by an injected fault).
+    At the stop the leader sends the final flush's `cuts` (fragment, dropped by an injected fault), one
+    boundary each and nothing else, then `stop`, which ends the loop.
     """
 
     forced: tuple[FragmentUpdate, ...] = ()
@@ -179,68 +165,61 @@ class ShardLink:
         # NCCL moves pickled messages through the GPU; gloo through the CPU.
         return self.group.device if self.group.backend == "nccl" else None
 
-    def _numel(self, p: int, rank: int, *, whole: bool) -> int:
-        """Elements of fragment p that travel to or from `rank`: its parts, and the whole tensors if `whole`."""
-        return sum(math.prod(lay.part_shape(rank, self.world)) for lay in self.layouts[p] if lay.sharded or whole)
-
     def gather(self, p: int, parts: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """Every worker's parts of fragment p's tensors, put together on rank 0 (float32, CPU); None elsewhere.
 
-        `parts` are this worker's parts in fragment order (a cut's `anchor - theta`). Rank 0 holds the whole
-        fragment once, the other workers never.
+        `parts` are this worker's parts in fragment order (a cut's `anchor - theta`). One tensor at a time,
+        each gathered straight into its whole (padded by under a row per worker), so rank 0 holds the
+        fragment once and the other workers never.
         """
-        layouts, device = self.layouts[p], self.group.device
-        # A whole (unsharded) tensor comes from rank 0 only: every worker holds the same one.
-        size = max(self._numel(p, r, whole=r == 0) for r in range(self.world))
-        mine = [t.reshape(-1) for t, lay in zip(parts, layouts) if lay.sharded or self.rank == 0]
-        flat = torch.zeros(size, dtype=torch.float32, device=device)
-        if mine:
-            joined = torch.cat([t.to(device=device, dtype=torch.float32) for t in mine])
-            flat[:joined.numel()] = joined
-        if self.rank != 0:
-            dist.gather(flat, None, dst=0)
-            return None
-        bufs = [torch.empty(size, dtype=torch.float32, device=device) for _ in range(self.world)]
-        dist.gather(flat, bufs, dst=0)
-        offsets = [0] * self.world
-        whole = []
-        for lay in layouts:
-            pieces = []
-            for r in range(self.world if lay.sharded else 1):
-                shape = lay.part_shape(r, self.world)
-                n = math.prod(shape)
-                pieces.append(bufs[r][offsets[r]:offsets[r] + n].view(shape))
-                offsets[r] += n
-            whole.append((torch.cat(pieces) if len(pieces) > 1 else pieces[0]).cpu().clone())
-        return whole
+        whole: list[torch.Tensor] = []
+        for t, lay in zip(parts, self.layouts[p]):
+            if not lay.sharded:  # every worker holds it: rank 0's counts
+                if self.rank == 0:
+                    whole.append(t.detach().to(torch.float32).cpu())
+                continue
+            rows = _rows_per_part(lay, self.world)
+            mine = torch.zeros((rows, *lay.shape[1:]), dtype=torch.float32, device=self.group.device)
+            mine[:t.shape[0]] = t
+            if self.rank == 0:
+                out = torch.empty((self.world * rows, *lay.shape[1:]), dtype=torch.float32, device=self.group.device)
+                dist.gather(mine, list(out.chunk(self.world)), dst=0)
+                whole.append(out[:lay.shape[0]].cpu())
+            else:
+                dist.gather(mine, None, dst=0)
+        return whole if self.rank == 0 else None
 
     def scatter(self, p: int, whole: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Rank 0's whole tensors of fragment p (float32; None on the other workers), as each worker's parts.
+        """Rank 0's whole tensors of fragment p (None on the other workers), as this worker's parts.
 
-        Returns this worker's parts (float32, on its device), new tensors: `whole` may be the shared
-        fetched copy and is never written to.
+        One tensor at a time; returns new float32 tensors on this worker's device (`whole` may be the
+        shared fetched copy and is never written to).
         """
-        layouts, device = self.layouts[p], self.group.device
-        size = max(self._numel(p, r, whole=True) for r in range(self.world))
-        out = torch.empty(size, dtype=torch.float32, device=device)
         if self.rank == 0:
-            assert whole is not None, "rank 0 scatters the whole fragment"
-            sends = []
-            for r in range(self.world):
-                flat = torch.zeros(size, dtype=torch.float32, device=device)
-                parts = [lay.part(t.to(device=device, dtype=torch.float32), r, self.world).reshape(-1)
-                         for t, lay in zip(whole, layouts)]
-                if parts:
-                    joined = torch.cat(parts)
-                    flat[:joined.numel()] = joined
-                sends.append(flat)
-            dist.scatter(out, sends, src=0)
-        else:
-            dist.scatter(out, None, src=0)
-        mine, offset = [], 0
-        for lay in layouts:
-            shape = lay.part_shape(self.rank, self.world)
-            n = math.prod(shape)
-            mine.append(out[offset:offset + n].view(shape).clone())
-            offset += n
+            assert whole is not None and len(whole) == len(self.layouts[p]), "rank 0 scatters the whole fragment"
+        mine = []
+        for i, lay in enumerate(self.layouts[p]):
+            src = whole[i].to(device=self.group.device, dtype=torch.float32) if whole is not None else None
+            if not lay.sharded:  # every worker holds it whole
+                buf = src.clone() if src is not None else torch.empty(lay.shape, dtype=torch.float32,
+                                                                      device=self.group.device)
+                dist.broadcast(buf, src=0)
+                mine.append(buf)
+                continue
+            rows = _rows_per_part(lay, self.world)
+            out = torch.empty((rows, *lay.shape[1:]), dtype=torch.float32, device=self.group.device)
+            if src is not None:
+                pad = self.world * rows - lay.shape[0]
+                if pad:  # the last parts are short (torch.chunk): send them padded
+                    src = torch.cat([src, src.new_zeros((pad, *lay.shape[1:]))])
+                dist.scatter(out, list(src.chunk(self.world)), src=0)
+            else:
+                dist.scatter(out, None, src=0)
+            start, stop = lay.rows(self.rank, self.world)
+            mine.append(out[:stop - start])
         return mine
+
+
+def _rows_per_part(lay: Layout, world: int) -> int:
+    """Rows of dim 0 in each part, the last ones padded up to it: torch.chunk's part size."""
+    return math.ceil(lay.shape[0] / world)

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from islands.distributed import WorkerGroup, describe_device, island_device
 from islands.faults import InjectedFaults
@@ -50,6 +51,11 @@ from policies.quorum import MovingAverage
 from policies.sync_schedule import check_sync_every, sync_every_at
 
 log = logging.getLogger(__name__)
+
+
+FLUSH_TAKE_TIMEOUT_S = 60.0
+"""How long an FSDP leader's final flush waits for a cut to be taken before the next: the outer optimizer
+keeps a call outstanding per island, so this only bounds a flush that nobody takes any more."""
 
 
 class IslandFailed(RuntimeError):
@@ -211,8 +217,12 @@ class LearnerIsland:
                                updates=tuple(without_tensors(u) for u, _ in updates)))
         else:
             boundary = link.receive()
-            if boundary.stop:
-                self._finish_sharded(boundary.cuts)
+            if boundary.cuts or boundary.stop:  # the stop: its final flush, one cut at a time, then the end
+                with self._cv:
+                    for p, drop in boundary.cuts:
+                        self.outbox.cut(p, drop=drop)
+                if boundary.stop:
+                    self._finish_sharded()
                 return False
             forced, updates = [(u, None) for u in boundary.forced], [(u, None) for u in boundary.updates]
         self.inbox.apply(forced, updates)
@@ -349,24 +359,36 @@ class LearnerIsland:
         self._link = ShardLink(self._group, [[Layout.of(params[n]) for n in names] for names in self.spec.plan.fragments])
 
     def stop_shards(self) -> None:
-        """FSDP leader, at the stop: tell the workers, with the final flush's cuts when stopping with flush.
+        """FSDP leader, at the stop: the final flush (when stopping with flush), then tell the workers to stop.
 
-        The flush is cut here, on the loop thread, since every worker takes part in each cut."""
+        Every worker takes part in each cut, so the flush is cut here, on the loop thread, one fragment at
+        a time, each once the previous cut has been taken (the fragment rule, docs/islands.md); a cut not
+        taken within FLUSH_TAKE_TIMEOUT_S (no outer optimizer left to take it) ends the flush there."""
         assert self._link is not None and self._leads
-        with self._cv:
-            cuts = tuple((p, self.faults.take_drop()) for p in range(self.fragments.num_fragments)
-                         if self._flush and self.fragments.has_progress(p))
-        self._link.send(Boundary(stop=True, cuts=cuts))
-        self._finish_sharded(cuts)
-
-    def _finish_sharded(self, cuts: tuple[tuple[int, bool], ...]) -> None:
-        """Every FSDP worker at the stop: the final flush's cuts, then leave the group."""
-        with self._cv:
-            for p, drop in cuts:
+        for p in range(self.fragments.num_fragments):
+            with self._cv:
+                if not (self._flush and self.fragments.has_progress(p)):
+                    continue
+                if not self._cv.wait_for(lambda: not self.outbox.has_ready(), timeout=FLUSH_TAKE_TIMEOUT_S):
+                    log.warning("island %d: a final-flush cut was not taken within %.0f s; fragments %d.. stay unflushed",
+                                self.spec.island, FLUSH_TAKE_TIMEOUT_S, p)
+                    break
+                drop = self.faults.take_drop()
+            self._link.send(Boundary(cuts=((p, drop),)))
+            with self._cv:
                 self.outbox.cut(p, drop=drop)
+        self._link.send(Boundary(stop=True))
+        self._finish_sharded()
+
+    def _finish_sharded(self) -> None:
+        """Every FSDP worker at the stop: leave the group."""
+        with self._cv:
             self._stop = True
             self._cv.notify_all()
         assert self._group is not None
+        # Everyone has read the last message before anyone leaves: once, in about 30 runs of the test, a worker
+        # whose peer had already torn its group down aborted at exit ("terminate called without an active exception").
+        dist.barrier()
         self._group.close()
 
     def _stop_followers(self) -> None:
@@ -425,6 +447,7 @@ class LearnerIsland:
                 raise IslandFailed(self._error)
             if not self.outbox.has_ready() or (self._stop and not self._flush):
                 return None
+            self._cv.notify_all()  # an FSDP leader's next cut may wait for this one to be taken
             return self.outbox.take()
 
     def adopt(self, update: FragmentUpdate) -> None:

@@ -1,30 +1,33 @@
 """FSDP islands (islands/fsdp.py) without Ray: two real processes over gloo against one process.
 
-An FSDP island of two workers and a one-worker island run the same script from the same global
-parameters: 4 inner steps (cuts of fragments 0 and 1), an adoption of a new version of fragment 0
-that merges the first cut (rebase, so the cut's snapshot is the anchor), 2 more steps (a third
-cut), 5 more in which a cut is left waiting (the FSDP leader postpones the next one; the one-worker
-island does not), and a stop with the final flush. Worker r of the FSDP island trains on batch `2c + r` of the
-shard at island step c; the one-worker island trains on batches `2c` and `2c + 1` concatenated,
-which is the same gradient (the mean loss over both). Parameters, every submission and the
-bookkeeping must agree, and each worker must hold half of each parameter.
+An FSDP island of two workers and a one-worker island run the same script (`script`) from the same
+global parameters: cuts every 2 steps, taken at once but one left waiting (the FSDP leader postpones
+the next cut; the one-worker island does not), a new version of fragment 0 that merges the first cut
+(rebase, so the cut's snapshot is the anchor), a version sent as a downlink difference, a resync to
+a restarted outer optimizer's versions, and a stop with the final flush. Worker r of the FSDP island
+trains on batch `2c + r` of the shard at island step c; the one-worker island trains on batches `2c`
+and `2c + 1` concatenated, which is the same gradient (the mean loss over both). Parameters, every
+outer gradient (where the postponed cut shifts them, their sums) and the bookkeeping must agree, and
+each worker must hold half of each parameter.
 
 Tolerance. The two differ only in float32 rounding: FSDP reduce-scatters two per-worker gradients of
 B-sequence means, the one-worker island backpropagates one 2B-sequence mean, so gradients agree to a
 few ulps of the terms summed. AdamW's update lr * m / (sqrt(v) + eps) is scale-free: it passes an
 element's relative gradient error on to its update, and that error is largest where the gradient
 is smallest, so a few elements differ by more than float32 rounding of the parameters would suggest.
-Measured on 2026-11-27 the largest difference was 6e-6 after 3 steps, 1.1e-5 after 6 (the adoption
-between) and 2.1e-5 after 11, growing with the steps; outer gradients differ by less. The tolerance
-ATOL = 1e-4 is 5x that and 1% of one step's size (lr = 1e-2): an error in the sharding (a wrong
-batch, a missing average, a part in the wrong place, a wrong anchor) moves parameters by whole steps.
-So that the check could fail, a one-worker island trained on the first batch of each pair only must
-end at least 100 x ATOL away (it ends 0.17 away).
+Measured on 2026-11-27 the largest difference was 6e-6 after 3 steps, 1.1e-5 after 6 and 2.6e-5
+after 11, growing with the steps (the resync resets it: 4e-6 after 14); outer gradients differ by
+less. The tolerance ATOL = 1e-4 is 4x that and 1% of one step's size (lr = 1e-2): an error in the
+sharding (a wrong batch, a missing average, a part in the wrong place, a wrong anchor) moves
+parameters by whole steps. So that the check could fail, a one-worker island trained on the first
+batch of each pair only must end at least 100 x ATOL away (it ends 0.17 away).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -72,6 +75,17 @@ def new_version() -> FragmentUpdate:
     return FragmentUpdate(0, 1, [[init[n] * 0.9 + 0.01 for n in frag]], merged=(SubmissionKey(ISLAND, 1, 0),))
 
 
+def delta_version() -> FragmentUpdate:
+    """Version 2 of fragment 0 as a downlink difference from version 1 (outer.downlink_delta), merging nothing."""
+    init = initial()
+    return FragmentUpdate(0, 2, [[init[n] * 0.05 for n in plan().fragments[0]]], delta_from=1)
+
+
+def resync_versions() -> list[FragmentUpdate]:
+    """What a restarted outer optimizer's latest() would give: version 5 of every fragment."""
+    return updates(5, {n: t * 1.1 for n, t in initial().items()})
+
+
 def _numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     # Plain arrays through the queue: tensors would travel as shared memory that dies with the child.
     return {n: t.detach().cpu().numpy().copy() for n, t in tensors.items()}
@@ -89,7 +103,10 @@ def script(island, report) -> None:
 
     Cuts come every 2 steps (H = 4, P = 2), fragment 0 first, and are taken at once as the outer
     optimizer would, except the one after step 8: it waits until step 10, where the next cut falls
-    due. The one-worker island cuts anyway; the FSDP leader postpones it to step 11.
+    due. The one-worker island cuts anyway; the FSDP leader postpones it to step 11, and its later
+    cuts come one step after the other's. Version 1 of fragment 0 (merging the first cut) arrives after
+    step 4, version 2 as a downlink difference after step 7, and a resync to version 5 of both
+    fragments after step 12; the stop after step 14 flushes.
     """
     subs: list = []
 
@@ -108,14 +125,33 @@ def script(island, report) -> None:
     report("params6", _numpy(island.parameters()))
     report("bookkeeping", (island.status().versions, sorted(k.seq for k in island.outbox.inflight)))
     step()
+    island.adopt(delta_version())
     for _ in range(3):
         step(take=False)
+    report("params10", _numpy(island.parameters()))
     subs.extend(_submissions(island))
     step()
     report("params11", _numpy(island.parameters()))
+    step()
+    island.resync(resync_versions())
+    for _ in range(2):
+        step()
+    report("params14", _numpy(island.parameters()))
+    report("bookkeeping14", (island.status().versions, sorted(k.seq for k in island.outbox.inflight)))
     report("subs", subs)
-    island.stop(flush=True)
-    report("flush", _submissions(island))
+    report("flush", stop_and_take(island))
+
+
+def stop_and_take(island) -> list:
+    """stop(flush=True) while taking what it cuts, as the outer optimizer's poller does: an FSDP leader cuts
+    the final flush one fragment at a time, each once the previous one has been taken."""
+    stopping = threading.Thread(target=island.stop, kwargs={"flush": True})
+    stopping.start()
+    subs = []
+    while stopping.is_alive():
+        subs.extend(_submissions(island))
+        time.sleep(0.01)
+    return subs + _submissions(island)
 
 
 def _worker(rank: int, ports, out) -> None:
@@ -142,11 +178,20 @@ def _worker(rank: int, ports, out) -> None:
         island.step()
     out.put((rank, "params6", _numpy(island.parameters())))
     out.put((rank, "bookkeeping", (island.status().versions, sorted(k.seq for k in island.outbox.inflight))))
-    for _ in range(5):
+    for _ in range(4):
         island.step()
+    out.put((rank, "params10", _numpy(island.parameters())))
+    island.step()
     out.put((rank, "params11", _numpy(island.parameters())))
-    assert island.step() is False, "the leader's stop"
-    out.put((rank, "stopped", island.status().state))
+    for _ in range(3):
+        island.step()
+    out.put((rank, "params14", _numpy(island.parameters())))
+    out.put((rank, "bookkeeping14", (island.status().versions, sorted(k.seq for k in island.outbox.inflight))))
+    boundaries = 0  # the final flush's, one per cut, then the stop
+    while island.status().state != "stopped":
+        assert island.step() is False, "no step after the leader began to stop"
+        boundaries += 1
+    out.put((rank, "stopped", boundaries))
 
 
 def one_worker(pairs: bool) -> dict[str, Any]:
@@ -172,6 +217,11 @@ def _whole(parts0: dict[str, np.ndarray], parts1: dict[str, np.ndarray]) -> dict
     return {n: np.concatenate([parts0[n], parts1[n]]) for n in parts0}
 
 
+def _close(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    """Two cuts' outer gradients agree within ATOL, tensor by tensor."""
+    return len(a) == len(b) and all(x.shape == y.shape and float(np.abs(x - y).max()) < ATOL for x, y in zip(a, b))
+
+
 def _worst(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     assert a.keys() == b.keys()
     return max(float(np.abs(a[n] - b[n]).max()) for n in a)
@@ -185,7 +235,7 @@ def fsdp_run() -> dict[tuple[int, str], Any]:
     for p in procs:
         p.start()
     got = {}
-    for _ in range(6 + 5):
+    for _ in range(9 + 8):
         rank, key, value = out.get(timeout=240)
         got[rank, key] = value
     for p in procs:
@@ -214,32 +264,41 @@ def test_fsdp_island_of_two_matches_one_worker_on_both_batches(fsdp_run):
     # Every worker's bookkeeping agrees with the leader's and with the one-worker island's: fragment 0 at
     # version 1, cuts 1 (fragment 1) and 2 (fragment 0, after step 6) in flight.
     assert fsdp_run[0, "bookkeeping"] == fsdp_run[1, "bookkeeping"] == ref["bookkeeping"] == ([1, 0], [1, 2])
-    params11 = _whole(fsdp_run[0, "params11"], fsdp_run[1, "params11"])
-    assert _worst(params11, ref["params11"]) < ATOL
+    params = {k: _whole(fsdp_run[0, k], fsdp_run[1, k]) for k in ("params10", "params11", "params14")}
+    for k, v in params.items():  # after a downlink difference (step 8), a postponed cut (11), a resync (13)
+        assert _worst(v, ref[k]) < ATOL, k
+    assert min(float(np.abs(params["params14"][n] - params["params11"][n]).max()) for n in init) > 0.01, "the resync"
+    versions, inflight = fsdp_run[0, "bookkeeping14"]
+    assert fsdp_run[1, "bookkeeping14"] == (versions, inflight) and versions == ref["bookkeeping14"][0] == [5, 5]
+    assert inflight == [5] and ref["bookkeeping14"][1] == [6], "only the cut since the resync is in flight"
 
     # The cuts, as (fragment, tokens, steps): the same outer gradients, put together by the leader from
     # both workers' parts, until the postponed one.
     step = 2 * B * CFG.seq_len  # both workers' batches
     subs, ref_subs = fsdp_run[0, "subs"], ref["subs"]
-    assert [s[:3] for s in ref_subs] == [(0, 2 * step, 2), (1, 4 * step, 4), (0, 4 * step, 4), (1, 4 * step, 4),
-                                         (0, 4 * step, 4)]
-    assert [s[:3] for s in subs] == [s[:3] for s in ref_subs[:4]] + [(0, 5 * step, 5)]
+    first = [(0, 2 * step, 2), (1, 4 * step, 4), (0, 4 * step, 4), (1, 4 * step, 4)]
+    assert [s[:3] for s in ref_subs] == first + [(0, 4 * step, 4), (1, 4 * step, 4), (0, 2 * step, 2)]
+    assert [s[:3] for s in subs] == first + [(0, 5 * step, 5), (1, step, 1)]
     for (_, _, _, mine), (_, _, _, theirs) in zip(subs[:4], ref_subs[:4]):
-        assert len(mine) == len(theirs) and _worst(dict(enumerate(mine)), dict(enumerate(theirs))) < ATOL
+        assert _close(mine, theirs)
+    # The postponed cut (steps 7-11) is the other's (7-10) and fragment 0's step 11, from the same anchor.
+    frag0 = plan().fragments[0]
+    step11 = [ref["params10"][n] - ref["params11"][n] for n in frag0]
+    assert _close(subs[4][3], [a + b for a, b in zip(ref_subs[4][3], step11)])
 
-    # The stop's final flush. The one-worker island flushes fragment 0's step 11 and fragment 1's steps 9-11;
-    # the FSDP island cut fragment 0 at step 11, so its postponed cut is the other's last cut and flush together.
+    # Since the resync (steps 13-14) the FSDP island cut fragment 1 after step 13 and flushes fragment 0's
+    # two steps and fragment 1's last one, one cut at a time; the other cut fragment 0 after step 14 and
+    # flushes fragment 1's two steps.
     flush, ref_flush = fsdp_run[0, "flush"], ref["flush"]
-    assert [s[:3] for s in ref_flush] == [(0, step, 1), (1, 3 * step, 3)]
-    assert [s[:3] for s in flush] == [(1, 3 * step, 3)]
-    assert _worst(dict(enumerate(flush[0][3])), dict(enumerate(ref_flush[1][3]))) < ATOL
-    postponed = [a + b for a, b in zip(ref_subs[4][3], ref_flush[0][3])]
-    assert _worst(dict(enumerate(subs[4][3])), dict(enumerate(postponed))) < ATOL
-    assert fsdp_run[1, "stopped"] == "stopped"
+    assert [s[:3] for s in ref_flush] == [(1, 2 * step, 2)]
+    assert [s[:3] for s in flush] == [(0, 2 * step, 2), (1, step, 1)]
+    assert _close(flush[0][3], ref_subs[6][3])
+    assert _close([a + b for a, b in zip(subs[5][3], flush[1][3])], ref_flush[0][3])
+    assert fsdp_run[1, "stopped"] == 3, "one boundary for each of the flush's two cuts, one for the stop"
 
     # The check could fail: the island trained on half of each step's batches ends far outside the tolerance.
     wrong = one_worker(pairs=False)
-    assert _worst(params11, wrong["params11"]) > 100 * ATOL
+    assert _worst(params["params11"], wrong["params11"]) > 100 * ATOL
 
 
 def test_fsdp_islands_say_what_is_wrong():
