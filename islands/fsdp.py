@@ -71,7 +71,7 @@ def shard_model(model: nn.Module, *, device: torch.device, world: int) -> nn.Mod
     if any(p.dim() == 0 for p in model.parameters()):
         names = [n for n, p in model.named_parameters() if p.dim() == 0]
         raise ValueError(f"the model has 0-dim parameters {names[:3]}, which FSDP cannot cut along dim 0; "
-                         "make them 1-element tensors (shape [1]) or set the pool's shard: none")
+                         "give them shape [1], or set the pool's shard: none")
     mesh = init_device_mesh(device.type, (world,))
     for unit in shard_units(model):
         fully_shard(unit, mesh=mesh)

@@ -258,7 +258,8 @@ def prepare(cfg: RunConfig, workload: Workload | None = None, run_dir: str | Pat
     that raises or does not return an ``nn.Module``, a model with no trainable parameters, a loss that
     raises or is not a scalar with a gradient on a real batch, an optimizer factory that raises or does
     not return an optimizer, an empty dataset, a dataset too small for one batch per island (or for one
-    held-out window), and token ids at or past the model's embedding rows. The user's own exceptions
+    held-out window), token ids at or past the model's embedding rows, and a 0-dim parameter in a model
+    that a pool shards (`shard: fsdp`). The user's own exceptions
     are chained to the ConfigError (``__cause__``) for a caller that wants the traceback.
     """
     from orchestrator.config import ConfigError
@@ -288,6 +289,7 @@ def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | No
     data = training_data(cfg, workload, run_dir)
     recipe = run_recipe(cfg, data, workload)
     model = instantiate(recipe.model, recipe.seed)
+    _check_shardable(cfg, model)
     state = state_tensors(model)
     islands = cfg.num_islands
     _check_sizes(data, islands=islands, seq_len=recipe.seq_len)
@@ -313,6 +315,15 @@ def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | No
                         betas=(inner.beta1, inner.beta2))
     return Prepared(data, recipe, {n: t.detach().clone() for n, t in state.items()},
                     embedding_parameter_names(model), frozenset(buffer_names(model)))
+
+
+def _check_shardable(cfg: RunConfig, model: Any) -> None:
+    """A pool with shard 'fsdp' cuts every parameter along dim 0 (islands/fsdp.py); FSDP refuses a 0-dim one."""
+    fsdp = [p.name for p in cfg.pools if p.shard == "fsdp"]
+    scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
+    if fsdp and scalars:
+        raise ModelError(f"pools {fsdp} shard 'fsdp', but the model has 0-dim parameters {scalars[:3]}, which FSDP "
+                         "cannot cut along dim 0; give them shape [1], or set shard: none on those pools")
 
 
 def _name_of(spec: Any, resolved: Any) -> str:

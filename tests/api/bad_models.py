@@ -80,3 +80,19 @@ def float_loss(model: nn.Module, batch) -> float:
 def not_an_optimizer(parameters) -> dict:
     """Returns optimizer settings instead of an optimizer."""
     return {"lr": 1e-3}
+
+
+class ScaledLM(TinyLM):
+    """TinyLM with a learned 0-dim output scale: FSDP cannot cut it along dim 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale
+
+
+def scaled_lm() -> ScaledLM:
+    """A model with a 0-dim parameter, fine unsharded, refused for a pool with shard: fsdp."""
+    return ScaledLM()

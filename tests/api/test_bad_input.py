@@ -44,6 +44,20 @@ def test_a_factory_error_keeps_the_users_exception_as_its_cause(datasets, tmp_pa
     assert isinstance(err.value.__cause__, RuntimeError)
 
 
+def test_a_model_fsdp_cannot_shard_is_refused_before_ray_only_where_a_pool_shards():
+    from orchestrator.config import ConfigError, build_config
+    from orchestrator.run.workload import prepare
+
+    fsdp = {"model": {"factory": "tests.api.bad_models:scaled_lm"}, "health": {"salvage_every_steps": 0},
+            "data": {"max_bytes": 200_000},
+            "pools": [{"name": "a"}, {"name": "big", "workers_per_island": 2, "shard": "fsdp"}]}
+    with pytest.raises(ConfigError) as err:
+        prepare(build_config(fsdp))
+    assert str(err.value) == ("pools ['big'] shard 'fsdp', but the model has 0-dim parameters ['scale'], which FSDP "
+                              "cannot cut along dim 0; give them shape [1], or set shard: none on those pools")
+    assert "scale" in prepare(build_config({**fsdp, "pools": [{"name": "a"}]})).initial, "unsharded it trains"
+
+
 def test_the_flags_set_the_model_section_like_set_does():
     """--model/--loss/--optimizer are --set model.factory/loss/optimizer, taken verbatim (not parsed as YAML)."""
     from orchestrator.cli.main import build_parser

@@ -8,7 +8,8 @@ a restarted outer optimizer's versions, and a stop with the final flush. Worker 
 trains on batch `2c + r` of the shard at island step c; the one-worker island trains on batches `2c`
 and `2c + 1` concatenated, which is the same gradient (the mean loss over both). Parameters, every
 outer gradient (where the postponed cut shifts them, their sums) and the bookkeeping must agree, and
-each worker must hold half of each parameter.
+each worker must hold half of each parameter. Both build their model, loss and optimizer from import
+paths, as a user's factories come (islands/model_api.py).
 
 Tolerance. The two differ only in float32 rounding: FSDP reduce-scatters two per-worker gradients of
 B-sequence means, the one-worker island backpropagates one 2B-sequence mean, so gradients agree to a
@@ -28,12 +29,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 
+from islands.builtin import ByteTransformerFactory
+from islands.fsdp import Layout, shard_units
 from islands.messages import FragmentUpdate, SubmissionKey
 from islands.model import build_model, model_config
 from policies.downlink import decode_fragment
@@ -59,9 +64,21 @@ def plan():
     return plan_fragments([(n, t.numel() * 4) for n, t in initial().items()], 2)
 
 
+NANO = ByteTransformerFactory(CFG)
+"""The model factory, named by import path below as a config's model.factory names one."""
+
+
+def adamw(parameters) -> torch.optim.Optimizer:
+    """The inner optimizer as a user's factory (model.optimizer): AdamW with the test's settings."""
+    return torch.optim.AdamW(parameters, lr=INNER.lr, betas=(INNER.beta1, INNER.beta2), weight_decay=INNER.weight_decay)
+
+
 def spec(**overrides: Any):
-    return spec_from_config(model_config=CFG, plan=plan(), island=ISLAND, incarnation=1, num_islands=ISLANDS,
-                            inner=INNER, sync_every_steps=4, seed=SEED, adoption="rebase", **overrides)
+    s = spec_from_config(model_config=CFG, plan=plan(), island=ISLAND, incarnation=1, num_islands=ISLANDS,
+                         inner=INNER, sync_every_steps=4, seed=SEED, adoption="rebase", **overrides)
+    # Factory, loss and optimizer as a user names them (islands/model_api.py): each by import path.
+    return replace(s, model=replace(s.model, model="tests.islands.test_fsdp:NANO", loss="islands.model_api:default_loss",
+                                    optimizer="tests.islands.test_fsdp:adamw"))
 
 
 def updates(version: int, tensors: dict[str, torch.Tensor], merged=()) -> list[FragmentUpdate]:
@@ -311,3 +328,33 @@ def test_fsdp_islands_say_what_is_wrong():
     with pytest.raises(ValueError, match="salvage_every_steps: 0"):
         LearnerIsland(spec(workers=2, shard="fsdp"), make_data(), updates(0, initial()), group=group,
                       shelve=lambda step, blob: True)
+
+
+def test_fsdp_units_are_list_elements_deepest_first_and_leave_tied_ones_to_their_parent():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(2, 2)
+            self.head.weight = self.blocks[1].parts[0].weight  # tied: FSDP shards it once, in the root's unit
+
+    net = Net()
+    names = {id(m): n for n, m in net.named_modules()}
+    assert [names[id(u)] for u in shard_units(net)] == ["blocks.1.parts.1", "blocks.0.parts.1", "blocks.0.parts.0",
+                                                          "blocks.0"]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 33])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_layout_parts_are_torch_chunk_parts(rows, world):
+    """Rank r holds the r-th of torch.chunk(t, W) along dim 0, as FSDP2 shards it (checked on real DTensors by
+    test_fsdp_island_of_two_matches_one_worker_on_both_batches), and nothing past the last chunk."""
+    chunks = [c.tolist() for c in torch.arange(rows).chunk(world)]
+    lay = Layout((rows, 3), sharded=True)
+    got = [list(range(*lay.rows(r, world))) for r in range(world)]
+    assert got == chunks + [[]] * (world - len(chunks))
