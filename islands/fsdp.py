@@ -2,8 +2,8 @@
 
 With `pools[].shard: fsdp` the island's model is sharded with torch's FSDP2 (`fully_shard`): every
 parameter is a DTensor cut in W pieces along dim 0 (rank r holds the r-th of `torch.chunk(t, W)`),
-AdamW's moments live beside each piece, and a forward all-gathers one unit's parameters at a time
-(each element of every `nn.ModuleList`, e.g. the transformer blocks, then the rest of the model).
+AdamW's moments live beside each piece, and a forward or backward all-gathers the units' parameters
+in turn (each element of every `nn.ModuleList`, e.g. the transformer blocks, then the rest of the model).
 Buffers are not sharded: every worker holds them whole, and rank 0's count (as the data-parallel
 island's leader's do).
 
@@ -34,16 +34,14 @@ import torch.nn as nn
 from islands.distributed import WorkerGroup
 from islands.messages import FragmentUpdate
 
-SHARDS = ("none", "fsdp")
-"""How an island's workers split its model (config field pools[].shard)."""
-
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The submodules sharded as units of their own: each element of every `nn.ModuleList`, deepest first.
 
-    A unit's parameters are all-gathered for its forward and freed after it, so at most one unit is
-    whole at a time (plus the root's own parameters). An element that shares a parameter with
-    anything outside it (a tied weight) is left to its parent's unit: FSDP shards a tensor once.
+    A unit's parameters are all-gathered for its forward and its backward and freed after each, so
+    the units are whole in turn (FSDP may prefetch the next), not all at once. An element that shares a
+    parameter with anything outside it (a tied weight) is left to its parent's unit: FSDP shards a
+    tensor once.
     """
     registered: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
