@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from policies.torch_optimizers import AdamW
+
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """A loss: ``loss_fn(model, batch) -> scalar tensor``; the engine's batch is an ``(inputs, targets)`` pair."""
 
@@ -293,7 +295,7 @@ def build_optimizer(factory: Any, model: nn.Module, *, lr: float, weight_decay: 
     params = [p for p in model.parameters() if p.requires_grad]
     make = resolve_callable(factory, "optimizer factory")
     if make is None:
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        return AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)  # torch's, without the compiler import
     name = factory.strip() if isinstance(factory, str) else getattr(make, "__qualname__", repr(make))
     try:
         optimizer = make(params)

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from policies.torch_optimizers import SGD
+
 __all__ = ["FragmentOuterOptimizer", "STEP_SCALES", "is_clock_rule", "round_step_scale"]
 
 STEP_SCALES = ("participation", "clock", "none")
@@ -120,23 +122,24 @@ class FragmentOuterOptimizer:
                 raise ValueError(f"params[{i}] is not a leaf tensor; pass p.detach() so it can be updated in place")
         self._params = params
         self._lr, self._momentum, self._nesterov = lr, momentum, nesterov and momentum > 0
-        # Built on first use: constructing any torch optimizer imports torch._dynamo (~1.5 s of CPU), which a
-        # process that only writes a fresh optimizer's checkpoint (the driver's checkpoint 0) never needs.
+        # Built on first use (a process that only writes a fresh optimizer's checkpoint, the driver's checkpoint
+        # 0, never needs it). policies/torch_optimizers.SGD: torch's SGD without its compiler import (~1.1 s of CPU).
         self._built: torch.optim.SGD | None = None
         # Kept as asked and capped at step time: load_state_dict may bring another momentum.
         self._partial_momentum = partial_momentum
 
     def build(self) -> None:
         """Build the torch optimizer now rather than at the first step: the outer optimizer's actor calls this at
-        start, so the import it costs (~1.5 s of CPU) never delays a round, which with K = 1 would let a backlog
-        of submissions close rounds in a burst and leave a waiting submission too stale."""
+        start, so whatever the build costs (little since policies/torch_optimizers; torch.optim.SGD imported the
+        compiler, ~1.1 s of CPU) never delays a round, which with K = 1 would let a backlog of submissions close
+        rounds in a burst and leave a waiting submission too stale."""
         _ = self._sgd
 
     @property
     def _sgd(self) -> torch.optim.SGD:
         if self._built is None:
             # torch accepts leaves with requires_grad=False; the step runs under no_grad either way.
-            self._built = torch.optim.SGD(self._params, lr=self._lr, momentum=self._momentum, nesterov=self._nesterov)
+            self._built = SGD(self._params, lr=self._lr, momentum=self._momentum, nesterov=self._nesterov)
         return self._built
 
     @property

@@ -27,18 +27,20 @@ if TYPE_CHECKING:
 
 
 def _warm_up() -> None:
-    """One throwaway AdamW step on a nano model: what a process loads lazily on its first step (torch._dynamo,
-    imported by the optimizer's first step: ~1.5 s of CPU on our 2-core machines) loads now, while the
-    spare idles, not after it takes over a failed island's slot."""
+    """One throwaway AdamW step on a nano model: what a process loads lazily on its first forward, backward
+    and optimizer step loads now, while the spare idles, not after it takes over a failed island's slot.
+    The engine's AdamW (policies/torch_optimizers) skips torch's compiler import; a user's own optimizer
+    may still pay it (~1.1 s of CPU) on its first step."""
     import torch
 
     from islands.model import build_model
     from islands.model_api import default_loss
     from islands.spec import model_config
+    from policies.torch_optimizers import AdamW
 
     cfg = model_config("nano")
     model = build_model(cfg, seed=0)
-    opt = torch.optim.AdamW(model.parameters())
+    opt = AdamW(model.parameters())
     x = torch.zeros(1, cfg.seq_len, dtype=torch.long)
     default_loss(model, (x, x)).backward()
     opt.step()
