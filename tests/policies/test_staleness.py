@@ -2,7 +2,7 @@
 
 import pytest
 
-from policies.staleness import StalenessDecision, VersionRing, check_staleness
+from policies.staleness import StalenessDecision, check_staleness
 
 
 def test_fresh_and_at_limit_are_accepted():
@@ -32,48 +32,3 @@ def test_zero_max_staleness_accepts_only_current():
 def test_max_staleness_validation():
     with pytest.raises(ValueError, match="max_staleness must be >= 0, got -1"):
         check_staleness(current_version=0, base_version=0, max_staleness=-1)
-
-
-def test_ring_keeps_last_capacity_versions():
-    ring = VersionRing[str](capacity=3)
-    for v in range(5):
-        ring.push(v, f"v{v}")
-    assert ring.versions() == [2, 3, 4]
-    assert len(ring) == 3
-    assert ring.get(3) == "v3"
-    assert 2 in ring and 1 not in ring
-    assert ring.latest() == (4, "v4")
-
-
-def test_ring_accepts_gaps():
-    ring = VersionRing(capacity=2)
-    ring.push(0, "a")
-    ring.push(10, "b")
-    ring.push(11, "c")
-    assert ring.versions() == [10, 11]
-
-
-def test_ring_get_evicted_names_oldest_kept():
-    ring = VersionRing(capacity=2)
-    for v in (1, 2, 3):
-        ring.push(v, v)
-    with pytest.raises(KeyError, match="oldest kept 2"):
-        ring.get(1)
-    with pytest.raises(KeyError, match="version 9 is not kept"):
-        ring.get(9)
-
-
-def test_ring_errors():
-    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
-        VersionRing(0)
-    ring = VersionRing(2)
-    with pytest.raises(KeyError, match="ring is empty"):
-        ring.get(0)
-    with pytest.raises(LookupError, match="empty"):
-        ring.latest()
-    ring.push(5, "x")
-    with pytest.raises(ValueError, match="version 5 must be > the latest version 5"):
-        ring.push(5, "y")
-    with pytest.raises(ValueError, match="version 4 must be > the latest version 5"):
-        ring.push(4, "y")
-    assert ring.versions() == [5]  # a refused push changes nothing
