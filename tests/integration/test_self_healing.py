@@ -84,10 +84,18 @@ def finish(run: Run, th: threading.Thread, out: dict) -> dict:
     return out["summary"]
 
 
-def actor(prefix: str):
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-    assert len(names) == 1, names
-    return ray.get_actor(names[0], namespace=NAMESPACE)
+def actor(prefix: str, attempts: int = 3):
+    """The one live actor whose name starts with `prefix`. Listing and looking up are two calls: an actor
+    that is killed or replaced between them is looked up again (seen once: listed, then not found)."""
+    for attempt in range(attempts):
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+        assert len(names) == 1, names
+        try:
+            return ray.get_actor(names[0], namespace=NAMESPACE)
+        except ValueError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.5)
 
 
 def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
