@@ -175,12 +175,7 @@ class LearnerIsland:
             return self._step_sharded()
         changed = self.apply_updates()
         with self._cv:
-            blocked = self.spec.wait_for_round and self.outbox.busy()
-            if blocked:
-                self._state = "blocked"
-            elif self._state in ("starting", "blocked"):
-                self._state = "training"
-            hung = not blocked and self.faults.hung(time.monotonic())
+            blocked, hung = self._gate()
         if self._group is not None:
             # Followers adopt exactly what this step boundary adopted, and step only when we do. Sent on
             # blocked and hung calls too, so followers hear from us at least every half second.
@@ -205,6 +200,16 @@ class LearnerIsland:
             self.shelf.after_step(self.total_steps)
         return True
 
+    def _gate(self) -> tuple[bool, bool]:
+        """(blocked, hung) at a step boundary, with the state set to match; call it holding `_cv`. Blocked: a
+        mode that waits for each round has a submission in flight. Hung: an injected hang is on."""
+        blocked = self.spec.wait_for_round and self.outbox.busy()
+        if blocked:
+            self._state = "blocked"
+        elif self._state in ("starting", "blocked"):
+            self._state = "training"
+        return blocked, not blocked and self.faults.hung(time.monotonic())
+
     def _step_sharded(self) -> bool:
         """`step` of an FSDP island's worker: adopt what the leader took, step if it says so, cut if it says so."""
         link = self._link
@@ -228,12 +233,7 @@ class LearnerIsland:
         self.inbox.apply(forced, updates)
         if self._leads:
             with self._cv:
-                blocked = self.spec.wait_for_round and self.outbox.busy()
-                if blocked:
-                    self._state = "blocked"
-                elif self._state in ("starting", "blocked"):
-                    self._state = "training"
-                hung = not blocked and self.faults.hung(time.monotonic())
+                blocked, hung = self._gate()
                 train = not blocked and not hung
                 # Decided before the step, so the workers know to take part in the cut: nothing between here and
                 # the end of the step changes when the cut is due (progress is heard at boundaries only). While a
