@@ -30,6 +30,7 @@ it checks that torchft's DiLoCo and our sync-diloco mode compute the same losses
   python benchmarks/torchft_side_by_side.py --quick                       # 1 repeat, 250k tokens, H = 10, 1 kill each
   python benchmarks/torchft_side_by_side.py --repeats 2 --out runs/tft     # 2 repeats at the default 500k tokens
   python benchmarks/torchft_side_by_side.py --scenarios clean,slow         # a subset
+  python benchmarks/torchft_side_by_side.py --systems decoupled --scenarios clean,faults --set-all inner.warmup_steps=5
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--analyse", type=Path, nargs="+", default=None, metavar="RUNS_JSON_OR_OUT_DIR",
                     help="run nothing: analyse earlier invocations together (their repeats pooled), each a runs.json or an "
                          "--out directory whose repeat was cut short (its finished runs' summary.json files, engine runs rescored)")
+    ap.add_argument("--set-all", dest="all_overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every system's runs, e.g. inner.warmup_steps=5 (torchft's replicas read "
+                         "the same inner settings); as compare.py's --set-all")
     ap.add_argument("--seed", type=int, default=0, help="run and tape seed")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default runs/torchft-<timestamp>)")
     args = ap.parse_args(argv)
@@ -83,6 +87,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad or not args.scenarios:
         ap.error(f"--scenarios {bad or '(none)'}: pick from {', '.join(SCENARIOS)}")
     args.systems = [n for n in SYSTEMS if n in args.systems.split(",")]
+    for item in args.all_overrides:  # checked here, in one line, before any run (compare.py's rule)
+        key = item.split("=", 1)[0].strip()
+        if key.split(".", 1)[0] in ("pools", "network", "health", "chaos") or key in ("run.token_budget", "mode"):
+            ap.error(f"--set-all {item}: pools, network, health, chaos, mode and the budget are the scenarios'")
+    try:
+        compare.load_config(overrides=args.all_overrides)
+    except compare.ConfigError as err:
+        ap.error(str(err))
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: pass 1 or more")
     args.repeats = 1 if args.quick else args.repeats
@@ -95,8 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def compare_args(args: argparse.Namespace) -> argparse.Namespace:
     """compare.py's own arguments for the same scenario, so decoupled and sync-diloco are configured as there."""
+    extra = [a for item in args.all_overrides for a in ("--set-all", item)]
     cargs = compare.build_parser().parse_args(["--budget", str(args.budget), "--seed", str(args.seed),
-                                              "--final-eval-batches", str(args.final_eval_batches)])
+                                              "--final-eval-batches", str(args.final_eval_batches), *extra])
     compare.fill_defaults(cargs)
     cargs.sync_every_steps, cargs.eval_interval_s, cargs.eval_batches = args.sync_every, 5.0, 8
     cargs.local_step_s = args.local_step_s

@@ -44,6 +44,19 @@ def test_the_three_systems_share_model_pools_network_and_h_and_differ_where_they
     assert faulted["decoupled"]["chaos"]["mode"] == "tape" and "chaos" not in faulted["torchft"]  # torchft gets the tape itself
 
 
+def test_set_all_reaches_every_system_and_bad_overrides_are_refused_before_any_run(tmp_path, capsys):
+    args = sbs.parse_args(["--quick", "--out", str(tmp_path / "o"), "--local-step-s", "0.1",
+                           "--set-all", "inner.warmup_steps=5"])
+    clean = sbs.configs(sbs.compare_args(args), "clean", None)
+    assert {c["inner"]["warmup_steps"] for c in clean.values()} == {5}
+    for bad, said in (("inner.warmup_stepz=5", "warmup_stepz"), ("pools.0.islands=2", "the scenarios'"),
+                      ("health.warm_spares=2", "the scenarios'")):
+        with pytest.raises(SystemExit) as exit_info:
+            sbs.parse_args(["--quick", "--out", str(tmp_path / "bad"), "--set-all", bad])
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_ratios_are_torchfts_time_to_the_worst_final_loss_over_decoupleds_and_kept_throughput_is_against_its_own_clean_run():
     clean = {"decoupled": summary(2.0, [(0, 5.0), (10, 2.0)], 100, 100),
              "sync-diloco": summary(2.1, [(0, 5.0), (40, 2.1)], 100, 100),
