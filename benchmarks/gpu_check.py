@@ -1,12 +1,15 @@
 """GPU check: the CUDA and NCCL paths this project's CPU-only CI cannot run, in one short script.
 
-Nine sections, each reported whatever the others do (a failure is a row, not a crash):
+Ten sections, each reported whatever the others do (a failure is a row, not a crash):
 
 1. ``env``: torch, CUDA, NCCL versions and the cards.
 2. ``cuda_matches_cpu``: an island's inner trainer (islands/trainer.py) takes the same 10 AdamW steps
    on the same batches on CPU and on the GPU, fp32, from the same initial parameters; per-step losses
    must agree within 1e-3 (relative) and the whole parameter update within 1% (relative L2; TF32 is
    off, so only reduction order differs).
+   ``lean_optimizer``: policies/torch_optimizers' AdamW (default, which is foreach on CUDA;
+   foreach off; fused) and Nesterov SGD step bitwise as torch.optim's do on the GPU, and an island's
+   trainer stepping on the GPU in a fresh process never imports torch._dynamo.
 3. ``nccl_two_workers``: two processes form one island's worker group (islands/distributed.py) over
    NCCL and average a gradient. With two or more GPUs each rank gets its own card and the mean must be
    exact; with one GPU NCCL must refuse ("Duplicate GPU detected"), which is why the config rejects
@@ -39,7 +42,7 @@ Run from the repository root on a machine with a GPU, Ray and this project's dep
     python benchmarks/gpu_check.py --out gpu_check.json
 
 Prints a markdown table per section and writes them all as JSON. Exits 1 when a check fails.
-``--device cpu`` runs sections 2, 5 and 9 with the CPU standing in for the GPU (a plumbing smoke test on
+``--device cpu`` runs sections 2 (with lean_optimizer), 5 and 9 with the CPU standing in for the GPU (a plumbing smoke test on
 a machine without one; it checks nothing about CUDA and says so).
 """
 
@@ -53,6 +56,7 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -126,6 +130,74 @@ def cuda_matches_cpu(device: str, preset: str = "small", steps: int = 10) -> dic
             "rows": [{"preset": preset, "steps": steps, "loss_first_cpu": cl[0], "loss_last_cpu": cl[-1],
                       "loss_last_gpu": gl[-1], "max_rel_loss_diff": loss_rel, "loss_bound": 1e-3,
                       "update_rel_l2_diff": update_rel, "update_bound": 1e-2, "max_abs_param_diff": param_abs}]}
+
+
+_LEAN_PROBE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from islands.model import model_config
+from islands.trainer import InnerTrainer
+import numpy as np
+from orchestrator.config import build_config
+from orchestrator.settings import inner_settings
+data = np.frombuffer(bytes(range(256)) * 400, dtype=np.uint8).copy()
+t = InnerTrainer(model_config("tiny"), data, settings=inner_settings(build_config({})), shard_index=0,
+                 num_shards=1, seed=0, device=sys.argv[2])
+losses = [t.step().loss for _ in range(3)]
+print(json.dumps({"dynamo_imported": "torch._dynamo" in sys.modules, "device": str(next(iter(t.params.values())).device),
+                  "losses": losses}))
+"""
+
+
+def lean_optimizer(device: str, steps: int = 10) -> dict:
+    """policies/torch_optimizers on `device`: bitwise torch.optim's steps, and no compiler import on an island's path.
+
+    Each variant steps torch.optim's optimizer and ours on the same parameters and gradients (the lr
+    halved half way); parameters and optimizer state must be bitwise equal. On CUDA torch's default is
+    the foreach implementation, which the CPU tests do not reach; fused is CUDA's other path. A fresh
+    process then builds an island's trainer on `device` and takes 3 steps: torch._dynamo must not load.
+    """
+    from policies.torch_optimizers import SGD, AdamW
+
+    variants = [("AdamW default", AdamW, torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))),
+                ("AdamW foreach=False", AdamW, torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1, foreach=False)),
+                ("AdamW fused", AdamW, torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1, fused=True)),
+                ("SGD nesterov", SGD, torch.optim.SGD, dict(lr=0.7, momentum=0.9, nesterov=True))]
+    rows = []
+    for name, ours, theirs, kwargs in variants:
+        if kwargs.get("fused") and not device.startswith("cuda"):
+            continue
+        finals = []
+        for make in (ours, theirs):
+            g = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(shape, generator=g).to(device))
+                      for shape in ((64, 32), (32,), (3, 8, 16))]
+            opt = make(params, **kwargs)
+            for i in range(steps):
+                opt.zero_grad()
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g).to(device)
+                if i == steps // 2:
+                    for group in opt.param_groups:
+                        group["lr"] *= 0.5
+                opt.step()
+            state = [v for s in opt.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
+            finals.append(([p.detach() for p in params], state))
+        (pa, sa), (pb, sb) = finals
+        equal = len(sa) == len(sb) and all(torch.equal(a, b) for a, b in zip(pa + sa, pb + sb))
+        rows.append({"variant": name, "steps": steps, "device": str(pa[0].device), "bitwise_equal": equal})
+    probe = subprocess.run([sys.executable, "-c", _LEAN_PROBE, str(Path(__file__).resolve().parents[1]), device],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        raise RuntimeError(f"island probe failed: {probe.stderr.strip()[-400:]}")
+    seen = json.loads(probe.stdout.strip().splitlines()[-1])
+    rows.append({"variant": "island trainer, fresh process", "steps": 3, "device": seen["device"],
+                 "bitwise_equal": "n/a", "dynamo_imported": seen["dynamo_imported"],
+                 "losses": [round(x, 4) for x in seen["losses"]]})
+    ok = all(r["bitwise_equal"] is True for r in rows[:-1]) and not seen["dynamo_imported"] \
+        and all(math.isfinite(x) for x in seen["losses"])
+    return {"ok": ok, "note": "" if device != "cpu" else "SMOKE TEST: --device cpu repeats the CPU tests",
+            "rows": rows}
 
 
 def precision_on_gpu(device: str, preset: str = "small", steps: int = 30) -> dict:
@@ -607,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "env": env_section,
         "cuda_matches_cpu": lambda: cuda_matches_cpu(device),
+        "lean_optimizer": lambda: lean_optimizer(device),
         "nccl_two_workers": nccl_two_workers,
         "step_timing": lambda: step_timing(device, args.presets.split(",")),
         "precision_on_gpu": lambda: precision_on_gpu(device),
