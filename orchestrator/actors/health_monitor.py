@@ -42,6 +42,7 @@ from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds,
 from orchestrator.actors.outer_link import OuterLink
 from orchestrator.actors.recovery_record import RecoveryRecord, parked_state, restore_parked
 from orchestrator.actors.slots import SlotState, has_submitted
+from orchestrator.actors.spares import islands_stepped
 from orchestrator.config import PoolConfig
 from policies.health import assess_island
 from policies.restart import RestartBudget
@@ -91,7 +92,7 @@ class HealthMonitor:
         self.restarting: dict[int, asyncio.Task] = {}
         self._failing: set[int] = set()  # slots inside _fail(), before their restart task exists
         self._loop_task: asyncio.Task | None = None
-        self._spares_task: asyncio.Task | None = None
+        self._after_steps_task: asyncio.Task | None = None
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -121,11 +122,23 @@ class HealthMonitor:
         if saved:
             self.record.mark_lost_in_restart(self.slots.values(), adopted)
         starts = [self._start(slot) for slot in self.slots.values() if slot.island not in adopted]
-        # Keepers start once their islands are placed, so that they can be placed away from them; islands
-        # look their keeper up by name at each snapshot and skip snapshots until it exists.
-        await asyncio.gather(*starts, self.keepers.start(self.launcher.placed))
-        self._spares_task = asyncio.get_running_loop().create_task(self.launcher.spares.refill_once_islands_step(
-            self.slots.values(), self.data, wait_s=self.timeouts.placement_s, tick_s=self.timeouts.tick_s))
+        if fresh:
+            await asyncio.gather(*starts)
+        else:  # keepers a previous monitor started are taken back at once: salvage needs them from the start
+            await asyncio.gather(*starts, self.keepers.start(self.launcher.placed))
+        self._after_steps_task = asyncio.get_running_loop().create_task(self._start_when_islands_step(fresh))
+
+    async def _start_when_islands_step(self, keepers: bool) -> None:
+        """Once every island has stepped (spares.islands_stepped): the pools' keepers when `keepers`, then
+        the warm spares. Keepers start after their islands are placed, so that they can be placed away from
+        them; islands look their keeper up by name at each snapshot and skip snapshots until it exists, so
+        a failure in the first steps of a fresh run salvages nothing (it had little to salvage)."""
+        await islands_stepped(self.slots.values(), wait_s=self.timeouts.placement_s, tick_s=self.timeouts.tick_s,
+                              stopping=lambda: self._stopping)
+        if keepers:
+            await self.keepers.start(self.launcher.placed)
+        if not self._stopping:
+            self.launcher.spares.refill_all(self.data)
 
     async def _adopt_existing(self) -> set[int]:
         """Take back the islands, followers and spares a previous monitor of this run left; returns the slots."""

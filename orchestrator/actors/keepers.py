@@ -2,7 +2,8 @@
 
 One keeper per pool (orchestrator/actors/keeper.py) holds its islands' latest progress snapshots
 outside their failure domain. This module keeps every pool's keeper alive and well placed: it is
-started once the pool's islands are placed (so that it can go to a node without them), pinged every
+started once the pool's islands are placed (so that it can go to a node without them) and, in a fresh
+run, have stepped (a keeper started beside them slowed their first steps), pinged every
 KEEPER_CHECK_S and replaced when dead, and moved with its snapshots when a better node comes up
 (policies/keeper_placement.py). When an island dies, `salvage` hands its last snapshot, as a ref the
 monitor never fetches, to the outer optimizer, which merges what is still valid (policies/salvage.py).

@@ -25,9 +25,22 @@ from islands.spec import IslandSpec
 from orchestrator.actors.placement import create_island_group, release_group
 from orchestrator.config import PoolConfig
 
-__all__ = ["WarmSpares"]
+__all__ = ["WarmSpares", "islands_stepped"]
 
 log = logging.getLogger(__name__)
+
+
+async def islands_stepped(slots: Iterable[Any], *, wait_s: float, tick_s: float, stopping: Callable[[], bool]) -> None:
+    """Return once every island slot (a live view of the monitor's `SlotState`s) that is not dead or stopped
+    has stepped, or `wait_s` later, or when the run stops.
+
+    What the islands need only once they train (warm spares, progress keepers) starts after this: each is
+    a process to start (a spare also imports torch), and started beside the islands they took CPU from
+    their first steps on a small machine (benchmarks/startup.py)."""
+    deadline = time.monotonic() + wait_s
+    while not stopping() and time.monotonic() < deadline and any(
+            slot.steps == 0 and slot.state not in ("dead", "stopped") for slot in slots):
+        await asyncio.sleep(tick_s)
 
 
 class WarmSpares:
@@ -62,16 +75,8 @@ class WarmSpares:
         if pool in self.ready:
             self.ready[pool].append((name, handle, get_placement_group(name)))
 
-    async def refill_once_islands_step(self, slots: Iterable[Any], data: list[Any], *, wait_s: float,
-                                       tick_s: float) -> None:
-        """Fill every pool's spares once each island slot (a live view of the monitor's `SlotState`s) has stepped,
-        or `wait_s` later: each spare is a process importing torch, which started beside the islands took CPU
-        from their first steps on a small machine. A failure before then restarts cold, as it does while
-        spares start."""
-        deadline = time.monotonic() + wait_s
-        while not self._stopping() and time.monotonic() < deadline and any(
-                slot.steps == 0 and slot.state not in ("dead", "stopped") for slot in slots):
-            await asyncio.sleep(tick_s)
+    def refill_all(self, data: list[Any]) -> None:
+        """Start every pool's spares in the background (HealthMonitor does this once its islands have stepped)."""
         for pool in self.pools:
             self.refill(pool, data)
 

@@ -18,7 +18,7 @@ from orchestrator.config import apply_overrides, build_config
 from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.run.driver import Run, resume_config, train
 from tests.conftest import add_pool_node
-from tests.integration.test_self_healing import actor, finish, start, wait_for
+from tests.integration.test_self_healing import actor, finish, held, start, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,8 +54,7 @@ def test_losing_a_node_rebuilds_the_island_on_its_pool_never_another(ray_cluster
         first = run.snapshot["slots"][0]["node"]
         assert labels_of(first)["pool"] == "a"
         # Its pool's keeper holds its progress on the pool's other node (policies/keeper_placement.py).
-        keeper = lambda: actor(f"{run.run_id}-keeper-a")  # noqa: E731
-        wait_for("island 0's progress to be with its keeper", lambda: 0 in ray.get(keeper().held.remote(), timeout=10))
+        wait_for("island 0's progress to be with its keeper", lambda: 0 in held(f"{run.run_id}-keeper-a"))
         name = next(n for n, node in nodes.items() if node.node_id == first)
         cluster.remove_node(nodes.pop(name), allow_graceful=False)
         wait_for("island 0 to come back as incarnation 2",
