@@ -41,8 +41,7 @@ from orchestrator.actors.launcher import IslandLauncher, find_run_actors, island
 from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorTimeouts, RunAddress
 from orchestrator.actors.outer_link import OuterLink
 from orchestrator.actors.recovery_record import RecoveryRecord, parked_state, restore_parked
-from orchestrator.actors.slots import SlotState, has_submitted
-from orchestrator.actors.spares import islands_stepped
+from orchestrator.actors.slots import SlotState, has_submitted, islands_stepped
 from orchestrator.config import PoolConfig
 from policies.health import assess_island
 from policies.restart import RestartBudget
@@ -129,7 +128,7 @@ class HealthMonitor:
         self._after_steps_task = asyncio.get_running_loop().create_task(self._start_when_islands_step(fresh))
 
     async def _start_when_islands_step(self, keepers: bool) -> None:
-        """Once every island has stepped (spares.islands_stepped): the pools' keepers when `keepers`, then
+        """Once every island has stepped (slots.islands_stepped): the pools' keepers when `keepers`, then
         the warm spares. Keepers start after their islands are placed, so that they can be placed away from
         them; islands look their keeper up by name at each snapshot and skip snapshots until it exists, so
         a failure in the first steps of a fresh run salvages nothing (it had little to salvage)."""

@@ -6,10 +6,13 @@ it. The monitor keeps one `SlotState` per slot for the run's whole life, across 
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SlotState", "has_submitted", "island_name"]
+__all__ = ["SlotState", "has_submitted", "island_name", "islands_stepped"]
 
 
 @dataclass
@@ -67,3 +70,16 @@ def has_submitted(status: Any) -> bool:
 def island_name(run_id: str, island: int, incarnation: int) -> str:
     """The detached actor (and placement group) name of one island incarnation."""
     return f"{run_id}-island{island}-inc{incarnation}"
+
+
+async def islands_stepped(slots: Iterable[Any], *, wait_s: float, tick_s: float, stopping: Callable[[], bool]) -> None:
+    """Return once every island slot (a live view of the monitor's `SlotState`s) that is not dead or stopped
+    has stepped, or `wait_s` later, or when the run stops.
+
+    What the islands need only once they train (warm spares, progress keepers) starts after this: each is
+    a process to start (a spare also imports torch), and started beside the islands they took CPU from
+    their first steps on a small machine (benchmarks/startup.py)."""
+    deadline = time.monotonic() + wait_s
+    while not stopping() and time.monotonic() < deadline and any(
+            slot.steps == 0 and slot.state not in ("dead", "stopped") for slot in slots):
+        await asyncio.sleep(tick_s)

@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -25,22 +24,9 @@ from islands.spec import IslandSpec
 from orchestrator.actors.placement import create_island_group, release_group
 from orchestrator.config import PoolConfig
 
-__all__ = ["WarmSpares", "islands_stepped"]
+__all__ = ["WarmSpares"]
 
 log = logging.getLogger(__name__)
-
-
-async def islands_stepped(slots: Iterable[Any], *, wait_s: float, tick_s: float, stopping: Callable[[], bool]) -> None:
-    """Return once every island slot (a live view of the monitor's `SlotState`s) that is not dead or stopped
-    has stepped, or `wait_s` later, or when the run stops.
-
-    What the islands need only once they train (warm spares, progress keepers) starts after this: each is
-    a process to start (a spare also imports torch), and started beside the islands they took CPU from
-    their first steps on a small machine (benchmarks/startup.py)."""
-    deadline = time.monotonic() + wait_s
-    while not stopping() and time.monotonic() < deadline and any(
-            slot.steps == 0 and slot.state not in ("dead", "stopped") for slot in slots):
-        await asyncio.sleep(tick_s)
 
 
 class WarmSpares:
