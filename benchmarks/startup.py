@@ -131,7 +131,10 @@ def _kind(title: str) -> str:
 
 def _cli_run(tree: str, run_dir: str, budget: int) -> dict[str, float | None]:
     """One `diloco train` of the default config in `tree`: seconds from launch to each milestone."""
-    env = dict(os.environ, PYTHONPATH=tree, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
+    # `tree` first, so that it, not an installed copy, is the project imported; the caller's PYTHONPATH after it
+    # (packages installed outside site-packages, as on a machine where wheels are unpacked to a folder).
+    path = os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
     cmd = [sys.executable, "-m", "orchestrator.cli", "train", "--run-dir", run_dir,
            "--set", f"run.token_budget={budget}"]
     t0 = time.time()
