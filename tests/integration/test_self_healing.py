@@ -108,8 +108,8 @@ def actor(prefix: str, attempts: int = 3):
 
 def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
     tape = FaultTape((
-        # Killed after its pool's keeper holds a snapshot (a fresh run's keepers start once every island
-        # has stepped) and after its first submission (step 20): what it did since is salvaged.
+        # Killed late enough for its pool's keeper to hold a snapshot (a fresh run's keepers start once every
+        # island has stepped): what it had not submitted is salvaged.
         Fault(island=1, kind="kill_island", at_step=32),
         Fault(island=2, kind="corrupt_submission", at_step=12),
         Fault(island=3, kind="hang", at_step=12),
