@@ -52,7 +52,7 @@ class IslandLauncher:
         self.run, self.pools, self.slot_pools, self.actors = run, pools, slot_pools, actors
         self.placement_timeout_s, self.call_timeout_s = timeouts.placement_s, timeouts.call_s
         self._stopping = stopping
-        # The job's runtime env, given back to every island process: the monitor runs with its own
+        # The job's runtime env, given back to every island process: the monitor may run with its own
         # (CONTROL_PLANE_RUNTIME_ENV, zero-copy tensors off) and actors inherit their creator's.
         env = actors.island_runtime_env
         self.island_env = dict(env) if env is not None else DATA_PLANE_RUNTIME_ENV

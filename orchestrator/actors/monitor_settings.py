@@ -31,8 +31,9 @@ class ActorClasses:
         island: an island's leader (rank 0), also a warm spare (`IslandActor`).
         worker: a follower of an island of several workers (`IslandWorkerActor`); needed only by such pools.
         keeper: a pool's progress keeper (`ProgressKeeperActor`); needed only when specs name keepers.
-        island_runtime_env: the job's runtime env, given back to every island process (the monitor runs with
-            the control plane's, and actors inherit their creator's); None = DATA_PLANE_RUNTIME_ENV.
+        island_runtime_env: the job's runtime env, given back to every island process (the monitor may run with
+            the control plane's, and actors inherit their creator's); None = DATA_PLANE_RUNTIME_ENV. Empty (a
+            Ray the driver started) lets the islands take Ray's prestarted workers.
     """
 
     island: Any

@@ -22,7 +22,8 @@ WORKER_ENV = {
 # The health monitor and the chaos injector never hold a tensor. With zero-copy tensors on, Ray
 # imports torch in every worker it starts (to register the tensor reducer): ~3 s of CPU per process
 # on a 2-core machine, on the critical path of a run's start and of a monitor restart. Their actors
-# get this runtime env (merged with the job's) and start without torch.
+# get this runtime env (merged with the job's) and start without torch; the monitor only where the job has a
+# runtime env of its own (orchestrator/run/setup.py, monitor_runtime_env).
 CONTROL_PLANE_RUNTIME_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "0"}}
 # Actors inherit their creator's runtime env: the islands the monitor creates turn zero-copy back on.
 DATA_PLANE_RUNTIME_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}

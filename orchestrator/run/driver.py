@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -238,17 +239,50 @@ def ensure_ray(cfg: RunConfig, address: str | None, *, init: Callable[..., Any] 
         return True
     # Logical CPUs may exceed physical cores: islands are throttled or small; Ray only counts.
     needed = math.ceil(sum(p.cpus_per_island * p.reserved_bundles(cfg.health.warm_spares) for p in cfg.pools))
-    # address="local": never join some other cluster running on this machine by accident.
-    start_local_ray(init, address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
-                    runtime_env={"env_vars": WORKER_ENV}, logging_level=logging.WARNING,
-                    _system_config=_LOCAL_SYSTEM_CONFIG)
+    num_cpus = max(os.cpu_count() or 1, needed)
+    # address="local": never join some other cluster running on this machine by accident. No job runtime env:
+    # WORKER_ENV reaches the workers through the environment Ray's processes inherit, so that the run's first
+    # actors (empty runtime env) can take the workers Ray prestarts (local_system_config).
+    with _environment(WORKER_ENV):
+        start_local_ray(init, address="local", num_cpus=num_cpus, include_dashboard=False,
+                        logging_level=logging.WARNING, _system_config=local_system_config(cfg, num_cpus))
     return True
 
 
-# Ray prestarts idle workers for the first driver; ours all carry a runtime env (the job's, or the control
-# plane's), so none was ever used (still idle at the end of a default run), and their starts (~0.8 s of CPU each) land
-# beside the islands' (benchmarks/startup.py).
-_LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+def local_system_config(cfg: RunConfig, num_cpus: int) -> dict[str, Any]:
+    """Ray's system config for a local Ray this driver starts: prestarted workers that hold torch already.
+
+    The raylet starts idle workers as soon as it is up, each importing torch and the island code
+    (orchestrator/actors/preload.py) while Ray's own start leaves a core idle; the outer optimizer, the health
+    monitor and the first islands then start in them, ready, not in new processes once every core is busy
+    (benchmarks/RESULTS.md#startup-prestarted). Ray hands a prestarted worker only to an actor of an empty
+    runtime env, hence none for the job (ensure_ray).
+
+    How many: Ray prestarts one per logical CPU but never more at once than its start-up concurrency, so that
+    concurrency sets the count: at most the actors that start before the first step (the outer optimizer, the
+    monitor and every island worker), since an unused one would idle with torch loaded for the whole run. On 2
+    cores that is 3 (the default config's CPUs); 6, one per such actor, made the first step later there. The
+    bound holds for this Ray's later starts too (restarts, spares): at most that many processes start at once.
+    """
+    first_actors = 2 + sum(p.islands * p.workers_per_island for p in cfg.pools)
+    return {"enable_worker_prestart": True, "preload_python_modules": ["orchestrator.actors.preload"],
+            "worker_maximum_startup_concurrency": min(num_cpus, first_actors)}
+
+
+@contextmanager
+def _environment(env: dict[str, str]):
+    """`env` set in this process's environment for the block (which starts Ray's processes: they inherit it),
+    then restored, so that a notebook's own environment is left as it was."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # Retry of a local start. Ray 2.60 waits a fixed 30 s for the new node to register (ray/_private/node.py,

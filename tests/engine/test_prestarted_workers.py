@@ -1,0 +1,118 @@
+"""A Ray the driver starts itself prestarts workers that already hold torch, and the run's first actors take them.
+
+The rule behind it (orchestrator/run/driver.py, ensure_ray; orchestrator/run/setup.py, monitor_runtime_env):
+Ray hands a prestarted worker only to an actor whose runtime env is empty, so the local start passes the
+workers' environment through its processes' environment rather than as the job's runtime env, and the health
+monitor (whose runtime env the islands inherit) then runs without one. Pure rules first; then a real local
+Ray, in a subprocess so that it does not meet the suite's session cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
+from orchestrator.config import load_config
+from orchestrator.run.driver import _environment, local_system_config
+from orchestrator.run.setup import monitor_runtime_env
+
+
+def test_the_monitor_runs_in_the_jobs_env_only_where_that_is_empty():
+    assert monitor_runtime_env({}) is None
+    job = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
+    assert monitor_runtime_env(job) == CONTROL_PLANE_RUNTIME_ENV
+
+
+def test_as_many_workers_are_prestarted_as_actors_start_before_the_first_step_at_most():
+    cfg = load_config(None, [])  # 4 islands: with the outer optimizer and the monitor, 6 actors
+    small = local_system_config(cfg, num_cpus=3)
+    assert small["enable_worker_prestart"] and small["worker_maximum_startup_concurrency"] == 3
+    assert local_system_config(cfg, num_cpus=16)["worker_maximum_startup_concurrency"] == 6
+    multi = load_config(None, ["pools=[{name: m, islands: 2, workers_per_island: 3}]"])
+    assert local_system_config(multi, num_cpus=64)["worker_maximum_startup_concurrency"] == 8
+    # The preload module Ray imports in every worker is the one in this package.
+    [module] = small["preload_python_modules"]
+    assert module == "orchestrator.actors.preload" and (Path(__file__).parents[2] / "orchestrator/actors/preload.py").is_file()
+
+
+def test_the_workers_environment_is_set_for_the_start_and_then_restored(monkeypatch):
+    monkeypatch.setenv("DILOCO_TEST_KEPT", "mine")
+    monkeypatch.delenv("DILOCO_TEST_ADDED", raising=False)
+    with _environment({"DILOCO_TEST_KEPT": "theirs", "DILOCO_TEST_ADDED": "1"}):
+        assert (os.environ["DILOCO_TEST_KEPT"], os.environ["DILOCO_TEST_ADDED"]) == ("theirs", "1")
+    assert os.environ["DILOCO_TEST_KEPT"] == "mine" and "DILOCO_TEST_ADDED" not in os.environ
+    with pytest.raises(RuntimeError), _environment({"DILOCO_TEST_ADDED": "1"}):
+        raise RuntimeError("a failed start")
+    assert "DILOCO_TEST_ADDED" not in os.environ
+
+
+# Starts a local Ray as `diloco train` does, waits for the raylet's prestarted workers, then starts an actor
+# with the job's (empty) runtime env, as the outer optimizer and the islands are, and one with the control
+# plane's, as the chaos injector is. Prints what each saw in its constructor.
+_PROBE = r"""
+import json, os, sys, time
+import ray
+from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
+from orchestrator.config import load_config
+from orchestrator.run.driver import ensure_ray
+
+assert ensure_ray(load_config(None, []), None)
+raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+def idle():  # the raylet's children titled ray::IDLE, from /proc (psutil is not a dependency)
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            title = open(f"/proc/{entry}/cmdline").read().split("\0")[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == raylet and title == "ray::IDLE":
+            pids.add(int(entry))
+    return pids
+deadline = time.monotonic() + 120
+while not idle() and time.monotonic() < deadline:
+    time.sleep(0.2)
+prestarted = idle()
+time.sleep(3)  # let their preload finish: the actor must find it done, not wait for it
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def __init__(self):
+        self.seen = {"pid": os.getpid(), "torch": "torch" in sys.modules, "island_code": "islands.island" in sys.modules,
+                     "zero_copy": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS")}
+    def seen_(self):
+        return self.seen
+
+data = ray.get(Probe.remote().seen_.remote(), timeout=120)
+control = ray.get(Probe.options(runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote().seen_.remote(), timeout=120)
+print(json.dumps({"prestarted": sorted(prestarted), "data": data, "control": control,
+                  "driver_zero_copy": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS")}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.ray  # starts a local Ray of its own, in a subprocess
+def test_a_local_start_prestarts_workers_that_hold_torch_for_the_runs_first_actors():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "DILOCO_RAY_ADDRESS", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS")}
+    env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["prestarted"], "the raylet prestarted no worker"
+    data, control = out["data"], out["control"]
+    # An actor of the job's runtime env starts in a prestarted worker, which imported torch and the island
+    # code before it was handed out (only the preload imports islands.island before a constructor runs).
+    assert data["pid"] in out["prestarted"], out
+    assert data["torch"] and data["island_code"] and data["zero_copy"] == "1", out
+    # A control-plane actor gets a new, light process: no torch, zero-copy tensors off.
+    assert control["pid"] not in out["prestarted"], out
+    assert not control["torch"] and control["zero_copy"] == "0", out
+    # The workers' environment reached Ray's processes, not the driver's own environment.
+    assert out["driver_zero_copy"] is None, out
