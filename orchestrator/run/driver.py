@@ -54,7 +54,7 @@ from orchestrator.run.setup import (
     start_injector,
     start_monitor,
 )
-from orchestrator.run.startup import Stage, islands_ready, placing_text
+from orchestrator.run.startup import Stage, islands_ready, placing_text, stepped_islands
 from orchestrator.run.workload import (
     TOKENIZER_FILE,
     Prepared,
@@ -486,11 +486,13 @@ class Run:
                     cause = str(err).strip().splitlines()[-1]
                     raise RuntimeError(f"islands failed to start: {cause}") from None
             if self.stages is not None:
-                now_ready = self.cfg.num_islands if started not in waits else islands_ready(
-                    self._get(self.monitor.snapshot.remote()), self.first_inc)
+                snap = self._get(self.monitor.snapshot.remote()) if started in waits else None
+                now_ready = self.cfg.num_islands if snap is None else islands_ready(snap, self.first_inc)
                 if now_ready > ready:
                     ready = now_ready
                     self._stage("islands", f"islands ready {ready} of {self.cfg.num_islands}", ready, self.cfg.num_islands)
+                if snap is not None:  # islands start at different times (some in Ray's prestarted workers)
+                    self._note_first_step(stepped_islands(snap, self.first_inc))
             if waits and time.monotonic() > deadline:
                 raise GetTimeoutError(f"islands or the outer optimizer not up after {self._start_timeout_s():.0f} s")
 
@@ -616,11 +618,13 @@ class Run:
             time.sleep(0.5)
         return self._finish(t0)
 
-    def _note_first_step(self) -> None:
-        """Report the "first_step" stage the first time an island's status shows a step."""
+    def _note_first_step(self, stepped: list[int] | None = None) -> None:
+        """Report the "first_step" stage the first time an island has stepped: `stepped` as a monitor snapshot
+        shows it while other islands still start, else from the islands' statuses."""
         if self._first_step_seen:
             return
-        stepped = sorted(s.island for s in self._statuses()[0] if s.steps > 0)
+        if stepped is None:
+            stepped = sorted(s.island for s in self._statuses()[0] if s.steps > 0)
         if stepped:
             self._first_step_seen = True
             self._stage("first_step", f"first step (island {', '.join(map(str, stepped))})")

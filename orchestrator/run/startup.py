@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from orchestrator.config import RunConfig
 
-__all__ = ["STAGES", "Stage", "islands_ready", "placing_text"]
+__all__ = ["STAGES", "Stage", "islands_ready", "placing_text", "stepped_islands"]
 
-# In the order a run reports them; "islands" repeats as more islands come up.
+# In the order a run begins them; "islands" repeats as more islands come up, and "first_step" comes as soon as
+# one island has stepped, which may be before the last island is up.
 STAGES = ("load", "ray", "placing", "islands", "first_step")
 
 
@@ -42,3 +43,9 @@ def islands_ready(snapshot: dict, first_incarnation: dict[int, int]) -> int:
     built and answering (the monitor sets a slot's node once the process's constructor has returned)."""
     return sum(1 for i, slot in snapshot["slots"].items()
                if slot.get("node") and slot["incarnation"] >= first_incarnation.get(int(i), 1))
+
+
+def stepped_islands(snapshot: dict, first_incarnation: dict[int, int]) -> list[int]:
+    """The island slots of a health monitor's `snapshot` whose process of this session has completed a step."""
+    return sorted(int(i) for i, slot in snapshot["slots"].items()
+                  if slot.get("steps", 0) > 0 and slot["incarnation"] >= first_incarnation.get(int(i), 1))
