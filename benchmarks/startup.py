@@ -123,10 +123,12 @@ def _kind(title: str) -> str:
     """A short name for a process of a run, from its command line."""
     if title.startswith("ray::"):
         return title[5:].split()[0].split(":")[-1].split(".")[0]  # ray::NAME:Class.method -> Class
+    if "default_worker.py" in title:  # before the names below: its arguments name the raylet
+        return "worker (not started)"
     for known in ("orchestrator.cli", "gcs_server", "raylet", "log_monitor", "dashboard", "runtime_env", "monitor.py"):
         if known in title:
             return "driver" if known == "orchestrator.cli" else known
-    return "worker (not started)" if "default_worker.py" in title else title.split()[0][-30:]
+    return title.split()[0][-30:]
 
 
 def _cli_run(tree: str, run_dir: str, budget: int) -> dict[str, float | None]:
