@@ -480,8 +480,13 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     _refuse_used_checkpoints(ckpt_uri)
     run_dir.mkdir(parents=True, exist_ok=True)
     handler = _log_to(run_dir / "driver.log")
-    cfg = with_measured_step(cfg, address)
-    started = ensure_ray(cfg, address)
+    try:
+        cfg = with_measured_step(cfg, address)
+        started = ensure_ray(cfg, address, prestart=False)  # its workers are Ray Train's, not ours
+    except BaseException:  # a local Ray that did not start: the caller's root logger keeps no handler of ours
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+        raise
     queue = None
     try:
         (run_dir / "config.yaml").write_text(yaml.safe_dump({**cfg.model_dump(mode="json"), "mode": DATA_PARALLEL_MODE}, sort_keys=False))

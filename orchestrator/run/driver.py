@@ -228,9 +228,12 @@ def build_run_network(cfg: RunConfig, model_bytes: int, step_s: Callable[[], flo
     return network, regions
 
 
-def ensure_ray(cfg: RunConfig, address: str | None, *, init: Callable[..., Any] | None = None) -> bool:
+def ensure_ray(cfg: RunConfig, address: str | None, *, init: Callable[..., Any] | None = None,
+               prestart: bool = True) -> bool:
     """Connect to `address` or start a local Ray (retried once: `start_local_ray`); returns True when
-    this call started or joined it. `init` stands in for ray.init (tests inject a failing start)."""
+    this call started or joined it. `init` stands in for ray.init (tests inject a failing start).
+    `prestart`: a local Ray prestarts workers for this run's actors (local_system_config); False for a
+    run whose actors are not ours (the data-parallel baseline's are Ray Train's, and would leave them idle)."""
     init = init or ray.init
     if ray.is_initialized():
         return False
@@ -245,7 +248,8 @@ def ensure_ray(cfg: RunConfig, address: str | None, *, init: Callable[..., Any] 
     # actors (empty runtime env) can take the workers Ray prestarts (local_system_config).
     with _environment(WORKER_ENV):
         start_local_ray(init, address="local", num_cpus=num_cpus, include_dashboard=False,
-                        logging_level=logging.WARNING, _system_config=local_system_config(cfg, num_cpus))
+                        logging_level=logging.WARNING,
+                        _system_config=local_system_config(cfg, num_cpus) if prestart else _NO_PRESTART)
     return True
 
 
@@ -267,6 +271,11 @@ def local_system_config(cfg: RunConfig, num_cpus: int) -> dict[str, Any]:
     first_actors = 2 + sum(p.islands * p.workers_per_island for p in cfg.pools)
     return {"enable_worker_prestart": True, "preload_python_modules": ["orchestrator.actors.preload"],
             "worker_maximum_startup_concurrency": min(num_cpus, first_actors)}
+
+
+# Without prestarted workers for us, none at all: Ray would otherwise prestart some for the first driver, which
+# actors of other runtime envs (Ray Train's) never take, idle for the whole run.
+_NO_PRESTART = {"prestart_worker_first_driver": False}
 
 
 @contextmanager

@@ -10,6 +10,7 @@ Ray, in a subprocess so that it does not meet the suite's session cluster.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 
 from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
 from orchestrator.config import load_config
+from orchestrator.run import driver
 from orchestrator.run.driver import _environment, local_system_config
 from orchestrator.run.setup import monitor_runtime_env
 
@@ -39,6 +41,45 @@ def test_as_many_workers_are_prestarted_as_actors_start_before_the_first_step_at
     # The preload module Ray imports in every worker is the one in this package.
     [module] = small["preload_python_modules"]
     assert module == "orchestrator.actors.preload" and (Path(__file__).parents[2] / "orchestrator/actors/preload.py").is_file()
+
+
+def test_a_local_start_passes_the_workers_environment_through_the_process_not_the_job(monkeypatch):
+    monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", raising=False)
+    calls: list[dict] = []
+
+    def init(**kwargs):  # stands in for ray.init: what Ray's processes would inherit, and what was asked
+        calls.append({**kwargs, "environ": {k: os.environ.get(k) for k in driver.WORKER_ENV}})
+
+    cfg = load_config(None, [])
+    assert driver.ensure_ray(cfg, None, init=init)
+    assert "runtime_env" not in calls[0] and calls[0]["environ"] == driver.WORKER_ENV
+    assert calls[0]["_system_config"]["enable_worker_prestart"]
+    assert "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS" not in os.environ  # restored after the start
+    # The data-parallel baseline's workers are Ray Train's: no prestarted workers for them to leave idle.
+    assert driver.ensure_ray(cfg, None, init=init, prestart=False)
+    assert calls[1]["_system_config"] == {"prestart_worker_first_driver": False}
+
+
+def test_the_data_parallel_baseline_starts_its_ray_without_prestarted_workers(monkeypatch, tmp_path):
+    from orchestrator.baselines.data_parallel import train_data_parallel
+
+    asked: list[dict] = []
+
+    class Stop(Exception):
+        pass
+
+    def ensure_ray(cfg, address, **kwargs):
+        asked.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(driver, "ensure_ray", ensure_ray)
+    monkeypatch.setattr(driver, "with_measured_step", lambda cfg, address: cfg)
+    handlers = list(logging.getLogger().handlers)
+    with pytest.raises(Stop):
+        train_data_parallel(load_config(None, ["model.preset=nano"]), tmp_path / "dp")
+    assert asked == [{"prestart": False}]
+    assert logging.getLogger().handlers == handlers, "a start that failed leaves no driver.log handler behind"
 
 
 def test_the_workers_environment_is_set_for_the_start_and_then_restored(monkeypatch):
