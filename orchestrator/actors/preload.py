@@ -13,6 +13,18 @@ in its runtime env and stays light.
 from __future__ import annotations
 
 import os
+import signal
+import sys
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    sys.exit(1)
+
+
+# What Ray's worker main loop does on SIGTERM (it sets its own once the preload is done), from the preload's start:
+# a worker stopped while it still imports (a warm spare at the end of a short run) exits quietly rather than
+# with Ray's fatal-signal dump on the driver's console.
+signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 if os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS") == "1":
     import torch  # noqa: F401 - the import is the point

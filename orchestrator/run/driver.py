@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+import site
 import tempfile
 import time
 import uuid
@@ -246,7 +247,7 @@ def ensure_ray(cfg: RunConfig, address: str | None, *, init: Callable[..., Any] 
     # address="local": never join some other cluster running on this machine by accident. No job runtime env:
     # WORKER_ENV reaches the workers through the environment Ray's processes inherit, so that the run's first
     # actors (empty runtime env) can take the workers Ray prestarts (local_system_config).
-    with _environment(WORKER_ENV):
+    with _environment(local_worker_env()):
         start_local_ray(init, address="local", num_cpus=num_cpus, include_dashboard=False,
                         logging_level=logging.WARNING,
                         _system_config=local_system_config(cfg, num_cpus) if prestart else _NO_PRESTART)
@@ -271,6 +272,21 @@ def local_system_config(cfg: RunConfig, num_cpus: int) -> dict[str, Any]:
     first_actors = 2 + sum(p.islands * p.workers_per_island for p in cfg.pools)
     return {"enable_worker_prestart": True, "preload_python_modules": ["orchestrator.actors.preload"],
             "worker_maximum_startup_concurrency": min(num_cpus, first_actors)}
+
+
+def local_worker_env() -> dict[str, str]:
+    """The environment a local Ray's processes inherit from this driver: WORKER_ENV, and PYTHONPATH led by the
+    folder this project is imported from unless that is a site-packages folder.
+
+    Why the path: a prestarted worker imports the preload module (orchestrator/actors/preload.py) at boot,
+    before Ray gives it the driver's sys.path; a checkout run without `pip install` (`python -m
+    orchestrator.cli` in it) would otherwise print a traceback per worker. An installed project needs nothing."""
+    env = dict(WORKER_ENV)
+    root = str(Path(__file__).resolve().parents[2])
+    sites = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root not in sites:
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
 
 
 # Without prestarted workers for us, none at all: Ray would otherwise prestart some for the first driver, which

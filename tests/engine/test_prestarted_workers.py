@@ -82,6 +82,24 @@ def test_the_data_parallel_baseline_starts_its_ray_without_prestarted_workers(mo
     assert logging.getLogger().handlers == handlers, "a start that failed leaves no driver.log handler behind"
 
 
+def test_workers_find_this_project_at_boot_unless_it_is_installed_in_site_packages(monkeypatch):
+    root = str(Path(driver.__file__).resolve().parents[2])
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setattr(driver.site, "getsitepackages", lambda: ["/usr/lib/python3/site-packages"])
+    env = driver.local_worker_env()
+    assert env["PYTHONPATH"] == os.pathsep.join([root, "/elsewhere"])
+    assert {k: env[k] for k in driver.WORKER_ENV} == driver.WORKER_ENV
+    monkeypatch.setattr(driver.site, "getsitepackages", lambda: [root])  # an installed copy: nothing to add
+    assert "PYTHONPATH" not in driver.local_worker_env()
+
+
+def test_a_worker_stopped_during_its_preload_exits_quietly():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"}  # no torch: quick
+    code = "import os, signal, time, orchestrator.actors.preload; os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 1 and proc.stderr == "", (proc.returncode, proc.stderr)
+
+
 def test_the_workers_environment_is_set_for_the_start_and_then_restored(monkeypatch):
     monkeypatch.setenv("DILOCO_TEST_KEPT", "mine")
     monkeypatch.delenv("DILOCO_TEST_ADDED", raising=False)
