@@ -11,10 +11,14 @@
   reintegration: the slot is allocated but not yet useful, with or without failures.
 - ``goodput = useful_s / allocated_s``.
 - Uptime: fraction of wall time in which the global version advanced "recently" (within
-  ``uptime_window_s`` after some advance), on a clock that starts at the run's first advance.
-  Before it the islands are taking their first inner steps and no version can advance, with or
-  without failures; counting that pipeline fill as down gave a failure-free run an uptime of
-  0.88-0.94, so uptime could not tell a stall from a start. The fill is reported apart (``fill_s``).
+  ``uptime_window_s`` after some advance), on a clock that starts at the run's first advance once
+  the pipeline is full (``fill_until``: every island of the first placement has had a submission
+  merged or has failed; :func:`pipeline_full_at`). Before it the islands are taking their first inner
+  steps and versions advance rarely or not at all, with or without failures; counting that pipeline
+  fill as down gave a failure-free run an uptime of 0.88-0.94, so uptime could not tell a stall from a
+  start. Islands that start at different times (some in prestarted workers) make the fill longer
+  than the first advance: one early island alone advances versions seconds apart. The fill is
+  reported apart (``fill_s``).
   The clock stops when the run begins stopping (``uptime_until``): versions are then held on purpose.
 - Tokens: every token has a fate (merged, lost with a failure, refused, overwritten by an ``overwrite``
   adoption before it was cut, or still in flight at the
@@ -29,7 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -38,6 +42,7 @@ __all__ = [
     "merge_timeline",
     "GoodputReport",
     "goodput_report",
+    "pipeline_full_at",
     "uptime_fraction",
     "uptime_window_from_rounds",
 ]
@@ -131,7 +136,8 @@ class GoodputReport:
         goodput: ``useful_s / allocated_s``.
         uptime: fraction of ``[first advance, uptime_until]`` within ``uptime_window_s`` after a
             global version advance; 0.0 when no version advanced before ``uptime_until``.
-        fill_s: ``run_start`` to the first advance (the pipeline fill); to ``uptime_until`` if none.
+        fill_s: ``run_start`` to the first advance at or after ``fill_until`` (the pipeline fill); to
+            ``uptime_until`` if none.
         allocated_s: ``islands * (run_end - run_start)``.
         useful_s: island compute time that reached the global parameters.
         lost_s: ``allocated_s - useful_s``.
@@ -185,6 +191,24 @@ def uptime_fraction(
     return _union_length(spans) / (run_end - run_start)
 
 
+def pipeline_full_at(islands: Iterable[int], first_merged: Mapping[int, float],
+                     first_failed: Mapping[int, float]) -> float | None:
+    """When every island in `islands` (the first placement) had a submission merged or failed, whichever came
+    first for it: the end of the pipeline fill, the moment from which a stall is downtime. None while some
+    island has done neither (uptime's clock then starts at the first advance).
+
+    ``first_merged``: island -> wall time of the first merged round it took part in; ``first_failed``: island ->
+    wall time its first failure was noted. A failure ends an island's fill: from then its absence is downtime,
+    not a start."""
+    ends = []
+    for island in islands:
+        seen = [t for t in (first_merged.get(island), first_failed.get(island)) if t is not None]
+        if not seen:
+            return None
+        ends.append(min(seen))
+    return max(ends, default=None)
+
+
 def goodput_report(
     *,
     intervals: Sequence[Interval],
@@ -200,11 +224,15 @@ def goodput_report(
     tokens_in_flight: int,
     tokens_overwritten: int = 0,
     uptime_until: float | None = None,
+    fill_until: float | None = None,
 ) -> GoodputReport:
     """The run's goodput, uptime, time by state and token fates (module docstring for formulas).
 
     ``uptime_until`` (default ``run_end``) ends uptime's clock: the moment the run began stopping, after
     which versions are held on purpose (the final flush merges once the islands are stopped).
+
+    ``fill_until`` (default ``run_start``): the uptime clock starts at the first advance at or after it, the
+    moment the pipeline is full (:func:`pipeline_full_at`).
 
     ``uptime_window_s`` is the caller's choice of how long after a version advance the run still
     counts as advancing: the expected gap between rounds, e.g. 3x the median inter-round gap
@@ -225,7 +253,8 @@ def goodput_report(
     if not run_start <= until <= run_end:
         raise ValueError(f"uptime_until must lie in [run_start, run_end] = [{run_start}, {run_end}], got {until}; "
                          "pass the moment the run began stopping, or None for run_end")
-    first = min((t for t in version_advances if run_start <= t < until), default=until)
+    full = run_start if fill_until is None else max(run_start, fill_until)
+    first = min((t for t in version_advances if full <= t < until), default=until)
     uptime = (uptime_fraction(version_advances, run_start=first, run_end=until, uptime_window_s=uptime_window_s)
               if first < until else 0.0)
     useful = min(float(useful_s), allocated)

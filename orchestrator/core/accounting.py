@@ -87,15 +87,18 @@ def run_goodput(
     advances: Sequence[float],
     fates: dict[str, list[int]],
     stop_began: float | None = None,
+    fill_until: float | None = None,
 ) -> dict:
     """Goodput, uptime and time per island state for the run, from the health monitor's timeline.
 
-    `stop_began` (wall clock) ends uptime's clock; None: `run_end` (a live run).
+    `stop_began` (wall clock) ends uptime's clock; None: `run_end` (a live run). `fill_until`: when the
+    pipeline was full (policies.goodput.pipeline_full_at); uptime's clock starts at the first advance after it.
     """
     P = len(fates["merged"])
     mean = lambda xs: round(sum(xs) / P)  # noqa: E731 - token counts are per fragment; report the mean
     until = run_end if stop_began is None else min(max(stop_began, run_start), run_end)
-    inside = [t for t in advances if run_start <= t <= until]
+    start = run_start if fill_until is None else min(max(run_start, fill_until), until)
+    inside = [t for t in advances if start <= t <= until]
     window = uptime_window_from_rounds(inside)
     report = goodput_report(
         intervals=merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end),
@@ -103,7 +106,7 @@ def run_goodput(
         run_start=run_start, run_end=run_end, islands=islands, version_advances=inside, uptime_window_s=window,
         tokens_merged=mean(fates["merged"]), tokens_lost=mean(fates["lost"]), tokens_refused=mean(fates["refused"]),
         tokens_in_flight=mean(fates["in_flight"]), tokens_overwritten=mean(fates["overwritten"]),
-        uptime_until=until,
+        uptime_until=until, fill_until=start,
     )
     return {"goodput": report.goodput, "uptime": report.uptime, "uptime_window_s": window, "fill_s": report.fill_s,
             "allocated_s": report.allocated_s, "useful_s": report.useful_s, "time_by_state_s": report.by_state_s}

@@ -10,6 +10,7 @@ from policies.goodput import (
     Interval,
     goodput_report,
     merge_timeline,
+    pipeline_full_at,
     uptime_fraction,
     uptime_window_from_rounds,
 )
@@ -233,3 +234,28 @@ def test_uptime_clock_starts_at_the_first_advance_and_still_sees_a_stall():
     r = _report(run_end=10.0, useful_s=0.0, version_advances=[10.0], uptime_window_s=4.0)
     assert r.uptime == 0.0 and r.fill_s == 10.0
     assert not math.isnan(r.goodput)
+
+
+def test_an_early_island_alone_is_still_the_fill_once_the_pipeline_is_full_a_stall_counts():
+    # Island 0 started early and advanced versions alone at 10 and 20; islands 1 and 2 were first merged at 20
+    # and 22; from 22 rounds every 2 s to 60, then a 10 s stall, then every 2 s to 80.
+    advances = [10.0, 20.0] + [22.0 + 2.0 * k for k in range(20)] + [70.0 + 2.0 * k for k in range(6)]
+    full = pipeline_full_at(range(3), first_merged={0: 10.0, 1: 20.0, 2: 22.0}, first_failed={})
+    assert full == 22.0
+    r = _report(run_end=80.0, useful_s=0.0, version_advances=advances, uptime_window_s=6.0, fill_until=full)
+    # The clock runs [22, 80]: down only where the stall outlasts the window, [66, 70).
+    assert r.fill_s == 22.0 and r.uptime == pytest.approx((58.0 - 4.0) / 58.0)
+    # Without it the early island's 10 s gap (10 -> 20, 4 s beyond the window) was counted as down too.
+    early = _report(run_end=80.0, useful_s=0.0, version_advances=advances, uptime_window_s=6.0)
+    assert early.fill_s == 10.0 and early.uptime == pytest.approx((70.0 - 4.0 - 4.0) / 70.0)
+
+
+def test_the_pipeline_is_full_when_each_island_was_merged_or_failed():
+    # Island 2 died before its first submission: its failure ends its fill (its absence is downtime from then).
+    assert pipeline_full_at([0, 1, 2], first_merged={0: 5.0, 1: 9.0}, first_failed={2: 7.0, 0: 30.0}) == 9.0
+    assert pipeline_full_at([0, 1, 2], first_merged={0: 5.0, 1: 9.0, 2: 12.0}, first_failed={2: 7.0}) == 9.0
+    # An island that has done neither yet (a short run's slow island): not full, the first advance starts the clock.
+    assert pipeline_full_at([0, 1], first_merged={0: 5.0}, first_failed={}) is None
+    # A fill_until past every advance leaves no clock: uptime 0, all of it fill.
+    r = _report(run_end=50.0, useful_s=0.0, version_advances=[10.0, 20.0], uptime_window_s=6.0, fill_until=40.0)
+    assert r.uptime == 0.0 and r.fill_s == 50.0

@@ -1,0 +1,29 @@
+"""The driver's goodput and uptime (orchestrator.core.accounting.run_goodput) over a monitor timeline and advances."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.core.accounting import run_goodput
+
+# Three islands; island 0 trained from 1 s, islands 1 and 2 from 6 s (they started cold, it in a prestarted worker).
+TIMELINE = [(0.0, i, 1, "starting") for i in range(3)] + [(1.0, 0, 1, "training"), (6.0, 1, 1, "training"),
+                                                           (6.0, 2, 1, "training")]
+# Island 0 alone advanced at 10 and 20; from 22, with every island merged, every 2 s to the stop at 60.
+ADVANCES = [10.0, 20.0] + [22.0 + 2.0 * k for k in range(20)]
+FATES = {k: [0] for k in ("merged", "lost", "refused", "in_flight", "overwritten")}
+
+
+def _good(**kw):
+    return run_goodput(timeline=TIMELINE, useful_s=100.0, run_start=6.0, run_end=60.0, islands=3, advances=ADVANCES,
+                       fates=FATES, stop_began=60.0, **kw)
+
+
+def test_uptime_counts_from_the_first_advance_once_every_island_was_merged():
+    full = _good(fill_until=22.0)
+    assert full["fill_s"] == 16.0 and full["uptime"] == 1.0 and full["uptime_window_s"] == 6.0
+    # From the first advance, island 0's lone 10 s gap (4 s beyond the window) read as a stall in a clean run.
+    early = _good()
+    assert early["fill_s"] == 4.0 and early["uptime"] == pytest.approx(46.0 / 50.0)
+    # A fill_until past the stop leaves no clock at all, not an error.
+    assert _good(fill_until=70.0)["uptime"] == 0.0
