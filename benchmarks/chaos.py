@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"token budget {p.budget:,} per run; tape: {p.failures} kills per island over 10 s to 85% of each repeat's "
           f"failure-free wall time; warm spares per pool: {args.warm_spares}; salvage every {p.salvage} steps (0 = off); "
           f"decoupled overrides: {' '.join(args.overrides) or 'none'}; "
-          "uptime counts from the first version advance (fill s before it)")
+          "uptime counts from the first version advance after every island was merged or failed (fill s before it)")
     if args.json:
         write_json(args.json, args, p, medians, repeats)
     return 0

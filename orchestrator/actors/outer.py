@@ -372,5 +372,5 @@ def _status_of(core: OuterOptimizer) -> dict:
 
 def _accounting_of(core: OuterOptimizer) -> dict:
     """The core's part of `accounting()` (run on the core's thread)."""
-    return {"useful_s": core.useful_s, "advances": list(core.advances),
+    return {"useful_s": core.useful_s, "advances": list(core.advances), "first_merged": dict(core.first_merged),
             "received": [[i, inc, toks] for (i, inc), toks in core.received.items()]}

@@ -19,10 +19,10 @@ Per fragment p (each inner step's tokens count once for every fragment), from in
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from policies.goodput import goodput_report, merge_timeline, uptime_window_from_rounds
+from policies.goodput import goodput_report, merge_timeline, pipeline_full_at, uptime_window_from_rounds
 
 
 def token_fates(
@@ -87,17 +87,24 @@ def run_goodput(
     advances: Sequence[float],
     fates: dict[str, list[int]],
     stop_began: float | None = None,
-    fill_until: float | None = None,
+    first_merged: Mapping[int, float] | None = None,
 ) -> dict:
     """Goodput, uptime and time per island state for the run, from the health monitor's timeline.
 
-    `stop_began` (wall clock) ends uptime's clock; None: `run_end` (a live run). `fill_until`: when the
-    pipeline was full (policies.goodput.pipeline_full_at); uptime's clock starts at the first advance after it.
+    `stop_began` (wall clock) ends uptime's clock; None: `run_end` (a live run). `first_merged`: island ->
+    wall time of its first merged round (the outer optimizer's accounting); uptime's clock starts at the first
+    advance once every island was merged or failed (policies.goodput.pipeline_full_at), or at the first
+    advance when not given.
     """
     P = len(fates["merged"])
     mean = lambda xs: round(sum(xs) / P)  # noqa: E731 - token counts are per fragment; report the mean
     until = run_end if stop_began is None else min(max(stop_began, run_start), run_end)
-    start = run_start if fill_until is None else min(max(run_start, fill_until), until)
+    failed: dict[int, float] = {}
+    for at, island, _, state in timeline:
+        if state == "dead":
+            failed[island] = min(at, failed.get(island, at))
+    full = None if first_merged is None else pipeline_full_at(range(islands), first_merged, failed)
+    start = run_start if full is None else min(max(run_start, full), until)
     inside = [t for t in advances if start <= t <= until]
     window = uptime_window_from_rounds(inside)
     report = goodput_report(

@@ -100,6 +100,7 @@ class OuterOptimizer:
         self.useful_s = 0.0  # inner-step time whose effect reached the global parameters, / P
         self.resume_cursor: dict[int, int] = {}  # island slot -> data cursor of its newest merged submission
         self.advances: list[float] = []  # wall times of version advances (uptime)
+        self.first_merged: dict[int, float] = {}  # island slot -> wall time of its first merged round (uptime's fill)
         self._diverged: set[tuple[int, int]] = set()  # (island, incarnation) that sent non-finite values
 
     # ---------------------------------------------------------------- membership
@@ -240,6 +241,7 @@ class OuterOptimizer:
         self.useful_s += sum(s.compute_s for s in subs) / self.plan.num_fragments
         for s in subs:
             self.resume_cursor[s.island] = max(self.resume_cursor.get(s.island, 0), s.cursor)
+            self.first_merged.setdefault(s.island, record.wall_time)
         self.advances.append(record.wall_time)
         self.rounds.append(record)
 

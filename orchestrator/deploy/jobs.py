@@ -273,7 +273,7 @@ def format_view(view: dict) -> str:
     elapsed = f"{view['now'] - view['run_start']:.0f} s" if view["run_start"] else "not yet training"
     good = "n/a (islands not all training yet)" if so_far["goodput"] is None else (
         f"{so_far['goodput']:.3f}, uptime {so_far['uptime']:.3f} "
-        "(goodput's clock from when every island first trained, uptime's from the first version advance)")
+        "(goodput's clock from when every island first trained, uptime's from the first version advance after every island was merged)")
     lines = [
         f"run {view['run_id']} ({elapsed})",
         f"fragment versions   {st['versions']}",

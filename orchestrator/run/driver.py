@@ -70,7 +70,6 @@ from orchestrator.run.workload import (
 from orchestrator.settings import inner_settings, island_specs, outer_settings
 from policies.chaos import tape_from_config
 from policies.fragments import plan_fragments
-from policies.goodput import pipeline_full_at
 from policies.network import NetworkModel, build_network
 from policies.stopping import target_reached
 
@@ -392,7 +391,6 @@ class Run:
         # the start-up's critical path, where the driver's scoring took CPU from the island processes starting.
         self._start_point: tuple[dict, list[int], float] | None = None
         self._first_step_seen = False
-        self._first_merged: dict[int, float] = {}  # island -> wall time of its first merged round (_drain_events)
         self.tokens_before = 0
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self._stop_requested = False
@@ -591,9 +589,6 @@ class Run:
 
     def _drain_events(self) -> None:
         got = self._get(self.outer.drain_events.remote())
-        for r in got["rounds"]:  # each island's first merged round: when the pipeline is full (uptime's clock)
-            for island in r.participants:
-                self._first_merged[island] = min(r.wall_time, self._first_merged.get(island, r.wall_time))
         self.events.add("rounds", got["rounds"])
         self.events.add("refusals", got["refusals"])
         self.metrics.record_events(got["rounds"], got["refusals"], self.snapshot)
@@ -647,14 +642,6 @@ class Run:
                 break
             time.sleep(0.5)
         return self._finish(t0)
-
-    def _pipeline_full_at(self) -> float | None:
-        """When every island had a submission merged or failed (policies.goodput.pipeline_full_at)."""
-        failed: dict[int, float] = {}
-        for at, island, _, state in self.snapshot["timeline"]:
-            if state == "dead":
-                failed[island] = min(at, failed.get(island, at))
-        return pipeline_full_at(range(self.cfg.num_islands), self._first_merged, failed)
 
     def _note_first_step(self, stepped: list[int] | None = None) -> None:
         """Report the "first_step" stage the first time an island has stepped: `stepped` as a monitor snapshot
@@ -727,7 +714,7 @@ class Run:
                             received=received, live=live, dead=dead)
         good = run_goodput(timeline=self.snapshot["timeline"], useful_s=acct["useful_s"], run_start=self.run_start,
                            run_end=run_end, islands=self.cfg.num_islands, advances=acct["advances"], fates=fates,
-                           stop_began=stop_began, fill_until=self._pipeline_full_at())
+                           stop_began=stop_began, first_merged=acct["first_merged"])
         self.metrics.record_status(status, self.snapshot, tokens_processed=self._tokens())
         self.metrics.record_goodput(good["goodput"], good["uptime"])
         record_stop_events(self.events, self.snapshot, live, dead, faults)

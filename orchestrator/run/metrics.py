@@ -81,8 +81,8 @@ class RunMetrics:
                              "islands (down).", tag_keys=run + ("direction",))
         self.goodput = Gauge("diloco_goodput", description="Useful island time over allocated island time so far.",
                              tag_keys=run)
-        self.uptime = Gauge("diloco_uptime", description="Fraction of wall time, from the first version advance, in which global versions advanced.",
-                            tag_keys=run)
+        self.uptime = Gauge("diloco_uptime", description="Fraction of wall time, from the first version advance after "
+                            "every island was merged, in which global versions advanced.", tag_keys=run)
         self._bytes_seen = {"up": 0, "down": 0}
 
     def _tags(self, **more: Any) -> dict[str, str]:
@@ -195,6 +195,7 @@ def goodput_so_far(*, status: dict, accounting: dict, snapshot: dict, run_start:
     if run_start is None or now <= run_start or not snapshot.get("slots"):
         return out
     good = run_goodput(timeline=snapshot["timeline"], useful_s=accounting["useful_s"], run_start=run_start,
-                       run_end=now, islands=len(snapshot["slots"]), advances=accounting["advances"], fates=fates)
+                       run_end=now, islands=len(snapshot["slots"]), advances=accounting["advances"], fates=fates,
+                       first_merged=accounting.get("first_merged"))
     out.update(goodput=good["goodput"], uptime=good["uptime"])
     return out

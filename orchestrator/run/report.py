@@ -230,7 +230,7 @@ def _summary_rows(summary: dict) -> tuple[list[tuple[str, str]], set[str]]:
          " / ".join(_fmt(s(k), ",.0f") for k in ("tokens_merged", "tokens_refused", "tokens_lost", "tokens_in_flight",
                                                   "tokens_overwritten"))),
         ("goodput", _fmt(s("goodput"), ".3f") + pct(s("goodput"))),
-        ("uptime (from the first version advance)", _fmt(s("uptime"), ".3f") + pct(s("uptime"))
+        ("uptime (from the first version advance after every island was merged)", _fmt(s("uptime"), ".3f") + pct(s("uptime"))
          + (f"; pipeline fill {s('fill_s'):.1f} s before it" if s("fill_s") is not None else "")),
         ("island time by state (s)", ", ".join(f"{k} {v:.1f}" for k, v in states.items()) if states else "n/a"),
         ("failures / restarts", f"{_fmt(s('failures'))} / {_fmt(s('restarts'))}"),

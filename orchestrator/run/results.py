@@ -66,8 +66,8 @@ def run_summary(run: Run, *, tokens: int, live: list[IslandStatus], dead: list[I
         "tokens_overwritten": mean(fates["overwritten"]),  # replaced by an overwrite adoption before a cut
         "token_ledger": fates,
         "goodput": good["goodput"],
-        "uptime": good["uptime"],  # from the first version advance (policies/goodput.py)
-        "fill_s": good["fill_s"],  # run start to the first version advance: the pipeline fill
+        "uptime": good["uptime"],  # from the first advance after every island was merged (policies/goodput.py)
+        "fill_s": good["fill_s"],  # run start to that advance: the pipeline fill
         "time_by_state_s": good["time_by_state_s"],
         "useful_s": good["useful_s"],
         "allocated_s": good["allocated_s"],

@@ -38,7 +38,7 @@ def _recovery_rows(summary: dict) -> list[tuple[str, str]]:
     s = summary.get
     rows = []
     if s("goodput") is not None:
-        uptime = f", uptime {s('uptime'):.3f} (from the first version advance)" if s("uptime") is not None else ""
+        uptime = f", uptime {s('uptime'):.3f} (from the first version advance after every island was merged)" if s("uptime") is not None else ""
         rows.append(("goodput", f"{s('goodput'):.3f}{uptime}"))
     if s("failures") or s("restarts"):
         times = [f"{what} {v:.1f} s" for what, v in (("detected in", s("mean_time_to_detect_s")),

@@ -20,10 +20,18 @@ def _good(**kw):
 
 
 def test_uptime_counts_from_the_first_advance_once_every_island_was_merged():
-    full = _good(fill_until=22.0)
+    full = _good(first_merged={0: 10.0, 1: 20.0, 2: 22.0})
     assert full["fill_s"] == 16.0 and full["uptime"] == 1.0 and full["uptime_window_s"] == 6.0
     # From the first advance, island 0's lone 10 s gap (4 s beyond the window) read as a stall in a clean run.
     early = _good()
     assert early["fill_s"] == 4.0 and early["uptime"] == pytest.approx(46.0 / 50.0)
-    # A fill_until past the stop leaves no clock at all, not an error.
-    assert _good(fill_until=70.0)["uptime"] == 0.0
+    # An island never merged in the run (a short run's slow island): the clock starts at the first advance.
+    assert _good(first_merged={0: 10.0, 1: 20.0}) == early
+
+
+def test_an_island_that_failed_before_its_first_merge_ends_its_fill_at_the_failure():
+    timeline = TIMELINE + [(8.0, 2, 1, "dead"), (9.0, 2, 2, "restarting")]
+    good = run_goodput(timeline=timeline, useful_s=100.0, run_start=6.0, run_end=60.0, islands=3, advances=ADVANCES,
+                       fates=FATES, stop_began=60.0, first_merged={0: 10.0, 1: 20.0, 2: 40.0})
+    # Full at 20 (island 2's fill ended with its death at 8): the clock starts at the advance at 20, not at 40.
+    assert good["fill_s"] == 14.0 and good["uptime"] == 1.0
