@@ -100,6 +100,21 @@ def test_a_worker_stopped_during_its_preload_exits_quietly():
     assert proc.returncode == 1 and proc.stderr == "", (proc.returncode, proc.stderr)
 
 
+def test_the_preload_asks_cuda_nothing():
+    # Ray sets CUDA_VISIBLE_DEVICES when it hands a worker a GPU actor, after the preload; CUDA reads it when first
+    # asked, so a preload that asked (device count, availability) would pin a prestarted worker to every GPU.
+    code = ("import os, torch, json\n"
+            "asked = []\n"
+            "torch._C._cuda_getDeviceCount = lambda *a: asked.append('device count') or 0\n"
+            "torch.cuda.is_available = lambda *a: asked.append('is_available') or False\n"
+            "import sys, orchestrator.actors.preload\n"
+            "print(json.dumps([asked, 'islands.island' in sys.modules]))")
+    env = {**os.environ, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[], True]  # the whole preload ran, asking nothing
+
+
 def test_the_workers_environment_is_set_for_the_start_and_then_restored(monkeypatch):
     monkeypatch.setenv("DILOCO_TEST_KEPT", "mine")
     monkeypatch.delenv("DILOCO_TEST_ADDED", raising=False)
