@@ -36,6 +36,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
+from islands.cursor import DataCursor
+
 if TYPE_CHECKING:  # torch is imported where batches are built: the preflight reads schemas without it
     import torch
 
@@ -498,6 +500,15 @@ class CursorSampler:
     def cursor(self) -> int:
         """Number of batches drawn so far, which is also the number of the next batch."""
         return self._cursor
+
+    @property
+    def data_cursor(self) -> DataCursor:
+        """The cursor as a DataCursor (no position: batch ``c`` is a pure function of ``c``)."""
+        return DataCursor(self._cursor)
+
+    def seek(self, cursor: DataCursor | int) -> None:
+        """Resume at ``cursor``'s batch."""
+        self.load_state_dict({**self.state_dict(), "cursor": DataCursor.of(cursor).batch})
 
     def batch_at(self, cursor: int) -> Any:
         """Batch number ``cursor``; does not move the cursor."""

@@ -178,6 +178,13 @@ class WorkerGroup:
                         t.copy_(flat[offset:offset + t.numel()].view_as(t))
                         offset += t.numel()
 
+    def share_cursor(self, cursor: Sequence[int]) -> tuple[int, ...]:
+        """Rank 0's data cursor (islands.cursor.DataCursor, as ints) on every rank: a restarted island's workers
+        resume where its leader does, not at the start of the stream."""
+        values = torch.tensor(list(cursor), dtype=torch.int64, device=self.device)
+        dist.broadcast(values, src=0)
+        return tuple(int(v) for v in values.tolist())
+
     def lead(self, fragments: Sequence[Sequence[torch.Tensor]], *, changed: Iterable[int], train: bool,
              stop: bool = False, progress: float = 0.0) -> None:
         """Leader, at a step boundary: send the control tensor, then the changed fragments' parameters."""

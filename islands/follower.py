@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from islands.cursor import DataCursor
 from islands.distributed import WorkerGroup
 from islands.spec import ModelRecipe
 from islands.trainer import InnerSettings, InnerTrainer
@@ -32,12 +33,12 @@ class IslandFollower:
     """
 
     def __init__(self, *, model: ModelRecipe, inner: InnerSettings, plan: FragmentPlan, data: Any,
-                 shard_index: int, num_shards: int, seed: int, group: WorkerGroup) -> None:
+                 shard_index: int, num_shards: int, seed: int, group: WorkerGroup, pool: str | None = None) -> None:
         if group.rank == 0:
             raise ValueError("rank 0 is the island's leader (LearnerIsland); followers have rank >= 1")
         self.group = group
         self.trainer = InnerTrainer(model, data, settings=inner, shard_index=shard_index,
-                                    num_shards=num_shards, seed=seed, group=group, device=group.device)
+                                    num_shards=num_shards, seed=seed, group=group, device=group.device, pool=pool)
         self._fragments = [[self.trainer.params[n] for n in frag] for frag in plan.fragments]
         self.state = "starting"  # starting | training | stopped | failed
         self.error: str | None = None
@@ -49,6 +50,7 @@ class IslandFollower:
         try:
             self.group.connect()
             self.group.broadcast_([t for frag in self._fragments for t in frag])
+            self.trainer.sampler.seek(DataCursor(*self.group.share_cursor(self.trainer.sampler.data_cursor)))
             self.state = "training"
             while True:
                 control = self.group.follow(self._fragments)

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from islands.corpus import shown_path
+from islands.cursor import DataCursor
 from islands.distributed import WorkerGroup, describe_device, island_device
 from islands.faults import InjectedFaults
 from islands.fragment_state import FragmentState
@@ -45,6 +47,7 @@ from islands.messages import FragmentUpdate, Submission
 from islands.outbox import LoopReadings, Outbox, OutboxSettings
 from islands.salvage_shelf import SalvageShelf, Shelve
 from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: plain values live in islands.spec
+from islands.stream import StreamSampler
 from islands.trainer import InnerTrainer
 from policies.adoption import parse_adoption
 from policies.quorum import MovingAverage
@@ -73,14 +76,14 @@ def _check_spec(spec: IslandSpec, group: WorkerGroup | None) -> None:
         raise ValueError(f"a LearnerIsland is rank 0 of its group, got rank {group.rank}; use IslandFollower")
 
 
-def _build_trainer(spec: IslandSpec, train: Any, *, cursor: int, group: WorkerGroup | None,
+def _build_trainer(spec: IslandSpec, train: Any, *, cursor: DataCursor, group: WorkerGroup | None,
                    device: torch.device) -> InnerTrainer:
     """The island's inner trainer on its shard, its sampler at `cursor` (FSDP: its model is built later)."""
     trainer = InnerTrainer(
         spec.model, train, settings=spec.inner, shard_index=spec.island, num_shards=spec.num_islands,
-        seed=spec.seed, group=group, device=device, shard=spec.shard == "fsdp",
+        seed=spec.seed, group=group, device=device, shard=spec.shard == "fsdp", pool=spec.pool,
     )
-    trainer.sampler.load_state_dict({**trainer.sampler.state_dict(), "cursor": cursor})
+    trainer.sampler.seek(cursor)
     if trainer.model is not None:
         _check_plan(spec, trainer)
     return trainer
@@ -102,7 +105,7 @@ class LearnerIsland:
         data: Any,
         initial: list[FragmentUpdate],
         *,
-        cursor: int = 0,
+        cursor: DataCursor | int = 0,
         resolve: Callable[[Any], Any] = lambda x: x,
         group: WorkerGroup | None = None,
         shelve: Shelve | None = None,
@@ -123,6 +126,7 @@ class LearnerIsland:
         adoption = parse_adoption(spec.adoption)
         check_sync_every(spec.sync_every_steps, spec.sync_every_schedule, spec.plan.num_fragments)
         train = resolve(data[0]) if isinstance(data, list) else data
+        cursor = DataCursor.of(cursor)
         self.trainer = _build_trainer(spec, train, cursor=cursor, group=group, device=device)
         # FSDP: the fragments get this worker's parts once the model is built (`build_shards`).
         self.fragments = FragmentState.of([[] if self._sharded else [self.trainer.params[n] for n in frag]
@@ -160,7 +164,7 @@ class LearnerIsland:
             self.apply_updates()
             if min(self.fragments.version) < 0:
                 raise ValueError("initial global state must cover every fragment; pass the outer optimizer's latest()")
-        log.info("island %d (incarnation %d, pool %s) ready at versions %s, cursor %d",
+        log.info("island %d (incarnation %d, pool %s) ready at versions %s, data at %s",
                  spec.island, spec.incarnation, spec.pool, self.fragments.version, cursor)
 
     # ---------------------------------------------------------------- inner loop
@@ -300,7 +304,7 @@ class LearnerIsland:
 
     def _readings(self) -> LoopReadings:
         return LoopReadings(step_time_s=self._step_time.value or 0.0, train_loss=self._loss.value or math.nan,
-                            cursor=self.trainer.sampler.cursor)
+                            cursor=self.trainer.sampler.data_cursor)
 
     def _hear_progress(self, progress: float) -> None:
         # The learning rate's progress never runs backwards (late or stale updates).
@@ -316,8 +320,9 @@ class LearnerIsland:
                         pass  # the leader paces this loop, and says stop
             elif self._group is not None:
                 self._group.connect()  # blocks until every follower joined (bounded by the group's timeout)
-                # Followers start from our parameters.
+                # Followers start from our parameters and our place in the data.
                 self._group.broadcast_([t for frag in self.fragments.theta for t in frag])
+                self._group.share_cursor(self.trainer.sampler.data_cursor)
             while self._leads:
                 with self._cv:
                     if self._stop:
@@ -350,6 +355,8 @@ class LearnerIsland:
             return
         assert self._group is not None
         self._group.connect()  # blocks until every worker joined (bounded by the group's timeout)
+        # Every worker resumes where the leader does (a restarted worker process starts at the stream's start).
+        self.trainer.sampler.seek(DataCursor(*self._group.share_cursor(self.trainer.sampler.data_cursor)))
         self.trainer.materialize()
         _check_plan(self.spec, self.trainer)
         params = self.trainer.params
@@ -479,7 +486,10 @@ class LearnerIsland:
                 steps=self.total_steps, tokens=self.total_tokens,
                 train_loss=self._loss.value, step_time_s=self._step_time.value,
                 versions=list(f.version), unsubmitted_tokens=list(f.tokens), outbox_tokens=self.outbox.waiting_tokens(),
-                inflight=self.outbox.taken_inflight(), cursor=self.trainer.sampler.cursor,
+                inflight=self.outbox.taken_inflight(), cursor=self.trainer.sampler.data_cursor,
+                skipped_units=dict(getattr(self.trainer.sampler, "skipped", {})),
+                data_root=shown_path(self.trainer.sampler.root) if isinstance(self.trainer.sampler, StreamSampler) else None,
+                data_read_bytes=getattr(self.trainer.sampler, "bytes_read", 0),
                 submitted_tokens=list(f.submitted), discarded_tokens=list(f.discarded),
                 overwritten_tokens=list(f.overwritten), blocked_s=self._blocked_s, faults=self.faults.count,
                 error=self._error, shelve_s=shelf.shelve_s if shelf else 0.0,

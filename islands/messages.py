@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from islands.cursor import DataCursor
+
 if TYPE_CHECKING:  # a type only: holders of messages (the health monitor) need not import torch
     from policies.compression import Compressed
 
@@ -39,7 +41,7 @@ class Submission:
     payload: list[Compressed]  # one entry per tensor of the fragment, in fragment order
     created_at: float = 0.0  # wall clock (time.time) when the island cut it
     compute_s: float = 0.0  # wall time of the inner steps this submission covers (goodput's useful time)
-    cursor: int = 0  # the island's data cursor (batches drawn) when it cut this submission
+    cursor: DataCursor = DataCursor()  # the island's data cursor (islands/cursor.py) when it cut this submission
     salvaged: bool = False  # progress of a dead incarnation, handed on from its keeper (policies/salvage.py)
 
     @property

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from islands.cursor import DataCursor
 from islands.faults import InjectedFaults, corrupt
 from islands.fragment_state import FragmentState
 from islands.messages import Submission, SubmissionKey
@@ -54,7 +55,7 @@ class LoopReadings:
 
     step_time_s: float
     train_loss: float
-    cursor: int
+    cursor: DataCursor
 
 
 @dataclass

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from islands.cursor import DataCursor
 from policies.fragments import FragmentPlan
 
 
@@ -173,7 +174,10 @@ class IslandStatus:
     unsubmitted_tokens: list[int]  # per fragment: tokens not yet cut into a submission
     outbox_tokens: list[int]  # per fragment: submitted, not yet taken by the outer optimizer
     inflight: int  # submissions taken by the outer, not yet merged or refused
-    cursor: int  # data batches drawn
+    cursor: DataCursor  # where the island's data stands: batches drawn, and the block's unit and token
+    skipped_units: dict[str, int] = field(default_factory=dict)  # units skipped as unreadable: "name/epoch" -> est. tokens
+    data_root: str | None = None  # the corpus copy this island reads (None: data handed over whole, not streamed)
+    data_read_bytes: int = 0  # token ids this incarnation has read from its units (after tokenizing)
     submitted_tokens: list[int] = field(default_factory=list)  # per fragment: cut into submissions (incl. dropped)
     discarded_tokens: list[int] = field(default_factory=list)  # per fragment: never submitted, dropped by a resync
     overwritten_tokens: list[int] = field(default_factory=list)  # per fragment: progress replaced by an overwrite adoption

@@ -31,6 +31,7 @@ from islands.model_api import (
     state_tensors,
 )
 from islands.spec import InnerSettings, ModelRecipe
+from islands.stream import StreamSampler, TokenStream
 from policies.lr_schedule import lr_factor
 
 if TYPE_CHECKING:
@@ -86,10 +87,17 @@ def resolve_loss(spec: Any) -> LossFn:
     return resolve_callable(spec, "loss") or default_loss
 
 
-def make_sampler(data: Any, *, shard_index: int, num_shards: int, seq_len: int, batch_size: int, seed: int) -> Any:
-    """The sampler of one island's shard: token windows of a 1-D token array (islands.data.ShardSampler),
-    else batches of a map-style dataset's examples (islands.examples.ExampleSampler). Both resume
-    exactly from a cursor."""
+def make_sampler(data: Any, *, shard_index: int, num_shards: int, seq_len: int, batch_size: int, seed: int,
+                 pool: str | None = None, world: int = 1, rank: int = 0) -> Any:
+    """The sampler of one island's shard: its own units of a corpus, streamed (islands.stream.StreamSampler,
+    from pool `pool`'s copy; worker `rank` of `world`), token windows of a 1-D token array
+    (islands.data.ShardSampler), else batches of a map-style dataset's examples
+    (islands.examples.ExampleSampler). All resume exactly from a cursor."""
+    if isinstance(data, TokenStream):
+        if data.num_islands != num_shards:
+            raise ValueError(f"the data plan is for {data.num_islands} islands but this run has {num_shards}")
+        return StreamSampler(data, island=shard_index, seq_len=seq_len, batch_size=batch_size, seed=seed, pool=pool,
+                             world=world, rank=rank)
     if isinstance(data, np.ndarray):
         return ShardSampler(data, shard_index=shard_index, num_shards=num_shards, seq_len=seq_len,
                             batch_size=batch_size, seed=seed)
@@ -137,6 +145,7 @@ class InnerTrainer:
         device: torch.device | str = "cpu",
         loss_fn: LossFn | None = None,
         shard: bool = False,
+        pool: str | None = None,
     ) -> None:
         recipe = as_recipe(model, seed=seed, loss=loss_fn)
         if shard and group is None:
@@ -157,7 +166,7 @@ class InnerTrainer:
         if not shard:  # a sharded model needs the group up: `materialize` builds it then
             self.materialize()
         self.sampler = make_sampler(data, shard_index=shard_index, num_shards=num_shards, seq_len=recipe.seq_len,
-                                    batch_size=settings.batch_size, seed=seed)
+                                    batch_size=settings.batch_size, seed=seed, pool=pool, world=self.world, rank=self.rank)
         # Jitter draws are seeded per island so an emulated run replays the same pacing.
         self._jitter_rng = random.Random(seed * 1_000_003 + shard_index)
         self.steps = 0
@@ -232,7 +241,7 @@ class InnerTrainer:
     def next_batch(self) -> Any:
         """This worker's next batch of its shard on the trainer's device: (inputs, targets) [B, T] each
         for a token stream, the collated examples for a dataset."""
-        if self.world == 1:
+        if self.world == 1 or isinstance(self.sampler, StreamSampler):  # a stream takes its worker's batch itself
             batch = self.sampler.next_batch()
         else:  # island step c: batches c*W .. c*W+W-1 of the shard, one per worker; the cursor counts island steps
             c = self.sampler.cursor

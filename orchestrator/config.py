@@ -87,36 +87,64 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    """Where the training text comes from and how islands read it."""
+    """Where the training text comes from and how islands read it (docs/data.md)."""
 
-    source: Literal["stdlib", "parquet", "python"] = Field(
-        "stdlib", description="'stdlib': the running Python's standard-library source (no download); 'parquet': `path`; "
-        "'python': datasets passed to the Python API (recorded by such runs; a resume passes them again)."
+    source: Literal["stdlib", "parquet", "tokens", "python"] = Field(
+        "stdlib", description="'stdlib': the standard library's source (no download); 'parquet': Parquet/Arrow files at `path`; "
+        "'tokens': flat uint16/uint32 token files at `path`; 'python': datasets passed to the Python API."
     )
-    path: str | None = Field(None, description="Parquet/Arrow file or directory (local path or pyarrow.fs URI) for source=parquet.")
+    path: str | None = Field(None, description="The corpus for source parquet or tokens: a file or a directory of files, a local "
+                             "path or a pyarrow.fs URI (s3://bucket/prefix, gs://...). A pool's data_path overrides it.")
     text_column: str | None = Field(None, description="String column to train on (UTF-8 bytes), for source=parquet.")
     token_column: str | None = Field(None, description="list<int> column of token ids, for source=parquet.")
-    tokenizer: str = Field("bytes", description="Text to token ids: 'bytes' (vocab 256), 'train' (BPE trained on the training "
-                           "split), a tokenizer.json path, or 'module:function' (str -> list[int]).")
+    token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Width of the little-endian ids in token files "
+                                                      "(source=tokens): uint16 for vocabularies up to 65,536.")
+    tokenizer: str = Field("bytes", description="Text to token ids: 'bytes' (vocab 256), 'train' (BPE trained on a sample of the "
+                           "training split), a tokenizer.json path, or 'module:function' (str -> list[int]).")
     vocab_size: int | None = Field(None, gt=0, description="Ids are below this: tokenizer 'train''s vocabulary (null: 4096), a "
-                                   "function tokenizer's, or a token_column's (null: its largest id + 1).")
-    heldout_fraction: float = Field(0.02, gt=0, lt=0.5, description="Fraction of files/rows held out for evaluation.")
-    max_bytes: int | None = Field(None, gt=0, description="Cap on training bytes (keeps tests small); None = all.")
+                                   "function tokenizer's, a token_column's (null: its largest id + 1 from the Parquet "
+                                   "statistics) or a token file's (required).")
+    heldout_fraction: float = Field(0.02, gt=0, lt=0.5, description="Fraction of files (stdlib), rows (parquet) or units "
+                                    "(tokens) held out for evaluation.")
+    max_bytes: int | None = Field(None, gt=0, description="Cap on training bytes of the stdlib corpus (keeps tests small); None = all.")
     shuffle_documents: bool = Field(
-        True, description="Put files/rows in a fixed pseudo-random order before sharding, so each island's "
-        "shard is a representative sample; false keeps source order (islands then see different, non-IID data).")
+        True, description="Units, rows and windows in seeded orders, so each island reads a representative sample; false "
+        "keeps source order (islands then see different, non-IID data).")
     batch_size: int = Field(16, gt=0, description="Sequences per inner step per island.")
+    unit_tokens: int = Field(1 << 20, gt=0, description="Tokens per unit of a token file (source=tokens): the piece an island "
+                             "reads at once.")
+    block_batches: int = Field(64, gt=0, description="Batches per shuffle block: an island shuffles its windows in blocks of "
+                               "block_batches * batch_size windows (its read buffer).")
+    readahead_units: int = Field(2, ge=0, description="Units an island reads ahead of the one it trains on, on a thread of "
+                                 "its own (bounded memory: these units' ids).")
+    heldout_tokens: int = Field(1 << 20, gt=0, description="Most held-out tokens evaluation reads (from the held-out units, in "
+                                "order): the evaluation windows are spread over them.")
+    tokenizer_sample_bytes: int = Field(64 << 20, gt=0, description="Text the driver reads from the training units to train a "
+                                        "tokenizer (tokenizer: train); the only training text it ever reads.")
 
     @model_validator(mode="after")
-    def _parquet_needs_path(self) -> DataSection:
+    def _source_needs_path(self) -> DataSection:
+        if self.source in ("parquet", "tokens") and not self.path:
+            example = "/path/to/data.parquet" if self.source == "parquet" else "/path/to/train.bin"
+            raise ValueError(f"data.path is required when data.source is '{self.source}'; set data.path={example}")
+        if self.source not in ("parquet", "tokens") and self.path is not None:
+            raise ValueError(f"data.path={self.path!r} is set but data.source is '{self.source}', which does not read it; set "
+                             f"data.source=parquet (or tokens for token files), or drop data.path")
         if self.source == "parquet":
-            if not self.path:
-                raise ValueError("data.path is required when data.source is 'parquet'; set data.path=/path/to/data.parquet")
             if (self.text_column is None) == (self.token_column is None):
                 raise ValueError("set exactly one of data.text_column or data.token_column for a parquet source")
             if self.token_column is not None and self.tokenizer != "bytes":
                 raise ValueError("data.tokenizer applies to text; a token_column is already token ids: set data.tokenizer=bytes "
                                  "or train on data.text_column")
+        elif self.text_column is not None or self.token_column is not None:
+            raise ValueError(f"data.text_column/token_column name Parquet columns but data.source is '{self.source}'; set "
+                             f"data.source=parquet or drop them")
+        if self.source == "tokens":
+            if self.tokenizer != "bytes":
+                raise ValueError("token files are token ids already: data.tokenizer does not apply; set data.tokenizer=bytes")
+            if self.vocab_size is None:
+                raise ValueError("data.vocab_size is required for token files (source=tokens): set it to the vocabulary of the "
+                                 "tokenizer that wrote them, e.g. data.vocab_size=50257")
         return self
 
 
@@ -278,6 +306,8 @@ class PoolConfig(_Section):
     precision: Literal["fp32", "tf32", "bf16"] | None = Field(
         None, description="This pool's inner-step arithmetic, overriding inner.precision (e.g. bf16 on an H100 pool, "
         "fp32 on an older generation without bf16 units); None follows inner.precision.")
+    data_path: str | None = Field(None, description="This pool's own copy of the corpus (the same files, e.g. in its region's "
+                                  "bucket); its islands read it instead of data.path, so training data never crosses regions.")
     emulated_slowdown: float = Field(1.0, ge=1.0, description="EMULATION: stretch each inner step to this multiple of its compute time (sleep).")
     emulated_jitter: float = Field(0.0, ge=0.0, lt=1.0, description="EMULATION: random +- fraction on the stretched step time.")
 

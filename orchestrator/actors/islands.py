@@ -92,7 +92,7 @@ class _IslandShell:
     """
 
     def __init__(self, spec: IslandSpec | None, data: list[Any], initial: list[FragmentUpdate] | None = None,
-                 cursor: int = 0, pending: list[Any] | None = None) -> None:
+                 cursor: Any = 0, pending: list[Any] | None = None) -> None:
         """`pending`: [ref to the outer optimizer's `latest()`, ref to its `resume_cursor()` or None],
         asked for while this process started; they replace `initial` (and `cursor` when not None)."""
         quiet_worker()
@@ -110,7 +110,8 @@ class _IslandShell:
                     cursor = ray.get(pending[1]) or 0
             self.activate(spec, initial or [], cursor)
 
-    def activate(self, spec: IslandSpec, initial: list[FragmentUpdate], cursor: int = 0) -> tuple[int, int]:
+    def activate(self, spec: IslandSpec, initial: list[FragmentUpdate], cursor: Any = 0) -> tuple[int, int]:
+        """`cursor`: an islands.cursor.DataCursor (or a batch count) the island's data resumes at."""
         """Become island `spec.island`, incarnation `spec.incarnation`, and start training."""
         if self._island is not None:
             raise RuntimeError(f"this process already is island {self._island.spec.island}; it cannot be activated twice")
@@ -206,7 +207,7 @@ class _IslandWorker:
         else:
             self._follower = IslandFollower(
                 model=spec.model, inner=spec.inner, plan=spec.plan, data=ray.get(data[0]),
-                shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed, group=group,
+                shard_index=spec.island, num_shards=spec.num_islands, seed=spec.seed, group=group, pool=spec.pool,
             )
         self._thread = threading.Thread(target=self._run, name=f"island-{spec.island}-w{rank}", daemon=True)
         self._thread.start()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from islands.cursor import DataCursor
 from islands.messages import FragmentUpdate, Submission
 from orchestrator.actors.outer_state import CheckpointWriter, SalvageLedger
 from orchestrator.actors.runtime import quiet_worker
@@ -305,10 +306,10 @@ class _OuterShell:
         islands = await self._core(lambda: {str(k): v for k, v in self.core.islands.items()})
         return {"epoch": self.epoch, "diverged": sorted(diverged), "islands": islands}
 
-    async def resume_cursor(self, island: int) -> int:
-        """Where a new incarnation of the slot resumes its data: after the newest merged submission, or
-        after everything taken from or salvaged of the incarnation that died (whichever is later)."""
-        merged = await self._core(lambda: self.core.resume_cursor.get(island, 0))
+    async def resume_cursor(self, island: int) -> DataCursor:
+        """Where a new incarnation of the slot resumes its data (an islands.cursor.DataCursor): after the newest
+        merged submission, or after everything taken from or salvaged of the incarnation that died (whichever is later)."""
+        merged = await self._core(lambda: self.core.resume_cursor.get(island, DataCursor()))
         return max(merged, self._salvage.floor(island))
 
     async def salvage(self, island: int, incarnation: int, blob: list[Any]) -> dict:

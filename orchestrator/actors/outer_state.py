@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from islands.cursor import DataCursor
 from islands.messages import Submission
 from policies.salvage import salvageable
 
@@ -69,7 +70,7 @@ class Taken:
     """What the shell took from one island incarnation."""
 
     seq: dict[int, int] = dataclasses.field(default_factory=dict)  # fragment -> highest seq taken
-    cursor: int = 0  # highest data cursor taken
+    cursor: DataCursor = DataCursor()  # highest data cursor taken
 
 
 @dataclasses.dataclass
@@ -78,7 +79,7 @@ class SalvagePlan:
 
     report: dict  # {"tokens": per fragment, "step", "skipped": {fragment: why}, "seqs"}
     submissions: list[Submission]  # salvaged submissions, to send up the island's link
-    floor: int  # the data cursor the slot's next incarnation resumes from at least
+    floor: DataCursor  # the data cursor the slot's next incarnation resumes from at least
 
 
 class SalvageLedger:
@@ -86,13 +87,13 @@ class SalvageLedger:
 
     def __init__(self) -> None:
         self._taken: dict[tuple[int, int], Taken] = {}
-        self._resume_floor: dict[int, int] = {}
+        self._resume_floor: dict[int, DataCursor] = {}
 
     def took(self, island: int, incarnation: int, sub: Submission) -> None:
         """The shell took `sub` from an island incarnation (merged, refused or in flight: never read again)."""
         taken = self._taken.setdefault((island, incarnation), Taken())
         taken.seq[sub.fragment] = max(taken.seq.get(sub.fragment, -1), sub.seq)
-        taken.cursor = max(taken.cursor, sub.cursor)
+        taken.cursor = max(taken.cursor, DataCursor.of(sub.cursor))
 
     async def salvage(self, island: int, incarnation: int, blob: list[Any], *,
                       run_on_core: Callable[..., Awaitable[Any]], send_up: Callable[..., Awaitable[None]],
@@ -109,7 +110,7 @@ class SalvageLedger:
         plan = self._plan(island, incarnation, snapshot, taken, epoch=epoch, fragments=fragments)
         for sub in plan.submissions:
             await send_up(island, sub, None, sent_at=time.time())  # from the keeper, now
-        self._resume_floor[island] = max(self._resume_floor.get(island, 0), plan.floor)
+        self._resume_floor[island] = max(self._resume_floor.get(island, DataCursor()), plan.floor)
         return plan.report
 
     @staticmethod
@@ -128,9 +129,9 @@ class SalvageLedger:
         report["seqs"] = [sub.seq for sub in result.submissions]
         for sub in result.submissions:
             tokens[sub.fragment] += sub.tokens
-            floor = max(floor, sub.cursor)
+            floor = max(floor, DataCursor.of(sub.cursor))
         return SalvagePlan(report, list(result.submissions), floor)
 
-    def floor(self, island: int) -> int:
-        """The cursor a slot's next incarnation resumes from at least (0: nothing taken or salvaged)."""
-        return self._resume_floor.get(island, 0)
+    def floor(self, island: int) -> DataCursor:
+        """The cursor a slot's next incarnation resumes from at least (batch 0: nothing taken or salvaged)."""
+        return self._resume_floor.get(island, DataCursor())

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from islands.cursor import DataCursor
 from islands.messages import Submission
 from orchestrator.core.checkpoint import PARAM_PREFIX
 from orchestrator.core.round_merge import MergeWorkspace, merge_round
@@ -98,7 +99,7 @@ class OuterOptimizer:
         # islands' own counters this gives every token its fate, even across outer restarts.
         self.received: dict[tuple[int, int], list[int]] = {}
         self.useful_s = 0.0  # inner-step time whose effect reached the global parameters, / P
-        self.resume_cursor: dict[int, int] = {}  # island slot -> data cursor of its newest merged submission
+        self.resume_cursor: dict[int, DataCursor] = {}  # island slot -> data cursor of its newest merged submission
         self.advances: list[float] = []  # wall times of version advances (uptime)
         self.first_merged: dict[int, float] = {}  # island slot -> wall time of its first merged round (uptime's fill)
         self._diverged: set[tuple[int, int]] = set()  # (island, incarnation) that sent non-finite values
@@ -152,7 +153,8 @@ class OuterOptimizer:
         # Counted and logged once; a non-finite outer gradient also marks its incarnation as diverged.
         if "non-finite" in reason:
             self._diverged.add((sub.island, sub.incarnation))
-        refusal = Refusal(sub.island, sub.incarnation, sub.seq, sub.fragment, max(sub.tokens, 0), reason, cursor=sub.cursor)
+        refusal = Refusal(sub.island, sub.incarnation, sub.seq, sub.fragment, max(sub.tokens, 0), reason,
+                          cursor=DataCursor.of(sub.cursor).batch)
         if 0 <= sub.fragment < self.plan.num_fragments:
             self.tokens_refused[sub.fragment] += refusal.tokens
         self.refusals.append(refusal)
@@ -240,7 +242,7 @@ class OuterOptimizer:
             self.average.update(p, self.params[p], record.tokens, self.tokens_merged[p])
         self.useful_s += sum(s.compute_s for s in subs) / self.plan.num_fragments
         for s in subs:
-            self.resume_cursor[s.island] = max(self.resume_cursor.get(s.island, 0), s.cursor)
+            self.resume_cursor[s.island] = max(self.resume_cursor.get(s.island, DataCursor()), DataCursor.of(s.cursor))
             self.first_merged.setdefault(s.island, record.wall_time)
         self.advances.append(record.wall_time)
         self.rounds.append(record)
@@ -303,7 +305,7 @@ class OuterOptimizer:
             "tokens_refused": list(self.tokens_refused), "bytes_received": self.bytes_received,
             # Pending submissions are not saved: after a restore they were never received (and so lost).
             "received": [[i, inc, toks] for (i, inc), toks in self._received_without_pending().items()],
-            "useful_s": self.useful_s, "resume_cursor": {str(k): v for k, v in self.resume_cursor.items()},
+            "useful_s": self.useful_s, "resume_cursor": {str(k): list(v) for k, v in self.resume_cursor.items()},
             "rounds": len(self.rounds), "fragments": [list(f) for f in self.plan.fragments],
             "rda_window_norms": [None if w is None else w["norms"] for w in windows],
         }
@@ -344,7 +346,7 @@ class OuterOptimizer:
         self.bytes_received = meta["bytes_received"]
         self.received = {(i, inc): list(toks) for i, inc, toks in meta["received"]}
         self.useful_s = meta["useful_s"]
-        self.resume_cursor = {int(k): v for k, v in meta["resume_cursor"].items()}
+        self.resume_cursor = {int(k): DataCursor.of(v) for k, v in meta["resume_cursor"].items()}
 
     def ledger(self) -> dict[str, list[int]]:
         """Per-fragment token ledger: merged, refused, pending."""

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from islands.cursor import DataCursor
 from islands.messages import Submission, SubmissionKey
 from policies.compression import Compressed
 
@@ -83,7 +84,7 @@ class RoundRecord:
             staleness=staleness, tokens=sum(s.tokens for s in subs), inner_steps=sum(s.inner_steps for s in subs),
             bytes=sum(s.nbytes for s in subs), quorum_s=quorum_s, grace_s=grace_s, wait_s=wait_s, merge_s=merge_s,
             reason=reason, step_scale=step_scale, rda_factor=rda_factor,
-            cursors=[s.cursor for s in subs], salvaged=[s.salvaged for s in subs],
+            cursors=[DataCursor.of(s.cursor).batch for s in subs], salvaged=[s.salvaged for s in subs],
         )
 
 

@@ -56,6 +56,7 @@ from orchestrator.run.setup import (
     start_monitor,
 )
 from orchestrator.run.startup import Stage, islands_ready, placing_text, stepped_islands
+from orchestrator.run.streams import heldout_unigram_bits
 from orchestrator.run.workload import (
     TOKENIZER_FILE,
     Prepared,
@@ -206,10 +207,16 @@ def with_measured_step(cfg: RunConfig, address: str | None, prepared: Prepared |
         return cfg
     if prepared is None:
         data = training_data(cfg)
-        step_s = measure_step_s(cfg, run_recipe(cfg, data), data.train)
+        step_s = measure_step_s(cfg, run_recipe(cfg, data), timing_data(data))
     else:
-        step_s = measure_step_s(cfg, prepared.recipe, prepared.data.train)
+        step_s = measure_step_s(cfg, prepared.recipe, timing_data(prepared.data))
     return cfg.model_copy(update={"network": cfg.network.model_copy(update={"local_step_s": step_s})})
+
+
+def timing_data(data: TrainingData) -> Any:
+    """What `measure_step_s` steps on: the data itself, or for a corpus the islands stream (which the driver never
+    reads) its held-out sample, batches of the same shape."""
+    return data.heldout if data.is_streamed else data.train
 
 
 def build_run_network(cfg: RunConfig, model_bytes: int, step_s: Callable[[], float]) -> tuple[NetworkModel, dict[int, str]]:
@@ -452,7 +459,7 @@ class Run:
         self.plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], cfg.outer.num_fragments)
         model_bytes = sum(t.numel() * 4 for t in initial.values())  # float32 bytes: the network's scaling unit
         self.network, island_regions = build_run_network(
-            cfg, model_bytes, lambda: measure_step_s(cfg, self.recipe, self.data.train))
+            cfg, model_bytes, lambda: measure_step_s(cfg, self.recipe, timing_data(self.data)))
         log.info("%s", self.network.describe())
         self.unigram_bpb: float | None = None  # scored with the starting point, after start-up (_score_start)
         self.evaluator = Evaluator(self.recipe, self.data.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size,
@@ -522,9 +529,16 @@ class Run:
                 raise GetTimeoutError(f"islands or the outer optimizer not up after {self._start_timeout_s():.0f} s")
 
     def _unigram(self) -> float | None:
-        """The corpus's unigram baseline in bits per token; None for a dataset of examples (no token stream)."""
+        """The corpus's unigram baseline in bits per token; None for a dataset of examples (no token stream).
+
+        A streamed corpus's training tokens never reach the driver: its unigram is fitted on the first half of the
+        held-out sample and scored on the second (islands.data.unigram_bits_per_byte either way)."""
         d = self.data
-        return unigram_bits_per_byte(d.train, d.heldout, vocab_size=d.vocab_size) if d.is_tokens and d.vocab_size else None
+        if not (d.is_tokens and d.vocab_size):
+            return None
+        if d.is_streamed:
+            return heldout_unigram_bits(d.heldout, d.vocab_size)
+        return unigram_bits_per_byte(d.train, d.heldout, vocab_size=d.vocab_size)
 
     def _score_start(self) -> None:
         """Score a fresh run's starting point (and the corpus's unigram baseline) if not done yet. Its `wall_s`

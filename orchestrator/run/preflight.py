@@ -62,6 +62,8 @@ def _check_data(cfg: RunConfig, vocab_size: int) -> None:
     from islands.data import DataError, dataset_schema, token_id_range
 
     d = cfg.data
+    if d.source == "tokens":
+        _check_units(cfg)
     if d.source != "parquet":
         return
     try:
@@ -94,6 +96,18 @@ def _check_data(cfg: RunConfig, vocab_size: int) -> None:
                               "or re-tokenize the column" if span[0] >= 0 else
                               f"token ids in column {name!r} of {d.path!r} start at {span[0]}; ids are never "
                               "negative: re-tokenize the column")
+    _check_units(cfg)
+
+
+def _check_units(cfg: RunConfig) -> None:
+    """The corpus cuts into units (metadata only: footers, file sizes), and every pool's copy holds the same units."""
+    from islands.data import DataError
+    from orchestrator.run.streams import check_copies, corpus_index
+
+    try:
+        check_copies(cfg, corpus_index(cfg))
+    except DataError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_network(cfg: RunConfig) -> None:

@@ -31,7 +31,8 @@ def emulation_note(cfg: RunConfig) -> str | None:
 def record_stop_events(events: EventLog, snapshot: dict, live: list[IslandStatus], dead: list[IslandStatus],
                        faults: list) -> None:
     """Add the islands, timeline, faults, detections and salvages tables of a stopped run to `events`."""
-    events.add("islands", [{**asdict(s), "alive_at_stop": s in live} for s in live + dead])
+    events.add("islands", [{**asdict(s), "cursor": list(s.cursor), "skipped_units": json.dumps(s.skipped_units),
+                            "alive_at_stop": s in live} for s in live + dead])
     events.add("timeline", [{"at": t, "island": i, "incarnation": inc, "state": st}
                             for t, i, inc, st in snapshot["timeline"]])
     events.add("faults", faults)
@@ -65,6 +66,7 @@ def run_summary(run: Run, *, tokens: int, live: list[IslandStatus], dead: list[I
         "tokens_in_flight": mean(fates["in_flight"]),
         "tokens_overwritten": mean(fates["overwritten"]),  # replaced by an overwrite adoption before a cut
         "token_ledger": fates,
+        **_unreadable(live + dead),
         "goodput": good["goodput"],
         "uptime": good["uptime"],  # from the first advance after every island was merged (policies/goodput.py)
         "fill_s": good["fill_s"],  # run start to that advance: the pipeline fill
@@ -82,6 +84,15 @@ def run_summary(run: Run, *, tokens: int, live: list[IslandStatus], dead: list[I
         "islands": _island_rows(run),
         "evals": run.eval_points,
     }
+
+
+def _unreadable(statuses: list[IslandStatus]) -> dict:
+    """Units the islands skipped because they could not be read (islands/stream.py), each counted once per epoch
+    whichever incarnation skipped it: their tokens, estimated from metadata, never trained, so not processed."""
+    skipped: dict[str, int] = {}
+    for st in statuses:
+        skipped.update(st.skipped_units or {})
+    return {"tokens_unreadable": sum(skipped.values()), "units_unreadable": sorted(skipped)}
 
 
 def _recovery(snapshot: dict, statuses: list[IslandStatus], faults: list,

@@ -27,6 +27,10 @@ def _token_rows(summary: dict) -> list[tuple[str, str]]:
              ("overwritten", s("tokens_overwritten"), " (replaced by an adopted version before they were sent)")]
     rows = [("tokens processed", f"{summary['tokens_processed']:,}, of which")]
     rows += [(f"  {name}", f"{n:,.0f}{why}") for name, n, why in fates if name == "merged" or n]
+    if s("tokens_unreadable"):  # never read, so not processed: a row of its own below the fates
+        units = s("units_unreadable") or []
+        rows.append(("unreadable (skipped units)", f"{s('tokens_unreadable'):,} tokens, estimated from metadata, in "
+                                                   f"{len(units)} unit(s): {', '.join(units[:3])}{' ...' if len(units) > 3 else ''}"))
     if s("salvaged_tokens"):
         rows.append(("  salvaged from failed islands",
                      f"{s('salvaged_tokens'):,.0f} (sent by progress keepers instead of lost; counted above)"))

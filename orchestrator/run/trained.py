@@ -227,10 +227,10 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) 
     {"eval_loss" (nats per token), "eval_bits_per_token", "unigram_bits_per_token", "tokens", "source",
     "unit"}: "unit" is "byte" where the corpus is text read as bytes (a token IS a byte), else "token".
     """
-    from islands.data import DataError, unigram_bits_per_byte
+    from islands.data import DataError
     from islands.sampling import vocab_size
     from orchestrator.core.evaluation import Evaluator
-    from orchestrator.run.driver import load_corpus  # imports Ray; only evaluation needs the corpus loader
+    from orchestrator.run.streams import corpus_stream, heldout_unigram_bits
 
     overrides = list(overrides or [])
     for item in overrides:
@@ -246,8 +246,8 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) 
         raise TrainedModelError("the run trained on datasets passed to the Python API, which its directory cannot "
                                 "name; evaluate on a corpus: --set data.source=parquet --set data.path=FILE "
                                 "(or data.source=stdlib)")
-    try:
-        corpus = load_corpus(cfg)
+    try:  # the held-out sample only, as the run's own evaluations read it: never the training units
+        corpus = corpus_stream(cfg, trained.run_dir)
     except (ConfigError, DataError) as err:
         raise TrainedModelError(str(err).splitlines()[0]) from None
     vocab = vocab_size(trained.model)  # None: a user model that does not say; its loss will tell
@@ -262,9 +262,9 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) 
     except ModelError as err:
         raise TrainedModelError(f"cannot evaluate the model of the run ({recipe.name}): {err}") from None
     return {"eval_loss": loss, "eval_bits_per_token": bits,
-            "unigram_bits_per_token": unigram_bits_per_byte(corpus.train, corpus.heldout, vocab_size=corpus.vocab_size),
+            "unigram_bits_per_token": heldout_unigram_bits(corpus.heldout, corpus.vocab_size),
             "tokens": sum(x.numel() for x, _ in evaluator.batches), "source": corpus.source,
-            "unit": "byte" if corpus.train.dtype.itemsize == 1 else "token"}  # uint8 = byte text (islands.data)
+            "unit": "byte" if corpus.heldout.dtype.itemsize == 1 else "token"}  # uint8 = byte text (islands.corpus)
 
 
 def export_model(trained: TrainedModel, path: str | Path, *, format: str = "torch", overwrite: bool = False) -> Path:

@@ -18,11 +18,16 @@ from typing import Any
 import numpy as np
 
 from islands.builtin import ByteTransformerFactory
-from islands.data import Corpus, DataError, load_parquet_corpus, load_stdlib_corpus
+from islands.data import Corpus, DataError
 from islands.model_api import ModelError, check_loss, first_line
 from islands.spec import ModelRecipe
+from islands.stream import TokenStream
 from orchestrator.config import RunConfig
+from orchestrator.run.streams import DEFAULT_TRAINED_VOCAB, TOKENIZER_FILE, corpus_stream, read_all_training
 from orchestrator.settings import model_recipe
+
+__all__ = ["DEFAULT_TRAINED_VOCAB", "TOKENIZER_FILE", "Prepared", "TrainingData", "Workload", "load_corpus", "prepare",
+           "recorded_config", "run_recipe", "training_data"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ class Workload:
 
 @dataclass
 class TrainingData:
-    """A run's training and held-out data: 1-D token arrays (a corpus) or map-style datasets of examples."""
+    """A run's training and held-out data: a corpus streamed by the islands (an islands.stream.TokenStream, its
+    held-out sample a 1-D token array), 1-D token arrays, or map-style datasets of examples."""
 
     train: Any
     heldout: Any
@@ -55,70 +61,28 @@ class TrainingData:
     @property
     def is_tokens(self) -> bool:
         """True for a token stream (windows of ``model.seq_len`` tokens), False for a dataset of examples."""
-        return isinstance(self.train, np.ndarray)
+        return isinstance(self.train, (np.ndarray, TokenStream))
+
+    @property
+    def is_streamed(self) -> bool:
+        """True when the islands read the corpus themselves, unit by unit (islands/stream.py)."""
+        return isinstance(self.train, TokenStream)
 
     @classmethod
     def of_corpus(cls, corpus: Corpus) -> TrainingData:
-        """A built-in or Parquet corpus as training data."""
+        """A corpus held in memory (the data-parallel baseline's) as training data."""
         return cls(corpus.train, corpus.heldout, corpus.vocab_size, corpus.source, getattr(corpus, "encoder", None))
 
 
-DEFAULT_TRAINED_VOCAB = 4096
-"""The vocabulary a tokenizer trained on the corpus gets when data.vocab_size is unset."""
-TOKENIZER_FILE = "tokenizer.json"
-"""Where a run directory keeps the tokenizer its text was encoded with (sample and evaluate decode with it)."""
-
-
 def load_corpus(cfg: RunConfig, run_dir: str | Path | None = None) -> Corpus:
-    """The training corpus named by the config (the embedded stdlib corpus by default), as token ids.
-
-    Text goes through ``data.tokenizer``: bytes by default; a tokenizer trained on the training split
-    (``train``; a resumed run reuses the one saved in `run_dir`), loaded from a file, or a user function.
-    The tokenizer used is ``corpus.encoder`` (None for bytes). A Parquet corpus read as it is (bytes, or
-    a token column) must hold one window of the model's ``seq_len + 1`` tokens in each split: the loader
-    checks it with the run's window, so a corpus too small says so with the window the run reads.
-    """
-    d = cfg.data
-    if d.source == "parquet" and d.token_column is not None:
-        corpus = load_parquet_corpus(d.path, token_column=d.token_column, heldout_fraction=d.heldout_fraction,
-                                     shuffle_documents=d.shuffle_documents, vocab_size=d.vocab_size or 2**31 - 1,
-                                     seq_len=cfg.model.shape().seq_len)
-        if d.vocab_size is None:  # the ids' own range, unless the config says how many the model has
-            corpus.vocab_size = int(max(corpus.train.max(initial=0), corpus.heldout.max(initial=0))) + 1
-        return corpus
-    if d.tokenizer == "bytes":
-        if d.source == "stdlib":
-            return load_stdlib_corpus(heldout_fraction=d.heldout_fraction, max_bytes=d.max_bytes,
-                                      shuffle_documents=d.shuffle_documents)
-        return load_parquet_corpus(d.path, text_column=d.text_column, heldout_fraction=d.heldout_fraction,
-                                   shuffle_documents=d.shuffle_documents, seq_len=cfg.model.shape().seq_len)
-    from islands.data import parquet_texts, stdlib_texts, tokenize_corpus
-
-    if d.source == "stdlib":
-        train_docs, heldout_docs, source = stdlib_texts(heldout_fraction=d.heldout_fraction, max_bytes=d.max_bytes,
-                                                        shuffle_documents=d.shuffle_documents)
-    else:
-        train_docs, heldout_docs, source = parquet_texts(d.path, text_column=d.text_column,
-                                                         heldout_fraction=d.heldout_fraction,
-                                                         shuffle_documents=d.shuffle_documents)
-    encoder = _encoder(cfg, train_docs, run_dir)
-    corpus = tokenize_corpus(train_docs, heldout_docs, encoder, source)
-    corpus.encoder = encoder  # type: ignore[attr-defined]
+    """The config's corpus read whole into memory: every training unit and the held-out sample, through the same
+    unit readers the islands stream with (islands/corpus.py). Only the data-parallel baseline and `diloco
+    evaluate`'s unigram baseline take it; a run's islands stream their units (:func:`training_data`)."""
+    plan = corpus_stream(cfg, run_dir)
+    corpus = Corpus(train=read_all_training(plan.index), heldout=plan.heldout, vocab_size=plan.vocab_size,
+                    source=plan.source)
+    corpus.encoder = plan.encoder  # type: ignore[attr-defined]
     return corpus
-
-
-def _encoder(cfg: RunConfig, train_docs: list[str], run_dir: str | Path | None) -> Any:
-    """The TextEncoder of data.tokenizer: a saved one from `run_dir` (a resume), else trained, loaded or wrapped."""
-    from islands.tokenizer import TokenizersEncoder, text_encoder, train_tokenizer
-
-    d = cfg.data
-    saved = Path(run_dir) / TOKENIZER_FILE if run_dir is not None else None
-    if saved is not None and saved.is_file():
-        return text_encoder(str(saved), vocab_size=d.vocab_size)
-    if d.tokenizer == "train":
-        return TokenizersEncoder(train_tokenizer(train_docs, d.vocab_size or DEFAULT_TRAINED_VOCAB),
-                                 origin=f"trained on the training split (vocab {d.vocab_size or DEFAULT_TRAINED_VOCAB})")
-    return text_encoder(d.tokenizer, vocab_size=d.vocab_size)
 
 
 def training_data(cfg: RunConfig, workload: Workload | None = None, run_dir: str | Path | None = None) -> TrainingData:
@@ -130,7 +94,8 @@ def training_data(cfg: RunConfig, workload: Workload | None = None, run_dir: str
     if workload is None or workload.train is None:
         if workload is not None and workload.heldout is not None:
             raise DataError("a held-out dataset was given without a training dataset; pass datasets={'train': ...}")
-        return TrainingData.of_corpus(load_corpus(cfg, run_dir))
+        plan = corpus_stream(cfg, run_dir)
+        return TrainingData(plan.stream, plan.heldout, plan.vocab_size, plan.source, plan.encoder)
     train, heldout = as_examples(workload.train, "train"), workload.heldout
     if isinstance(train, np.ndarray):
         if heldout is None:
@@ -274,6 +239,7 @@ def prepare(cfg: RunConfig, workload: Workload | None = None, run_dir: str | Pat
 def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | None) -> Prepared:
     import torch
 
+    from islands.data import heldout_batches
     from islands.model_api import (
         buffer_names,
         build_optimizer,
@@ -293,9 +259,11 @@ def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | No
     state = state_tensors(model)
     islands = cfg.num_islands
     _check_sizes(data, islands=islands, seq_len=recipe.seq_len)
-    samplers = [make_sampler(data.train, shard_index=i, num_shards=islands, seq_len=recipe.seq_len,
-                             batch_size=cfg.data.batch_size, seed=recipe.seed) for i in range(islands)]
-    first = samplers[0].batch_at(0)
+    if data.is_streamed:  # the driver reads no training token: the first held-out batch stands in for it
+        first = heldout_batches(data.heldout, seq_len=recipe.seq_len, batch_size=cfg.data.batch_size, num_batches=1)[0]
+    else:
+        first = make_sampler(data.train, shard_index=0, num_shards=islands, seq_len=recipe.seq_len,
+                             batch_size=cfg.data.batch_size, seed=recipe.seed).batch_at(0)
     _check_token_ids(model, data, first)
     loss_fn = resolve_loss(recipe.loss)
     origin = f"the loss {_name_of(recipe.loss, loss_fn)!r}"
@@ -357,7 +325,17 @@ def _check_sizes(data: TrainingData, *, islands: int, seq_len: int) -> None:
     examples is left to islands.examples.ExampleSampler, which asks for a batch per island and says so.
     """
     window = seq_len + 1
-    if data.is_tokens:
+    if data.is_streamed:
+        stream = data.train
+        small = min(range(islands), key=stream.island_tokens)
+        if stream.island_tokens(small) < window:
+            raise DataError(f"the data plan gives island {small} about {stream.island_tokens(small):,} tokens, fewer than one "
+                            f"window of model.seq_len+1={window}; add data, train fewer islands (pools.NAME.islands) or "
+                            f"shorten model.seq_len")
+        if len(data.heldout) < window:
+            raise DataError(f"the held-out data has {len(data.heldout):,} tokens, fewer than one window of "
+                            f"model.seq_len+1={window}; add data, raise data.heldout_fraction or shorten model.seq_len")
+    elif data.is_tokens:
         n = len(data.train)
         if n // islands < window:
             raise DataError(f"the training data has {n:,} tokens (bytes for text): over {islands} islands the smallest "
@@ -377,7 +355,9 @@ def _check_token_ids(model: Any, data: TrainingData, batch: Any) -> None:
     if not embeddings:
         return  # not a token model (a CNN): nothing to check
     rows = embeddings[0].num_embeddings
-    if data.is_tokens:
+    if data.is_streamed:  # the held-out sample's ids, and the vocabulary every unit is checked against as it is read
+        high = max(int(data.heldout.max(initial=0)), (data.vocab_size or 0) - 1)
+    elif data.is_tokens:
         high = int(max(data.train.max(initial=0), data.heldout.max(initial=0)))
     else:
         ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else None

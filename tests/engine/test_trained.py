@@ -200,13 +200,13 @@ def test_diloco_sample_and_export_on_the_command_line(tmp_path, capsys):
 
 def test_evaluate_scores_the_run_held_out_windows_or_another_corpus(tmp_path, capsys):
     from islands.data import heldout_batches
-    from orchestrator.run.driver import load_corpus
+    from orchestrator.run.streams import corpus_stream
 
     write_run(tmp_path / "run")
     t = load_trained(tmp_path / "run")
     got = evaluate_trained(t)
     # By hand: mean cross-entropy of the model over the run's 4 held-out windows of 8 x 32 bytes.
-    heldout = load_corpus(t.run_config).heldout
+    heldout = corpus_stream(t.run_config).heldout
     batches = heldout_batches(heldout, seq_len=32, batch_size=8, num_batches=4)
     with torch.no_grad():
         want = sum(float(F.cross_entropy(t.model(x).reshape(-1, 256), y.reshape(-1))) for x, y in batches) / 4

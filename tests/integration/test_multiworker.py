@@ -69,7 +69,7 @@ def test_two_worker_island_trains_data_parallel_in_its_placement_group(ray_clust
         assert ray.get(follower.steps.remote(), timeout=10) == final.steps
         # The leader counts the island's tokens: both workers' batches every step.
         assert final.tokens == final.steps * 2 * inner.batch_size * cfg.seq_len
-        assert final.cursor == final.steps, "the data cursor counts island steps"
+        assert final.cursor.batch == final.steps, "the data cursor counts island steps"
 
         mine, theirs = ray.get(leader.parameters.remote(), timeout=30), ray.get(follower.parameters.remote(), timeout=30)
         assert mine.keys() == theirs.keys() == init.keys()

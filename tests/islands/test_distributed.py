@@ -67,6 +67,7 @@ def _leader(ports, out) -> None:
     group.connect()
     out.put(("grads0", _averaged_gradients(trainer, group)))
     group.broadcast_([t for frag in fragments for t in frag])  # as LearnerIsland.run does
+    group.share_cursor(trainer.sampler.data_cursor)  # ... and where the data stands
     group.lead(fragments, changed=[], train=True)  # as LearnerIsland.step does at every step boundary
     result = trainer.step()
     out.put(("step1", _numpy(trainer.params), result.loss, result.tokens, trainer.sampler.cursor))
