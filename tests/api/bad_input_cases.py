@@ -48,6 +48,11 @@ class Case:
     cli: bool = False
 
 
+def tokens(name: str, *extra: str) -> tuple[str, ...]:
+    """Arguments that train on the uint16 token files at `name` (see write_datasets), vocabulary 256."""
+    return ("--set", "data.source=tokens", "--set", f"data.path={{{name}}}", "--set", "data.vocab_size=256", *extra)
+
+
 def parquet(name: str, *extra: str) -> tuple[str, ...]:
     """Arguments that train on the text column of dataset file `name` (see write_datasets)."""
     return ("--set", "data.source=parquet", "--set", f"data.path={{{name}}}", "--set", "data.text_column=text", *extra)
@@ -86,11 +91,23 @@ CASES = [
     Case("dataset-few-bytes", "a Parquet text corpus of 2 bytes", parquet("few_bytes"), "add rows"),
     Case("dataset-too-small-for-islands", "a Parquet corpus too small for 4 islands (405 training bytes)",
          parquet("small", "--set", "data.heldout_fraction=0.4"), "train fewer islands (pools.NAME.islands)", cli=True),
+    Case("path-without-source", "`data.path` with the default source (stdlib), which would not read it",
+         ("--set", "data.path={tokens}"), "set data.source=parquet (or tokens for token files), or drop data.path"),
+    Case("tokens-no-files", "`data.source=tokens` at a folder with no token files", tokens("no_token_files"),
+         "point at the directory that holds them"),
+    Case("tokens-odd-size", "a token file whose size is not a whole number of uint16 ids", tokens("odd_size"),
+         "fix it or set data.token_dtype", cli=True),
+    Case("tokens-no-vocab", "token files without `data.vocab_size`",
+         ("--set", "data.source=tokens", "--set", "data.path={tokens}"), "set it to the vocabulary of the tokenizer"),
+    Case("copy-differs", "`pools.NAME.data_path` that is not a copy of `data.path`",
+         tokens("tokens", "--set", "pools.slow.data_path={tokens_short}"), "copy the same files there"),
+    Case("storage-unreachable", "an `s3://` corpus whose endpoint does not answer",
+         tokens("s3_closed"), "check the endpoint"),
 ]
 
 
 def write_datasets(folder: Path) -> dict[str, str]:
-    """The Parquet files the cases name, written under `folder`: {name: path}."""
+    """The Parquet and token files the cases name, written under `folder` (and one unreachable URI): {name: path}."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -102,6 +119,20 @@ def write_datasets(folder: Path) -> dict[str, str]:
     for name, table in tables.items():
         paths[name] = str(folder / f"{name}.parquet")
         pq.write_table(table, paths[name])
+    import numpy as np
+
+    ids = (np.arange(300_000) % 256).astype("<u2")
+    for name, count in (("tokens", len(ids)), ("tokens_short", len(ids) - 4096)):  # the copy lacks a few ids
+        (folder / name).mkdir(exist_ok=True)
+        ids[:count].tofile(folder / name / "train.bin")
+        paths[name] = str(folder / name)
+    (folder / "no_token_files").mkdir(exist_ok=True)
+    (folder / "no_token_files" / "README.md").write_text("the token files are elsewhere\n")
+    paths["no_token_files"] = str(folder / "no_token_files")
+    (folder / "odd_size.bin").write_bytes(b"\x01\x00\x02")  # one id and a half
+    paths["odd_size"] = str(folder / "odd_size.bin")
+    # Port 9 (discard) answers nothing here: the S3 client's connection is refused.
+    paths["s3_closed"] = "s3://corpus/tokens?endpoint_override=127.0.0.1:9&scheme=http&region=us-east-1"
     return paths
 
 
