@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import ray.data
 
 _LIST_TYPES = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+CACHED_BLOCKS = 4
+"""Blocks a process keeps after fetching them (the oldest is dropped first)."""
 _WIDE_UNSIGNED = (np.uint16, np.uint32, np.uint64)
 
 
@@ -103,7 +105,7 @@ class RayDatasetExamples:
         self._starts = np.concatenate([[0], np.cumsum(np.asarray(block_rows, dtype=np.int64))])  # (blocks + 1,)
         self.columns = list(columns)
         """The columns each row holds."""
-        self._blocks: dict[int, pa.Table] = {}  # fetched blocks of this process, never pickled
+        self._blocks: dict[int, pa.Table] = {}  # fetched blocks of this process, newest last; never pickled
 
     @classmethod
     def from_dataset(cls, dataset: ray.data.Dataset, *, columns: Sequence[str] | None = None) -> RayDatasetExamples:
@@ -177,6 +179,10 @@ class RayDatasetExamples:
             if not isinstance(block, pa.Table):  # to_arrow_refs gives Arrow; accept pandas to be safe
                 block = pa.Table.from_pandas(block, preserve_index=False)
             block = self._blocks[k] = block.select(self.columns).combine_chunks()  # one chunk per column
+            # A few blocks at a time: an island reads its blocks unit by unit (a unit is a block), and a
+            # shuffle block spans at most a few of them; holding every block read would grow to its whole share.
+            while len(self._blocks) > CACHED_BLOCKS:
+                self._blocks.pop(next(iter(self._blocks)))
         return block
 
     def __getitem__(self, index: int) -> dict[str, Any]:
@@ -198,6 +204,108 @@ class RayDatasetExamples:
 
     def __repr__(self) -> str:
         return f"RayDatasetExamples({len(self)} rows in {self.num_blocks} blocks, columns {self.columns})"
+
+
+class RayDataReads:
+    """A ``ray.data.Dataset`` that is one read (``read_parquet``, ``read_json``, ...) as units the islands read
+    themselves: its datasource's read tasks, each a unit. Nothing is materialized: an island runs its own read
+    tasks, one at a time on its read-ahead thread (islands/stream.py), and keeps the rows of a few.
+
+    Examples are numbered ``(unit << 32) + row``: a unit's rows are known only once it is read. Rows become
+    ``{column: tensor or value}`` as in :class:`RayDatasetExamples`.
+    """
+
+    def __init__(self, tasks: Sequence[Any], rows: Sequence[int | None], columns: Sequence[str]) -> None:
+        """Prefer :meth:`of`. ``tasks[k]`` is a Ray Data ``ReadTask``; ``rows[k]`` its rows when its metadata says."""
+        self.tasks, self.rows, self.columns = list(tasks), list(rows), list(columns)
+        self._tables: dict[int, pa.Table] = {}  # units of this process, newest last; never pickled
+
+    @classmethod
+    def of(cls, dataset: ray.data.Dataset, *, units: int) -> RayDataReads | None:
+        """The read tasks of ``dataset`` (about ``units`` of them), or None when its plan is more than one read
+        (transforms after the read: such a dataset is materialized instead, :class:`RayDatasetExamples`).
+
+        Ray 2.60 (pinned in pyproject.toml) plans ``read_parquet`` as ``ListFiles -> ReadFiles`` and its other
+        readers as one ``Read`` of a datasource. A Parquet read becomes one unit per row group of its files
+        (footers read here, row groups read with pyarrow in the island); any other read, its datasource's read tasks.
+        """
+        from ray.data._internal.logical.operators.read_operator import ListFiles, Read, ReadFiles
+
+        dag = getattr(getattr(dataset, "_logical_plan", None), "dag", None)
+        if isinstance(dag, ReadFiles) and dag.block_udf is None and len(dag.input_dependencies) == 1 \
+                and isinstance(dag.input_dependencies[0], ListFiles) and dag.datasource_name.lower().startswith("parquet"):
+            return cls._of_parquet(dag.input_dependencies[0], list(dag.infer_schema().names))
+        if not isinstance(dag, Read):
+            return None
+        tasks = dag.datasource.get_read_tasks(units)
+        if not tasks:
+            raise DataError("the Ray dataset reads nothing (no read tasks); point it at non-empty data")
+        schema = dataset.schema()
+        columns = list(schema.names) if schema is not None else []
+        return cls(tasks, [t.metadata.num_rows for t in tasks], columns)
+
+    @classmethod
+    def _of_parquet(cls, listing: Any, columns: list[str]) -> RayDataReads:
+        """One unit per row group of the files a ``read_parquet`` lists (their footers read here, nothing else)."""
+        import pyarrow.fs as pafs
+        import pyarrow.parquet as pq
+
+        from islands.data import _dataset_files, _resolve
+
+        tasks, rows = [], []
+        for path in listing.paths:
+            fs, inner = (listing.filesystem, path) if listing.filesystem is not None else _resolve(path)
+            files = _dataset_files(fs, inner, path) if fs.get_file_info(inner).type != pafs.FileType.File else [inner]
+            for file in files:
+                meta = pq.read_metadata(file, filesystem=fs)
+                for g in range(meta.num_row_groups):
+                    tasks.append(_RowGroupRead(fs, file, g, tuple(columns)))
+                    rows.append(meta.row_group(g).num_rows)
+        if not tasks:
+            raise DataError("the Ray dataset's Parquet files hold no row groups; point it at non-empty data")
+        return cls(tasks, rows, columns)
+
+    def __len__(self) -> int:
+        """Rows in all, where every read task's metadata says (else a lower bound)."""
+        return sum(r or 0 for r in self.rows)
+
+    def read_unit(self, k: int) -> int:
+        """Run read task ``k`` (here, in this process), keep its rows, and return how many it gave."""
+        tables = [b if isinstance(b, pa.Table) else pa.Table.from_pandas(b, preserve_index=False) for b in self.tasks[k]()]
+        table = pa.concat_tables(tables).select(self.columns).combine_chunks() if tables else pa.table({})
+        self._tables[k] = table
+        while len(self._tables) > CACHED_BLOCKS:  # the units being cut into batches and those read ahead
+            self._tables.pop(next(iter(self._tables)))
+        return table.num_rows
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """Row ``index & 0xFFFFFFFF`` of unit ``index >> 32``, read again if it was dropped."""
+        k, row = int(index) >> 32, int(index) & 0xFFFFFFFF
+        if k not in self._tables:
+            self.read_unit(k)
+        table = self._tables[k]
+        return {name: _cell(table.column(name).chunk(0), row, name) for name in self.columns}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_tables"] = {}  # each process reads its own units
+        return state
+
+    def __repr__(self) -> str:
+        return f"RayDataReads({len(self.tasks)} read tasks, columns {self.columns})"
+
+
+class _RowGroupRead:
+    """Reads one row group of one Parquet file: a unit of a ``read_parquet`` dataset (picklable, like a ReadTask)."""
+
+    def __init__(self, fs: Any, file: str, group: int, columns: tuple[str, ...]) -> None:
+        self.fs, self.file, self.group, self.columns = fs, file, group, columns
+
+    def __call__(self) -> list[pa.Table]:
+        import pyarrow.parquet as pq
+
+        with self.fs.open_input_file(self.file) as source:
+            return [pq.ParquetFile(source).read_row_group(self.group, columns=list(self.columns))]
 
 
 def _num_rows(block) -> int:

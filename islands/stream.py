@@ -17,6 +17,10 @@ A thread reads up to ``readahead`` units ahead of the one being cut into windows
 the inner steps. Memory: those units' ids plus one block (``B * block_batches * (T + 1)`` ids), whatever
 the corpus's size. A unit that cannot be read is logged once, skipped, and counted in :attr:`skipped`
 with its metadata estimate of tokens (the fate "unreadable" in the run's summary).
+
+Data from the Python API goes the same way: a token array is cut into units that the driver puts in Ray's
+object store one by one (each island fetches only its own), and a map-style dataset's indices are cut into
+units whose "windows" are single examples, a batch being ``batch_size`` collated examples.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -51,7 +55,7 @@ class TokenStream:
     """``assignment[i]``: indices into ``units`` of island ``i``'s units, in plan order."""
     shuffle: bool = True
     """Epochs read an island's units in a seeded order, and blocks shuffle their windows; False keeps both in order."""
-    block_batches: int = 64
+    block_batches: int = 512
     """Batches per block: the shuffle buffer holds ``block_batches * batch_size`` windows."""
     readahead: int = 2
     """Units read ahead of the one being cut into windows."""
@@ -59,6 +63,25 @@ class TokenStream:
     """Pool name -> the root of that pool's own copy (the same units), so its islands read in their region."""
     source: str = ""
     """Human description, for logs and reports."""
+    payloads: tuple[Any, ...] = ()
+    """Data from Python (``fmt.kind`` 'memory'): per unit, its ids (a 1-D array, or ``[ref]`` to one in Ray's
+    object store, so an island fetches only its own units)."""
+    examples: Any = None
+    """A map-style dataset from Python (``fmt.kind`` 'examples'): units are ranges of its indices, and a batch is
+    ``collate`` of ``batch_size`` of its examples."""
+    collate: Any = None
+    """How examples become a batch (None: ``torch.utils.data.default_collate``)."""
+
+    @property
+    def of_examples(self) -> bool:
+        """True when the stream is of a dataset's examples, not of tokens."""
+        return self.fmt.kind == "examples"
+
+    def with_refs(self, put: Callable[[Any], Any]) -> TokenStream:
+        """The same stream with each in-memory unit put in Ray's object store by ``put`` (``ray.put``), as ``[ref]``."""
+        if self.fmt.kind != "memory":
+            return self
+        return replace(self, payloads=tuple(p if isinstance(p, list) else [put(p)] for p in self.payloads))
 
     @property
     def num_islands(self) -> int:
@@ -76,6 +99,15 @@ class TokenStream:
     def __len__(self) -> int:
         """Estimated training tokens of the whole plan (metadata; unreadable units included)."""
         return sum(u.tokens for u in self.units)
+
+
+def _fetch(payload: Any) -> np.ndarray:
+    """A token-array unit's ids: the array itself (in process), or ``[ref]`` fetched from Ray's object store."""
+    if isinstance(payload, np.ndarray):
+        return payload
+    import ray  # only islands of a run given arrays from Python get here, in a Ray worker
+
+    return ray.get(payload[0])
 
 
 class StreamSampler:
@@ -109,6 +141,8 @@ class StreamSampler:
         self._reader = read or (lambda fmt, root, unit: read_unit(fmt, root, unit))
         self.block_windows = batch_size * stream.block_batches
         """Windows per block (the shuffle buffer)."""
+        # Token windows overlap by one token (the last target); a dataset's "windows" are single examples.
+        self._stride, self._overlap = (1, 0) if stream.of_examples else (seq_len, 1)
         self.skipped: dict[str, int] = {}
         """Units skipped as unreadable, ``"name/epoch" -> estimated tokens``, each counted once per epoch."""
         self.bytes_read = 0
@@ -179,14 +213,23 @@ class StreamSampler:
         assert self._tokens is not None and self._order is not None
         windows = self._order[within * self.batch_size:(within + 1) * self.batch_size]  # (B,)
         self._batch += 1
+        if self.stream.of_examples:
+            return self._collate([self.stream.examples[int(i)] for i in self._tokens[windows]])
         return _windows(self._tokens, windows * self.seq_len, self.seq_len)
+
+    def _collate(self, examples: list) -> Any:
+        if self.stream.collate is not None:
+            return self.stream.collate(examples)
+        from torch.utils.data import default_collate
+
+        return default_collate(examples)
 
     def _advance(self) -> None:
         """Read the next block: ``block_windows * T + 1`` tokens from where it starts; note where the next starts."""
         self._block += 1
         self._start = self._next_start
-        need = self.block_windows * self.seq_len + 1
-        tokens, self._next_start = self._take(self._start, need, advance=need - 1)
+        advance = self.block_windows * self._stride
+        tokens, self._next_start = self._take(self._start, advance + self._overlap, advance=advance)
         self._tokens = tokens
         self._order = block_permutation(self.block_windows, seed=self.seed, island=self.island, block=self._block) \
             if self.stream.shuffle else np.arange(self.block_windows)
@@ -222,6 +265,10 @@ class StreamSampler:
 
     def unit_at(self, ordinal: int) -> Unit:
         """The unit at ``ordinal`` of the island's sequence (epoch ``ordinal // units``)."""
+        return self.stream.units[self._index_at(ordinal)]
+
+    def _index_at(self, ordinal: int) -> int:
+        """Index in ``stream.units`` of the unit at ``ordinal`` of the island's sequence."""
         epoch, position = divmod(ordinal, len(self._units))
         order = self._orders.get(epoch)
         if order is None:
@@ -230,16 +277,15 @@ class StreamSampler:
             if len(self._orders) >= 2:
                 self._orders.pop(min(self._orders))
             self._orders[epoch] = order
-            if epoch:
+            if epoch & (epoch - 1) == 0 and epoch:  # epochs 1, 2, 4, 8...: a small dataset turns over quickly
                 log.info("island %d starts epoch %d over its %d units", self.island, epoch, len(self._units))
-        return self.stream.units[self._units[order[position]]]
+        return self._units[order[position]]
 
     def _unit_ids(self, ordinal: int) -> np.ndarray:
         """The ids of unit ``ordinal`` (empty if it cannot be read: logged and counted once), reading ahead."""
         for k in range(ordinal, ordinal + 1 + self.stream.readahead):
             if k not in self._ahead:
-                unit = self.unit_at(k)
-                self._ahead[k] = self._pool.submit(self._read, unit)
+                self._ahead[k] = self._pool.submit(self._read, self._index_at(k))
         for k in [k for k in self._ahead if k < ordinal]:
             self._ahead.pop(k).cancel()
         try:
@@ -252,9 +298,17 @@ class StreamSampler:
             return np.zeros(0, dtype=np.int64)
         return ids
 
-    def _read(self, unit: Unit) -> np.ndarray:
-        """Read one unit (on the read-ahead thread)."""
-        ids = self._reader(self.stream.fmt, self.root, unit)
+    def _read(self, index: int) -> np.ndarray:
+        """Read unit ``index`` of the stream (on the read-ahead thread): a dataset's unit is its range of example
+        indices, a token array's its part of the array, a corpus's what the unit's files hold."""
+        unit = self.stream.units[index]
+        kind = self.stream.fmt.kind
+        if kind == "examples":
+            reads = getattr(self.stream.examples, "read_unit", None)
+            if reads is not None:  # a unit the island reads itself (a Ray Data read task): (unit << 32) + row
+                return (np.int64(unit.start) << 32) + np.arange(reads(unit.start), dtype=np.int64)
+            return np.arange(unit.start, unit.start + unit.count, dtype=np.int64)
+        ids = _fetch(self.stream.payloads[index]) if kind == "memory" else self._reader(self.stream.fmt, self.root, unit)
         self.bytes_read += ids.nbytes
         return ids
 

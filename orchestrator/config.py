@@ -111,9 +111,11 @@ class DataSection(_Section):
         True, description="Units, rows and windows in seeded orders, so each island reads a representative sample; false "
         "keeps source order (islands then see different, non-IID data).")
     batch_size: int = Field(16, gt=0, description="Sequences per inner step per island.")
-    unit_tokens: int = Field(1 << 20, gt=0, description="Tokens per unit of a token file (source=tokens): the piece an island "
-                             "reads at once.")
-    block_batches: int = Field(64, gt=0, description="Batches per shuffle block: an island shuffles its windows in blocks of "
+    unit_tokens: int = Field(1 << 20, gt=0, description="Tokens per unit of a token file (source=tokens) or of a token array "
+                             "from Python: the piece an island reads at once.")
+    unit_examples: int = Field(1024, gt=0, description="Examples per unit of a map-style dataset from Python (a Ray Data "
+                               "dataset's units are its blocks).")
+    block_batches: int = Field(512, gt=0, description="Batches per shuffle block: an island shuffles its windows in blocks of "
                                "block_batches * batch_size windows (its read buffer).")
     readahead_units: int = Field(2, ge=0, description="Units an island reads ahead of the one it trains on, on a thread of "
                                  "its own (bounded memory: these units' ids).")

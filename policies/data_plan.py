@@ -93,11 +93,11 @@ def block_permutation(size: int, *, seed: int, island: int, block: int) -> np.nd
 def copies_differ(reference: Sequence[tuple[str, int]], other: Sequence[tuple[str, int]]) -> str | None:
     """How copy ``other`` differs from ``reference``, each a list of ``(unit name, length)`` in plan order,
     in words for an error message; None when they hold the same units."""
-    if len(reference) != len(other):
-        return f"{len(other)} units against {len(reference)}"
     for (name, length), (other_name, other_length) in zip(reference, other):
         if name != other_name:
-            return f"unit {other_name!r} where the first copy has {name!r}"
+            return f"{other_name!r} where the first copy has {name!r}"
         if length != other_length:
-            return f"unit {name!r} has length {other_length} against {length}"
+            return f"{name!r} holds {other_length:,} against {length:,}"
+    if len(reference) != len(other):
+        return f"{len(other)} entries against {len(reference)}"
     return None

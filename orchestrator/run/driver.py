@@ -214,9 +214,15 @@ def with_measured_step(cfg: RunConfig, address: str | None, prepared: Prepared |
 
 
 def timing_data(data: TrainingData) -> Any:
-    """What `measure_step_s` steps on: the data itself, or for a corpus the islands stream (which the driver never
-    reads) its held-out sample, batches of the same shape."""
-    return data.heldout if data.is_streamed else data.train
+    """What `measure_step_s` steps on: for data the islands stream, its held-out tokens or examples (the driver never
+    reads the training units; held-out batches have the same shape); else the data itself."""
+    if data.is_streamed:
+        if data.is_tokens:
+            return data.heldout
+        # Held-out examples, repeated: batches of the training data's shape, without reading a training example.
+        held = data.heldout
+        return [held[i % len(held)] for i in range(max(len(held), 1024))]
+    return data.train
 
 
 def build_run_network(cfg: RunConfig, model_bytes: int, step_s: Callable[[], float]) -> tuple[NetworkModel, dict[int, str]]:
@@ -436,7 +442,9 @@ class Run:
         specs = [s if s.island not in last_inc else replace(s, incarnation=last_inc[s.island] + 1)
                  for s in island_specs(cfg, self.recipe, self.plan, self.run_id)]
         self.first_inc = {s.island: s.incarnation for s in specs}
-        self.data_ref = ray.put(self.data.train)
+        # A stream is the data plan, no tokens; a token array from Python goes in as one object per unit (with_refs).
+        train = self.data.train
+        self.data_ref = ray.put(train.with_refs(ray.put) if self.data.is_streamed else train)
         self.monitor_name, self.monitor = start_monitor(cfg, self.run_id, specs, self.outer_name)
         self._start_islands(initial)
         self.training_began = True  # from here a failure leaves a run directory worth keeping (train())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,9 @@ import numpy as np
 from islands.corpus import (
     CorpusFormat,
     CorpusIndex,
+    Unit,
     UnitError,
+    _split_largest,
     heldout_sample,
     index_parquet,
     index_stdlib,
@@ -104,13 +107,22 @@ def check_copies(cfg: RunConfig, index: CorpusIndex) -> dict[str, str]:
             raise DataError(f"pools.{pool.name}.data_path is set but data.source is '{cfg.data.source}'; copies are "
                             f"for parquet or token-file corpora: drop it")
         copy = corpus_index(cfg, pool.data_path)
-        difference = copies_differ(index.keys(), copy.keys())
+        difference = copies_differ(_files(index), _files(copy)) or copies_differ(index.keys(), copy.keys())
         if difference is not None:
             raise DataError(f"pools.{pool.name}.data_path={shown_path(pool.data_path)!r} is not a copy of data.path="
                             f"{shown_path(cfg.data.path or '')!r}: "
                             f"{difference}; copy the same files there (docs/data.md, one copy per region)")
         roots[pool.name] = copy.root
     return roots
+
+
+def _files(index: CorpusIndex) -> list[tuple[str, int]]:
+    """(file, its units' estimated tokens) in index order: copies are compared file by file first, so a message
+    names the file that differs rather than a unit cut from it."""
+    totals: dict[str, int] = {}
+    for u in index.units:
+        totals[u.path] = totals.get(u.path, 0) + u.tokens
+    return list(totals.items())
 
 
 def corpus_stream(cfg: RunConfig, run_dir: str | Path | None = None) -> CorpusPlan:
@@ -205,6 +217,78 @@ def heldout_unigram_bits(heldout: np.ndarray, vocab_size: int) -> float:
 
     half = len(heldout) // 2
     return unigram_bits_per_byte(heldout[:half], heldout[half:], vocab_size=vocab_size)
+
+
+def _units_of(name: str, count: int, size: int, islands: int) -> list[Unit]:
+    """Units of ``size`` items over ``count`` items of Python data named ``name``, halved until every island has one."""
+    units = [Unit(f"{name}@{start}", name, -1, start, min(size, count - start), min(size, count - start), False)
+             for start in range(0, count, size)]
+    return _split_largest(units, islands)
+
+
+def _python_stream(cfg: RunConfig, fmt: CorpusFormat, units: list[Unit], source: str, **data: Any) -> TokenStream:
+    """The data plan of Python data: its units spread over the islands as a corpus's are."""
+    d = cfg.data
+    assignment = assign_units([u.tokens for u in units], cfg.num_islands, seed=cfg.run.seed, shuffle=d.shuffle_documents)
+    return TokenStream(fmt=fmt, root="python", units=tuple(units), assignment=tuple(tuple(a) for a in assignment),
+                       shuffle=d.shuffle_documents, block_batches=d.block_batches, readahead=d.readahead_units,
+                       source=source, **data)
+
+
+def array_stream(cfg: RunConfig, ids: np.ndarray, source: str) -> TokenStream:
+    """A token array from the Python API as a stream: units of ``data.unit_tokens`` ids, each its own object in
+    Ray's object store once the run starts (TokenStream.with_refs), so each island fetches only its own."""
+    if len(ids) < cfg.num_islands:
+        raise DataError(f"the token array has {len(ids)} ids, fewer than the {cfg.num_islands} islands; pass more data")
+    units = _units_of("array", len(ids), cfg.data.unit_tokens, cfg.num_islands)
+    return _python_stream(cfg, CorpusFormat("memory", is_text=False), units, source,
+                          payloads=tuple(ids[u.start:u.start + u.count] for u in units))
+
+
+def examples_stream(cfg: RunConfig, dataset: Any, source: str) -> TokenStream:
+    """A map-style dataset from the Python API as a stream: units are ranges of its indices (a Ray Data dataset's
+    own blocks, so an island fetches only the blocks it reads), a batch is ``data.batch_size`` collated examples."""
+    n = len(dataset)
+    if n < cfg.num_islands:
+        raise DataError(f"the dataset has {n} examples, fewer than the {cfg.num_islands} islands; every island needs "
+                        f"examples of its own: pass more data or train fewer islands (pools.NAME.islands)")
+    rows = getattr(dataset, "block_rows", None)
+    if rows is not None:  # islands.ray_source.RayDatasetExamples: a unit per block
+        starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).tolist()
+        units = _split_largest([Unit(f"block@{s}", "block", -1, s, r, r, False) for s, r in zip(starts, rows) if r],
+                               cfg.num_islands)
+    else:
+        units = _units_of("examples", n, cfg.data.unit_examples, cfg.num_islands)
+    return _python_stream(cfg, CorpusFormat("examples", is_text=False), units, source, examples=dataset)
+
+
+def reads_stream(cfg: RunConfig, reads: Any, source: str, *, hold_out: bool) -> tuple[TokenStream, list | None]:
+    """A Ray Data dataset that is one read (islands.ray_source.RayDataReads) as a stream: each read task a unit,
+    run by the island it belongs to. With ``hold_out`` (no validation dataset given) whole read tasks are held out
+    by a stable hash of their number (the last if none is picked), and the driver reads held-out rows until it has
+    what evaluation scores; returns (stream, those examples or None)."""
+    names = [f"read@{k}" for k in range(len(reads.tasks))]
+    held = [hold_out and zlib.crc32(n.encode()) / 2**32 < cfg.data.heldout_fraction for n in names]
+    if hold_out and not any(held):
+        held[-1] = True
+    units = [Unit(n, "read", -1, k, rows if rows is not None else -1, max(1, rows or 1), h)
+             for k, (n, rows, h) in enumerate(zip(names, reads.rows, held))]
+    train = [u for u in units if not u.heldout]
+    if len(train) < cfg.num_islands:
+        raise DataError(f"the Ray dataset reads in {len(reads.tasks)} task(s), too few for {cfg.num_islands} islands and "
+                        f"held-out data; give it more files, or train fewer islands (pools.NAME.islands)")
+    stream = _python_stream(cfg, CorpusFormat("examples", is_text=False), train, source, examples=reads)
+    if not hold_out:
+        return stream, None
+    want, examples = cfg.eval.batches * cfg.eval.batch_size, []
+    for u in (u for u in units if u.heldout):
+        rows = reads.read_unit(u.start)
+        examples += [reads[(u.start << 32) + r] for r in range(min(rows, want - len(examples)))]
+        if len(examples) >= want:
+            break
+    if not examples:
+        raise DataError("the Ray dataset's held-out read tasks gave no rows; pass datasets={'validation': ...}")
+    return stream, examples
 
 
 def read_all_training(index: CorpusIndex) -> np.ndarray:

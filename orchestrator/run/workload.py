@@ -10,6 +10,7 @@ per split, and an islands.spec.ModelRecipe.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,18 @@ from islands.model_api import ModelError, check_loss, first_line
 from islands.spec import ModelRecipe
 from islands.stream import TokenStream
 from orchestrator.config import RunConfig
-from orchestrator.run.streams import DEFAULT_TRAINED_VOCAB, TOKENIZER_FILE, corpus_stream, read_all_training
+from orchestrator.run.streams import (
+    DEFAULT_TRAINED_VOCAB,
+    TOKENIZER_FILE,
+    array_stream,
+    corpus_stream,
+    examples_stream,
+    read_all_training,
+    reads_stream,
+)
 from orchestrator.settings import model_recipe
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_TRAINED_VOCAB", "TOKENIZER_FILE", "Prepared", "TrainingData", "Workload", "load_corpus", "prepare",
            "recorded_config", "run_recipe", "training_data"]
@@ -61,7 +72,7 @@ class TrainingData:
     @property
     def is_tokens(self) -> bool:
         """True for a token stream (windows of ``model.seq_len`` tokens), False for a dataset of examples."""
-        return isinstance(self.train, (np.ndarray, TokenStream))
+        return isinstance(self.train, np.ndarray) or (isinstance(self.train, TokenStream) and not self.train.of_examples)
 
     @property
     def is_streamed(self) -> bool:
@@ -96,6 +107,12 @@ def training_data(cfg: RunConfig, workload: Workload | None = None, run_dir: str
             raise DataError("a held-out dataset was given without a training dataset; pass datasets={'train': ...}")
         plan = corpus_stream(cfg, run_dir)
         return TrainingData(plan.stream, plan.heldout, plan.vocab_size, plan.source, plan.encoder)
+    reads = ray_data_reads(workload.train, cfg)
+    if reads is not None:  # a Ray Data read: its read tasks are units the islands run themselves
+        source = f"Ray Data read ({len(reads.tasks)} read tasks, columns {reads.columns})"
+        given = as_examples(workload.heldout, "validation") if workload.heldout is not None else None
+        stream, held = reads_stream(cfg, reads, source, hold_out=given is None)
+        return TrainingData(stream, given if given is not None else held, None, source)
     train, heldout = as_examples(workload.train, "train"), workload.heldout
     if isinstance(train, np.ndarray):
         if heldout is None:
@@ -103,13 +120,31 @@ def training_data(cfg: RunConfig, workload: Workload | None = None, run_dir: str
                             "datasets={'train': ids, 'validation': heldout_ids}")
         heldout = np.asarray(heldout)
         vocab = int(max(train.max(initial=0), heldout.max(initial=0))) + 1
-        return TrainingData(train, heldout, vocab, f"token array ({len(train):,} training tokens)")
+        source = f"token array ({len(train):,} training tokens)"
+        return TrainingData(array_stream(cfg, train, source), heldout, vocab, source)
     if heldout is None:
         train, heldout = split_examples(train, cfg.data.heldout_fraction)
     else:
         heldout = as_examples(heldout, "validation")
-    return TrainingData(train, heldout, None, f"{type(workload.train).__name__} ({len(train):,} training examples, "
-                                              f"{len(heldout):,} held out)")
+    source = f"{type(workload.train).__name__} ({len(train):,} training examples, {len(heldout):,} held out)"
+    return TrainingData(examples_stream(cfg, train, source), heldout, None, source)
+
+
+def ray_data_reads(data: Any, cfg: RunConfig) -> Any:
+    """`data` as islands.ray_source.RayDataReads when it is a ray.data.Dataset whose plan is one read with enough read
+    tasks for the islands (and held-out data); None otherwise (a dataset with transforms is materialized instead)."""
+    if not type(data).__module__.startswith("ray.data"):
+        return None
+    from islands.ray_source import RayDataReads
+
+    reads = RayDataReads.of(data, units=max(8 * cfg.num_islands, 64))
+    if reads is None or len(reads.tasks) <= cfg.num_islands:
+        log.warning(
+            "the Ray dataset is %s: materialized once in the object store (each island fetches only its blocks); a "
+            "dataset that is one read with a read task per island and more streams instead (docs/data.md)",
+            "more than one read" if reads is None else f"{len(reads.tasks)} read tasks")
+        return None
+    return reads
 
 
 def as_examples(data: Any, split: str) -> Any:
@@ -248,6 +283,7 @@ def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | No
         state_tensors,
     )
     from islands.trainer import make_sampler, resolve_loss
+    from orchestrator.core.evaluation import example_batches
 
     if cfg.data.source == "python" and (workload is None or workload.train is None):
         raise DataError("this run trained on datasets passed from Python (data.source 'python'); resume it from "
@@ -258,9 +294,12 @@ def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | No
     _check_shardable(cfg, model)
     state = state_tensors(model)
     islands = cfg.num_islands
-    _check_sizes(data, islands=islands, seq_len=recipe.seq_len)
-    if data.is_streamed:  # the driver reads no training token: the first held-out batch stands in for it
+    _check_sizes(data, islands=islands, seq_len=recipe.seq_len, batch_size=cfg.data.batch_size)
+    # The driver reads no training data: the first held-out batch stands in for it.
+    if data.is_streamed and data.is_tokens:
         first = heldout_batches(data.heldout, seq_len=recipe.seq_len, batch_size=cfg.data.batch_size, num_batches=1)[0]
+    elif data.is_streamed:
+        first = example_batches(data.heldout, batch_size=cfg.data.batch_size, num_batches=1)[0]
     else:
         first = make_sampler(data.train, shard_index=0, num_shards=islands, seq_len=recipe.seq_len,
                              batch_size=cfg.data.batch_size, seed=recipe.seed).batch_at(0)
@@ -315,7 +354,7 @@ def describe_batch(batch: Any) -> str:
     return one(batch)
 
 
-def _check_sizes(data: TrainingData, *, islands: int, seq_len: int) -> None:
+def _check_sizes(data: TrainingData, *, islands: int, seq_len: int, batch_size: int = 1) -> None:
     """A token stream with a window for every island and one held-out window, else a one-line DataError.
 
     A token stream is cut into one contiguous shard per island (islands.data.ShardSampler), the smallest
@@ -325,16 +364,29 @@ def _check_sizes(data: TrainingData, *, islands: int, seq_len: int) -> None:
     examples is left to islands.examples.ExampleSampler, which asks for a batch per island and says so.
     """
     window = seq_len + 1
-    if data.is_streamed:
+    if data.is_streamed and data.is_tokens:
         stream = data.train
         small = min(range(islands), key=stream.island_tokens)
-        if stream.island_tokens(small) < window:
+        # Units' token counts are exact for token files, token lists and the stdlib's bytes; a Parquet text
+        # column's (its encoded size) can be far below the text (dictionary encoding), so it is not judged here:
+        # an island's stream runs on across epochs, and one whose units hold nothing stops with a DataError.
+        exact = not (stream.fmt.kind == "parquet" and stream.fmt.is_text)
+        if exact and stream.island_tokens(small) < window:
             raise DataError(f"the data plan gives island {small} about {stream.island_tokens(small):,} tokens, fewer than one "
                             f"window of model.seq_len+1={window}; add data, train fewer islands (pools.NAME.islands) or "
                             f"shorten model.seq_len")
         if len(data.heldout) < window:
             raise DataError(f"the held-out data has {len(data.heldout):,} tokens, fewer than one window of "
                             f"model.seq_len+1={window}; add data, raise data.heldout_fraction or shorten model.seq_len")
+    elif data.is_streamed:  # examples: every island reads at least one batch's worth of its own
+        stream = data.train
+        small = min(range(islands), key=stream.island_tokens)
+        have, batch = stream.island_tokens(small), batch_size
+        if all(u.count >= 0 for u in stream.units) and have < batch:
+            n = sum(u.count for u in stream.units)
+            raise DataError(f"dataset too small for one batch per island: {n} examples over {islands} islands leave island "
+                            f"{small} {have}, fewer than batch_size={batch}; use a smaller batch_size, fewer islands or at "
+                            f"least {batch * islands} examples")
     elif data.is_tokens:
         n = len(data.train)
         if n // islands < window:
@@ -355,7 +407,7 @@ def _check_token_ids(model: Any, data: TrainingData, batch: Any) -> None:
     if not embeddings:
         return  # not a token model (a CNN): nothing to check
     rows = embeddings[0].num_embeddings
-    if data.is_streamed:  # the held-out sample's ids, and the vocabulary every unit is checked against as it is read
+    if data.is_streamed and data.is_tokens:  # the held-out sample's ids, and the vocabulary units are checked against
         high = max(int(data.heldout.max(initial=0)), (data.vocab_size or 0) - 1)
     elif data.is_tokens:
         high = int(max(data.train.max(initial=0), data.heldout.max(initial=0)))

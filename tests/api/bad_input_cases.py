@@ -89,14 +89,14 @@ CASES = [
          ("--model", B + "small_vocab"), "build the model with a vocabulary of at least"),
     Case("dataset-empty", "an empty Parquet dataset", parquet("empty"), "point at a non-empty dataset"),
     Case("dataset-few-bytes", "a Parquet text corpus of 2 bytes", parquet("few_bytes"), "add rows"),
-    Case("dataset-too-small-for-islands", "a Parquet corpus too small for 4 islands (405 training bytes)",
-         parquet("small", "--set", "data.heldout_fraction=0.4"), "train fewer islands (pools.NAME.islands)", cli=True),
+    Case("dataset-too-small-for-islands", "a token-file corpus too small for 4 islands (400 ids, 80 per unit)",
+         tokens("tokens_tiny"), "train fewer islands (pools.NAME.islands)", cli=True),
     Case("path-without-source", "`data.path` with the default source (stdlib), which would not read it",
          ("--set", "data.path={tokens}"), "set data.source=parquet (or tokens for token files), or drop data.path"),
     Case("tokens-no-files", "`data.source=tokens` at a folder with no token files", tokens("no_token_files"),
          "point at the directory that holds them"),
     Case("tokens-odd-size", "a token file whose size is not a whole number of uint16 ids", tokens("odd_size"),
-         "fix it or set data.token_dtype", cli=True),
+         "fix it or set data.token_dtype"),
     Case("tokens-no-vocab", "token files without `data.vocab_size`",
          ("--set", "data.source=tokens", "--set", "data.path={tokens}"), "set it to the vocabulary of the tokenizer"),
     Case("copy-differs", "`pools.NAME.data_path` that is not a copy of `data.path`",
@@ -114,7 +114,7 @@ def write_datasets(folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     tables = {"empty": pa.table({"text": pa.array([], pa.string())}),
               "few_bytes": pa.table({"text": ["ab"]}),
-              "small": pa.table({"text": ["def f(): pass"] * 40})}  # 40 rows of 14 bytes, 40% held out
+              }
     paths = {}
     for name, table in tables.items():
         paths[name] = str(folder / f"{name}.parquet")
@@ -126,6 +126,9 @@ def write_datasets(folder: Path) -> dict[str, str]:
         (folder / name).mkdir(exist_ok=True)
         ids[:count].tofile(folder / name / "train.bin")
         paths[name] = str(folder / name)
+    (folder / "tokens_tiny").mkdir(exist_ok=True)
+    ids[:400].tofile(folder / "tokens_tiny" / "train.bin")
+    paths["tokens_tiny"] = str(folder / "tokens_tiny")
     (folder / "no_token_files").mkdir(exist_ok=True)
     (folder / "no_token_files" / "README.md").write_text("the token files are elsewhere\n")
     paths["no_token_files"] = str(folder / "no_token_files")
@@ -202,8 +205,9 @@ def table() -> str:
 
 HEADER = """# Bad input to `diloco train`: one line, exit code 2, before Ray starts
 
-`diloco train` builds the model and reads the first batch before it imports Ray and before it creates
-the run directory (`orchestrator/run/workload.py`, `prepare`). Each input below is refused with one
+`diloco train` builds the model, indexes the corpus from its metadata (and every pool's copy of it) and
+scores a held-out batch before it imports Ray and before it creates the run directory
+(`orchestrator/run/workload.py`, `prepare`). Each input below is refused with one
 line on stderr that says what is wrong and how to fix it, exit code 2, and no `--run-dir` left behind.
 The same checks run for the Python API (`DilocoTrainer.fit()` raises the same text as a `ConfigError`).
 Config mistakes refused even earlier, before torch loads (a missing file or column, a bad preset, an

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from islands.examples import ExampleSampler
+from islands.stream import StreamSampler
 from orchestrator import DilocoTrainer
 from orchestrator.config import build_config
 from orchestrator.core.eventlog import read_events
+from orchestrator.run.streams import examples_stream
 from policies.chaos import Fault, FaultTape
 from tests.api import zoo
 
@@ -43,16 +44,11 @@ def two_pools(**extra) -> dict:
     }
 
 
-def _shard_cursor(samplers: list[ExampleSampler], ids: list[int]) -> tuple[int, int]:
-    """(shard, cursor) of the batch whose example ids are `ids`."""
-    for s in samplers:
-        first = ids[0]
-        if not s.start <= first < s.stop:
-            continue
-        for c in range(0, 4 * s.shard_size // BATCH + 2):
-            if s.indices_at(c) == ids:
-                return s.shard_index if False else samplers.index(s), c
-    raise AssertionError(f"no batch of any shard has ids {ids[:4]}...")
+def _replay(cfg: dict, data, island: int, batches: int) -> list[list[int]]:
+    """Island `island`'s first `batches` batches, as example ids, from the data plan the run makes of `data`."""
+    stream = examples_stream(build_config(cfg), data, "")
+    sampler = StreamSampler(stream, island=island, seq_len=1, batch_size=BATCH, seed=5)
+    return [sampler.next_batch()["id"].tolist() for _ in range(batches)]
 
 
 def test_a_cnn_resumes_exactly_across_kills_then_the_run_resumes_through_the_api(ray_cluster, tmp_path):
@@ -72,16 +68,20 @@ def test_a_cnn_resumes_exactly_across_kills_then_the_run_resumes_through_the_api
     run_dir = Path(result.path)
     assert result.metrics["restarts"] >= 2, "both kills happened and were healed"
 
-    # Every island process's training batches, from the ids the loss saw, as (shard, start cursor, steps).
-    samplers = [ExampleSampler(data, shard_index=i, num_shards=2, batch_size=BATCH, seed=5) for i in range(2)]
+    # Every island process's training batches, from the ids the loss saw, as (island, start cursor, steps).
+    streams = {i: _replay(cfg, data, i, 600) for i in range(2)}
+    where: dict[tuple, tuple[int, int]] = {}
+    for i, batches in streams.items():
+        for k, ids in enumerate(batches):
+            where.setdefault(tuple(ids), (i, k))
     runs = []
     for log in sorted(ids_dir.glob("ids-*.log")):
         if log.name == f"ids-{os.getpid()}.log":
-            continue  # the driver's check of the loss on the first batch, before Ray (not training)
+            continue  # the driver's check of the loss on a held-out batch, before Ray (not training)
         batches = [[int(t) for t in line.split()] for line in log.read_text().splitlines()]
-        shard, start = _shard_cursor(samplers, batches[0])
-        # Consecutive: step k of the process trained exactly batch start+k of its shard (the examples' own ids).
-        assert batches == [samplers[shard].indices_at(start + k) for k in range(len(batches))], log.name
+        shard, start = where[tuple(batches[0])]
+        # Consecutive: step k of the process trained exactly batch start+k of its island's stream.
+        assert batches == streams[shard][start:start + len(batches)], log.name
         runs.append((shard, start, len(batches)))
 
     # What reached the global model (merged, salvaged) or was taken and refused, per slot and incarnation.

@@ -1,5 +1,6 @@
 """Training data stays in its region: each pool's islands read that pool's own copy of the corpus, and no corpus
-byte crosses between nodes through Ray's object store (docs/data.md).
+byte crosses between nodes through Ray's object store (docs/data.md). A unit that turns out unreadable only when
+read (ids past the vocabulary) is skipped, and its tokens get their own fate in the summary and the final table.
 
 One short run on the session cluster: a 64 MiB token-file corpus in two local directories (copy A for pool a, on
 nodes a1/a2; copy B for pool b, on node b1), the nano model, a token budget that trains for about a second.
@@ -20,6 +21,7 @@ every island fetched it, would have put the whole corpus on every island's node.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import numpy as np
@@ -28,9 +30,12 @@ import ray
 from ray._private.internal_api import node_stats
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from islands.stream import StreamSampler
 from orchestrator.config import build_config
 from orchestrator.core.eventlog import read_events
 from orchestrator.run.driver import train
+from orchestrator.run.streams import corpus_stream
+from orchestrator.run.summary import format_summary
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -82,10 +87,19 @@ def test_each_pool_reads_its_own_copy_and_no_corpus_byte_crosses_the_object_stor
         "pools": [{"name": p, "islands": 1, "labels": {"pool": p}, "cpus_per_island": 0.5, "data_path": copies[p]}
                   for p in ("a", "b")],
     })
+    # The first unit island 0 will read (the plan is metadata only: it does not change) gets ids past the vocabulary,
+    # in both copies (hard links): only reading it can tell.
+    bad = StreamSampler(corpus_stream(cfg).stream, island=0, seq_len=8, batch_size=1, seed=0).unit_at(0)
+    with open(copy_a / bad.path, "r+b") as f:
+        f.write(np.full(64, 300, dtype="<u2").tobytes())
     run_dir = tmp_path / "run"
     summary = train(cfg, run_dir)
     after = created_bytes(nodes)
-    assert summary["stopped_by"] == "token_budget" and summary["tokens_unreadable"] == 0
+    assert summary["stopped_by"] == "token_budget"
+    assert summary["units_unreadable"] == [f"{bad.name}/0"] and summary["tokens_unreadable"] == bad.tokens == FILE_TOKENS
+    table = format_summary(summary)
+    assert re.search(rf"^unreadable \(skipped units\) +{FILE_TOKENS:,} tokens, .*{re.escape(bad.name)}", table, re.M), table
+    assert summary["tokens_processed"] == summary["tokens_merged"], "skipped tokens are not processed ones"
 
     # Every island's last status names its own pool's copy, and it read from it.
     last: dict[int, dict] = {}

@@ -63,9 +63,9 @@ def config(corpus: Path, tape: Path | None, budget: int) -> dict:
         "checkpoint": {"every_s": 1.0},
         "health": {"warm_spares": 0, "salvage_every_steps": 3, "backoff_base_s": 0.2},
         "chaos": {"mode": "tape", "params": {"path": str(tape)}} if tape else {"mode": "none"},
-        "pools": [  # EMULATION: throttled steps, so the run outlasts both kills
-            {"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "emulated_slowdown": 100.0},
-            {"name": "b", "islands": 1, "labels": {"pool": "b"}, "cpus_per_island": 0.5, "emulated_slowdown": 100.0},
+        "pools": [  # EMULATION: throttled steps, island 1 the slower, so island 0's third incarnation trains too
+            {"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "emulated_slowdown": 20.0},
+            {"name": "b", "islands": 1, "labels": {"pool": "b"}, "cpus_per_island": 0.5, "emulated_slowdown": 60.0},
         ],
     }
 
@@ -82,8 +82,10 @@ def test_streamed_islands_resume_exactly_across_kills_and_a_resumed_run(ray_clus
     ids_dir = tmp_path / "ids"
     ids_dir.mkdir()
     tape = tmp_path / "tape.yaml"
-    FaultTape([Fault(island=0, kind="kill_island", at_s=2.0), Fault(island=0, kind="kill_island", at_s=6.0)]).to_yaml(tape)
-    cfg = build_config(config(corpus, tape, budget=2_400))
+    # Incarnations 1 and 2 of island 0 are each killed at their 12th step: a submission cut, some progress shelved.
+    FaultTape([Fault(island=0, kind="kill_island", at_step=12, incarnation=1),
+               Fault(island=0, kind="kill_island", at_step=12, incarnation=2)]).to_yaml(tape)
+    cfg = build_config(config(corpus, tape, budget=3_200))
     run_dir = tmp_path / "run"
     first = DilocoTrainer(unique_ids_model, loss_fn=WindowLog(str(ids_dir)), run_config=cfg, run_dir=run_dir).fit()
     assert first.metrics["restarts"] >= 2, "both kills happened and were healed"
@@ -91,7 +93,7 @@ def test_streamed_islands_resume_exactly_across_kills_and_a_resumed_run(ray_clus
     rounds = read_events(run_dir, "rounds").to_pylist()  # the first session's: the resume's start is checked against them
     refusals = read_events(run_dir, "refusals").to_pylist()
     again = DilocoTrainer(unique_ids_model, loss_fn=WindowLog(str(ids_dir)), run_dir=run_dir, resume=True,
-                          run_config=build_config(config(corpus, None, budget=3_200))).fit()
+                          run_config=build_config(config(corpus, None, budget=4_800))).fit()
     assert again.metrics["resumed"]
 
     streams = {i: replay(cfg, i, 400) for i in range(2)}

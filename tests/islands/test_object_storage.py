@@ -197,7 +197,7 @@ def test_an_identical_copy_is_accepted_and_a_differing_one_refused_naming_the_po
     assert check_copies(config(path, copies={"b": s3.uri("copy", "tokens")}), corpus_index(config(path))) == \
         {"b": s3.uri("copy", "tokens")}
     cfg = config(path, copies={"a": s3.uri("copy", "tokens"), "b": s3.uri("differ", "tokens")})
-    with pytest.raises(DataError, match=r"pools\.b\.data_path=.* is not a copy of data\.path=.*: 15 units against 16") as err:
+    with pytest.raises(DataError, match=r"pools\.b\.data_path=.* is not a copy of data\.path=.*: 'b\.bin' holds 2,500 against 3,000") as err:
         check_copies(cfg, corpus_index(cfg))
     one_line(err)
 
@@ -240,7 +240,7 @@ def test_bad_storage_and_copies_are_one_line_errors_in_process_and_from_diloco_t
     unreachable = s3.uri("corpus", "tokens", endpoint=f"127.0.0.1:{closed_port()}")
     cases = {
         "differ": ([f"data.path={s3.uri('corpus', 'tokens')}", f"pools.slow.data_path={s3.uri('differ', 'tokens')}"],
-                   r"^diloco train: pools\.slow\.data_path=.* is not a copy of data\.path=.*: 15 units against 16"),
+                   r"^diloco train: pools\.slow\.data_path=.* is not a copy of data\.path=.*: 'b\.bin' holds 2,500 against 3,000"),
         "unreachable": ([f"data.path={unreachable}"], r"^diloco train: cannot reach .*; check the endpoint"),
         "no files": ([f"data.path={s3.uri('corpus', 'empty')}"],
                      r"^diloco train: directory .* has no \.bin/\.tokens/\.u16/\.u32 token files; point at the directory"),

@@ -156,3 +156,43 @@ def test_conversions_and_bad_inputs(ray_local, materialized) -> None:
     assert "columns ['nope'] not in the dataset" in one_line(exc) and "'input_ids'" in str(exc.value)
     with pytest.raises(ValueError, match="2 block refs but 1 row counts"):
         RayDatasetExamples([ray_local.put(table)] * 2, [2], ["wide"])
+
+
+def test_a_one_read_dataset_is_units_an_island_process_reads_itself(ray_local, parquet_dir) -> None:
+    """ray.data.read_parquet is planned as ListFiles -> ReadFiles: its row groups become units (footers only), and
+    another process runs its own units' reads, getting the files' rows; nothing is materialized."""
+    import ray.data
+
+    from islands.ray_source import RayDataReads
+    from islands.stream import StreamSampler
+    from orchestrator.config import build_config
+    from orchestrator.run.streams import reads_stream
+
+    context = ray.data.DataContext.get_current()
+    saved = context.use_datasource_v2
+    try:  # Ray 2.60's default Parquet plan (ListFiles -> ReadFiles): a unit per row group, rows from the footers
+        context.use_datasource_v2 = True
+        v2 = RayDataReads.of(ray.data.read_parquet(str(parquet_dir)), units=8)
+    finally:
+        context.use_datasource_v2 = saved
+    assert v2 is not None and len(v2.tasks) == FILES and sum(v2.rows) == ROWS
+    dataset = ray.data.read_parquet(str(parquet_dir))  # the classic plan (this module's): one Read of read tasks
+    reads = RayDataReads.of(dataset, units=8)
+    assert reads is not None and len(reads.tasks) == FILES and set(reads.columns) >= {"input_ids", "label"}
+    assert RayDataReads.of(dataset.map(lambda row: row), units=8) is None, "a transform after the read: materialized"
+    cfg = build_config({"run": {"seed": 1}, "data": {"batch_size": 5, "block_batches": 2},
+                        "pools": [{"name": "p", "islands": 2}]})
+    stream, held = reads_stream(cfg, reads, "reads", hold_out=True)
+    assert held and all(int(e["input_ids"][0]) == int(e["label"]) for e in held)
+
+    @ray_local.remote(num_cpus=0)
+    def island_batches(stream) -> tuple[list[int], list[int]]:
+        sampler = StreamSampler(stream, island=1, seq_len=1, batch_size=5, seed=1)
+        labels = [int(x) for _ in range(6) for x in sampler.next_batch()["label"]]
+        return labels, sorted(stream.examples._tables)  # the units this process read
+
+    labels, read_here = ray_local.get(island_batches.remote(stream))
+    own = {stream.units[u].start for u in stream.assignment[1]}
+    assert set(read_here) <= own and len(set(labels)) == len(labels) == 30
+    per_unit = ROWS // len(reads.tasks)
+    assert {label // per_unit for label in labels} <= own, "rows of the island's own row groups only"

@@ -178,8 +178,8 @@ def test_equal_copies_do_not_differ() -> None:
 @pytest.mark.parametrize(
     ("other", "words"),
     [
-        (REFERENCE[:2], ["2 units", "3"]),
-        (REFERENCE + [("c.bin@0", 1)], ["4 units", "3"]),
+        (REFERENCE[:2], ["2 entries", "3"]),
+        (REFERENCE + [("c.bin@0", 1)], ["4 entries", "3"]),
         ([REFERENCE[0], ("x.bin@100", 100), REFERENCE[2]], ["'x.bin@100'", "'a.bin@100'"]),
         ([REFERENCE[0], REFERENCE[1], ("b.bin@0", 39)], ["'b.bin@0'", "39", "40"]),
     ],
@@ -193,4 +193,4 @@ def test_copies_that_differ_are_described_in_one_line(other, words) -> None:
 
 def test_copies_differ_names_the_first_difference() -> None:
     other = [("a.bin@0", 99), ("z", 100), ("b.bin@0", 40)]
-    assert copies_differ(REFERENCE, other) == "unit 'a.bin@0' has length 99 against 100"
+    assert copies_differ(REFERENCE, other) == "'a.bin@0' holds 99 against 100"
