@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,8 +49,8 @@ class TokenStream:
     """How units turn into token ids."""
     root: str
     """Where the corpus lies (local path or pyarrow.fs URI): the copy of every pool without one of its own."""
-    units: tuple[Unit, ...]
-    """The training units (held-out units are the evaluator's)."""
+    units: Sequence[Unit]
+    """The training units (held-out units are the evaluator's): a tuple, or an islands.corpus.UnitTable (compact)."""
     assignment: tuple[tuple[int, ...], ...]
     """``assignment[i]``: indices into ``units`` of island ``i``'s units, in plan order."""
     shuffle: bool = True

@@ -24,6 +24,7 @@ from islands.corpus import (
     CorpusIndex,
     Unit,
     UnitError,
+    UnitTable,
     _split_largest,
     heldout_sample,
     index_parquet,
@@ -144,7 +145,7 @@ def corpus_stream(cfg: RunConfig, run_dir: str | Path | None = None) -> CorpusPl
         raise DataError(f"the corpus at {shown_path(index.root)} cuts into {len(train)} training unit(s), too few for {cfg.num_islands} "
                         f"islands that each read units of their own: add rows or files, or train fewer islands "
                         f"(pools.NAME.islands)") from None
-    stream = TokenStream(fmt=index.fmt, root=index.root, units=tuple(index.units[u] for u in train),
+    stream = TokenStream(fmt=index.fmt, root=index.root, units=UnitTable([index.units[u] for u in train]),
                          assignment=tuple(tuple(a) for a in assignment), shuffle=d.shuffle_documents,
                          block_batches=d.block_batches, readahead=d.readahead_units, roots=roots, source=index.source)
     heldout = heldout_sample(index, max_tokens=d.heldout_tokens)
@@ -230,7 +231,7 @@ def _python_stream(cfg: RunConfig, fmt: CorpusFormat, units: list[Unit], source:
     """The data plan of Python data: its units spread over the islands as a corpus's are."""
     d = cfg.data
     assignment = assign_units([u.tokens for u in units], cfg.num_islands, seed=cfg.run.seed, shuffle=d.shuffle_documents)
-    return TokenStream(fmt=fmt, root="python", units=tuple(units), assignment=tuple(tuple(a) for a in assignment),
+    return TokenStream(fmt=fmt, root="python", units=UnitTable(units), assignment=tuple(tuple(a) for a in assignment),
                        shuffle=d.shuffle_documents, block_batches=d.block_batches, readahead=d.readahead_units,
                        source=source, **data)
 
