@@ -43,6 +43,7 @@ from islands.data import (
     _resolve,
     _stdlib_split,
 )
+from islands.tokenizer import ByteEncoder
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class CorpusFormat:
         """The id appended after every document of text (b"\\n" for bytes, the encoder's end of document)."""
         if not self.is_text:
             return None
-        return 10 if self.encoder is None else int(self.encoder.eos_id)
+        return (self.encoder or ByteEncoder).eos_id
 
     @property
     def id_dtype(self) -> np.dtype:
@@ -255,8 +256,7 @@ def _split_largest(units: list[Unit], minimum: int) -> list[Unit]:
     return units
 
 
-def index_parquet(path: str, *, column: str, is_text: bool, heldout_fraction: float = 0.02,
-                  minimum_units: int = 1) -> tuple[str, list[Unit], int]:
+def index_parquet(path: str, *, column: str, is_text: bool, minimum_units: int = 1) -> tuple[str, list[Unit], int]:
     """(root, units, rows) of a Parquet/Arrow dataset from its footers: a unit per row group of each Parquet
     file (sorted path order), one per Arrow/IPC file. Raises DataError (one line) for a path that does not
     exist or cannot be reached, a directory without data files, a missing column or a column of the wrong type."""
@@ -351,9 +351,7 @@ def index_token_files(path: str, *, dtype: str, unit_tokens: int, heldout_fracti
     if total == 0:
         raise DataError(f"token files under {shown_path(path)!r} are empty; write token ids into them first")
     units = _split_largest(units, minimum_units)
-    held = [zlib.crc32(u.name.encode()) / 2**32 < heldout_fraction for u in units]
-    if not any(held):
-        held[-1] = True
+    held = held_out_by_name([u.name for u in units], heldout_fraction)
     if all(held):
         raise DataError(f"{shown_path(path)!r} has {len(units)} unit(s), all held out at heldout_fraction={heldout_fraction}; "
                         f"lower data.unit_tokens so the corpus cuts into more units")
@@ -361,12 +359,21 @@ def index_token_files(path: str, *, dtype: str, unit_tokens: int, heldout_fracti
     return root, units, total
 
 
+def held_out_by_name(names: Sequence[str], heldout_fraction: float) -> list[bool]:
+    """Which whole units are held out: those whose name's crc32 falls under ``heldout_fraction`` of 2**32, and the
+    last one when none does (stable across processes, machines and copies of a corpus)."""
+    held = [zlib.crc32(name.encode()) / 2**32 < heldout_fraction for name in names]
+    if held and not any(held):
+        held[-1] = True
+    return held
+
+
 def index_stdlib(*, heldout_fraction: float = 0.02, max_bytes: int | None = None, shuffle: bool = True,
                  minimum_units: int = 1) -> tuple[str, list[Unit], int]:
     """(root, units, files) of the running Python's standard-library source: one unit per file, the
     training files first, then the held-out ones, each in corpus order (islands.data.load_stdlib_corpus's
-    split and order). ``max_bytes`` keeps training files until their sizes reach it (whole files), and
-    held-out files in proportion (at least 64 KiB)."""
+    split and order). ``max_bytes`` keeps training files until their sizes reach it, the last one cut at the cap as
+    the byte loader cut it, and held-out files in proportion (at least 64 KiB)."""
     train_files, heldout_files, heldout_cap = _stdlib_split(heldout_fraction, max_bytes, shuffle)
     root = sysconfig.get_paths()["stdlib"]
     units: list[Unit] = []
@@ -464,14 +471,12 @@ def _file_bytes(root: str, unit: Unit) -> tuple[bytes, bool]:
 
 
 def _encode(fmt: CorpusFormat, texts: Sequence[str]) -> np.ndarray:
-    """Documents encoded and joined, a separator after each (so units concatenate into a stream of documents)."""
-    if fmt.encoder is None:
-        joined = b"\n".join(t.encode("utf-8") for t in texts) + (b"\n" if texts else b"")
-        return np.frombuffer(joined, dtype=np.uint8)
+    """Documents encoded and joined, a separator after each (so units concatenate into a stream of documents);
+    no encoder is UTF-8 bytes, documents separated by b"\\n" (islands.tokenizer.ByteEncoder)."""
     if not texts:
         return np.zeros(0, dtype=fmt.id_dtype)
-    ids = np.asarray(fmt.encoder.encode_documents(list(texts)))
-    return np.concatenate([ids, [fmt.encoder.eos_id]]).astype(fmt.id_dtype, copy=False)
+    ids = np.asarray((fmt.encoder or ByteEncoder()).encode_documents(list(texts)))
+    return np.concatenate([ids, [fmt.separator]]).astype(fmt.id_dtype, copy=False)
 
 
 def _column(fmt: CorpusFormat, root: str, unit: Unit, *, heldout: bool) -> pa.Array | pa.ChunkedArray:
@@ -563,5 +568,5 @@ def heldout_sample(index: CorpusIndex, *, max_tokens: int, root: str | None = No
     return np.concatenate(pieces)
 
 
-__all__ = ["SOURCES", "TOKEN_DTYPES", "CorpusFormat", "CorpusIndex", "Unit", "UnitError", "UnitTable", "heldout_sample", "shown_path",
+__all__ = ["SOURCES", "TOKEN_DTYPES", "CorpusFormat", "CorpusIndex", "Unit", "UnitError", "UnitTable", "heldout_sample", "held_out_by_name", "shown_path",
            "index_parquet", "index_stdlib", "index_token_files", "read_texts", "read_unit"]

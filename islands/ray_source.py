@@ -178,11 +178,7 @@ class RayDatasetExamples:
                                 f"driver") from exc
             if not isinstance(block, pa.Table):  # to_arrow_refs gives Arrow; accept pandas to be safe
                 block = pa.Table.from_pandas(block, preserve_index=False)
-            block = self._blocks[k] = block.select(self.columns).combine_chunks()  # one chunk per column
-            # A few blocks at a time: an island reads its blocks unit by unit (a unit is a block), and a
-            # shuffle block spans at most a few of them; holding every block read would grow to its whole share.
-            while len(self._blocks) > CACHED_BLOCKS:
-                self._blocks.pop(next(iter(self._blocks)))
+            block = _keep(self._blocks, k, block.select(self.columns).combine_chunks())  # one chunk per column
         return block
 
     def __getitem__(self, index: int) -> dict[str, Any]:
@@ -265,18 +261,11 @@ class RayDataReads:
             raise DataError("the Ray dataset's Parquet files hold no row groups; point it at non-empty data")
         return cls(tasks, rows, columns)
 
-    def __len__(self) -> int:
-        """Rows in all, where every read task's metadata says (else a lower bound)."""
-        return sum(r or 0 for r in self.rows)
-
     def read_unit(self, k: int) -> int:
         """Run read task ``k`` (here, in this process), keep its rows, and return how many it gave."""
         tables = [b if isinstance(b, pa.Table) else pa.Table.from_pandas(b, preserve_index=False) for b in self.tasks[k]()]
         table = pa.concat_tables(tables).select(self.columns).combine_chunks() if tables else pa.table({})
-        self._tables[k] = table
-        while len(self._tables) > CACHED_BLOCKS:  # the units being cut into batches and those read ahead
-            self._tables.pop(next(iter(self._tables)))
-        return table.num_rows
+        return _keep(self._tables, k, table).num_rows
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """Row ``index & 0xFFFFFFFF`` of unit ``index >> 32``, read again if it was dropped."""
@@ -306,6 +295,17 @@ class _RowGroupRead:
 
         with self.fs.open_input_file(self.file) as source:
             return [pq.ParquetFile(source).read_row_group(self.group, columns=list(self.columns))]
+
+
+def _keep(cache: dict[int, pa.Table], k: int, table: pa.Table) -> pa.Table:
+    """Put ``table`` in ``cache`` under ``k``, dropping the oldest past CACHED_BLOCKS, and return it.
+
+    A few at a time: an island reads its units one after another, and a shuffle block spans at most a few of
+    them (with the ones read ahead); holding every one it read would grow to its whole share of the data."""
+    cache[k] = table
+    while len(cache) > CACHED_BLOCKS:
+        cache.pop(next(iter(cache)))
+    return table
 
 
 def _num_rows(block) -> int:

@@ -68,9 +68,7 @@ class TokenStream:
     object store, so an island fetches only its own units)."""
     examples: Any = None
     """A map-style dataset from Python (``fmt.kind`` 'examples'): units are ranges of its indices, and a batch is
-    ``collate`` of ``batch_size`` of its examples."""
-    collate: Any = None
-    """How examples become a batch (None: ``torch.utils.data.default_collate``)."""
+    ``batch_size`` of its examples collated by ``torch.utils.data.default_collate``."""
 
     @property
     def of_examples(self) -> bool:
@@ -95,10 +93,6 @@ class TokenStream:
     def island_tokens(self, island: int) -> int:
         """Estimated training tokens of island ``island``'s units (metadata)."""
         return sum(self.units[u].tokens for u in self.assignment[island])
-
-    def __len__(self) -> int:
-        """Estimated training tokens of the whole plan (metadata; unreadable units included)."""
-        return sum(u.tokens for u in self.units)
 
 
 def _fetch(payload: Any) -> np.ndarray:
@@ -217,10 +211,9 @@ class StreamSampler:
             return self._collate([self.stream.examples[int(i)] for i in self._tokens[windows]])
         return _windows(self._tokens, windows * self.seq_len, self.seq_len)
 
-    def _collate(self, examples: list) -> Any:
-        if self.stream.collate is not None:
-            return self.stream.collate(examples)
-        from torch.utils.data import default_collate
+    @staticmethod
+    def _collate(examples: list) -> Any:
+        from torch.utils.data import default_collate  # lazily, as torch in islands.data
 
         return default_collate(examples)
 

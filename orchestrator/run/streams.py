@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import platform
-import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from islands.corpus import (
     UnitError,
     UnitTable,
     _split_largest,
+    held_out_by_name,
     heldout_sample,
     index_parquet,
     index_stdlib,
@@ -84,8 +84,7 @@ def corpus_index(cfg: RunConfig, path: str | None = None) -> CorpusIndex:
         is_text = d.text_column is not None
         column = d.text_column if is_text else d.token_column
         assert column is not None
-        root, units, rows = index_parquet(path or d.path, column=column, is_text=is_text,
-                                          heldout_fraction=d.heldout_fraction, minimum_units=islands)
+        root, units, rows = index_parquet(path or d.path, column=column, is_text=is_text, minimum_units=islands)
         fmt = CorpusFormat("parquet", column=column, is_text=is_text, heldout_fraction=d.heldout_fraction,
                            shuffle_rows=d.shuffle_documents, vocab_size=d.vocab_size if not is_text else None)
         order = "shuffled" if d.shuffle_documents else "in file order"
@@ -139,15 +138,11 @@ def corpus_stream(cfg: RunConfig, run_dir: str | Path | None = None) -> CorpusPl
         index = replace(index, fmt=replace(index.fmt, vocab_size=vocab))
     train = index.train_units()
     try:
-        assignment = assign_units([index.units[u].tokens for u in train], cfg.num_islands, seed=cfg.run.seed,
-                                  shuffle=d.shuffle_documents)
+        stream = _stream(cfg, index.fmt, [index.units[u] for u in train], index.source, root=index.root, roots=roots)
     except ValueError:
         raise DataError(f"the corpus at {shown_path(index.root)} cuts into {len(train)} training unit(s), too few for {cfg.num_islands} "
                         f"islands that each read units of their own: add rows or files, or train fewer islands "
                         f"(pools.NAME.islands)") from None
-    stream = TokenStream(fmt=index.fmt, root=index.root, units=UnitTable([index.units[u] for u in train]),
-                         assignment=tuple(tuple(a) for a in assignment), shuffle=d.shuffle_documents,
-                         block_batches=d.block_batches, readahead=d.readahead_units, roots=roots, source=index.source)
     heldout = heldout_sample(index, max_tokens=d.heldout_tokens)
     name = "" if encoder is None else f"; tokenized in the islands with {encoder.name} (vocab {vocab})"
     log.info("data plan: %d training units over %d islands, %d held-out tokens read", len(train), cfg.num_islands, len(heldout))
@@ -227,11 +222,13 @@ def _units_of(name: str, count: int, size: int, islands: int) -> list[Unit]:
     return _split_largest(units, islands)
 
 
-def _python_stream(cfg: RunConfig, fmt: CorpusFormat, units: list[Unit], source: str, **data: Any) -> TokenStream:
-    """The data plan of Python data: its units spread over the islands as a corpus's are."""
+def _stream(cfg: RunConfig, fmt: CorpusFormat, units: list[Unit], source: str, *, root: str = "python",
+            **data: Any) -> TokenStream:
+    """The data plan of training ``units``: spread over the islands (policies/data_plan.py), read with the config's
+    shuffling, block size and read-ahead. Raises ValueError when there are fewer units than islands."""
     d = cfg.data
     assignment = assign_units([u.tokens for u in units], cfg.num_islands, seed=cfg.run.seed, shuffle=d.shuffle_documents)
-    return TokenStream(fmt=fmt, root="python", units=UnitTable(units), assignment=tuple(tuple(a) for a in assignment),
+    return TokenStream(fmt=fmt, root=root, units=UnitTable(units), assignment=tuple(tuple(a) for a in assignment),
                        shuffle=d.shuffle_documents, block_batches=d.block_batches, readahead=d.readahead_units,
                        source=source, **data)
 
@@ -242,7 +239,7 @@ def array_stream(cfg: RunConfig, ids: np.ndarray, source: str) -> TokenStream:
     if len(ids) < cfg.num_islands:
         raise DataError(f"the token array has {len(ids)} ids, fewer than the {cfg.num_islands} islands; pass more data")
     units = _units_of("array", len(ids), cfg.data.unit_tokens, cfg.num_islands)
-    return _python_stream(cfg, CorpusFormat("memory", is_text=False), units, source,
+    return _stream(cfg, CorpusFormat("memory", is_text=False), units, source,
                           payloads=tuple(ids[u.start:u.start + u.count] for u in units))
 
 
@@ -260,7 +257,7 @@ def examples_stream(cfg: RunConfig, dataset: Any, source: str) -> TokenStream:
                                cfg.num_islands)
     else:
         units = _units_of("examples", n, cfg.data.unit_examples, cfg.num_islands)
-    return _python_stream(cfg, CorpusFormat("examples", is_text=False), units, source, examples=dataset)
+    return _stream(cfg, CorpusFormat("examples", is_text=False), units, source, examples=dataset)
 
 
 def reads_stream(cfg: RunConfig, reads: Any, source: str, *, hold_out: bool) -> tuple[TokenStream, list | None]:
@@ -269,16 +266,14 @@ def reads_stream(cfg: RunConfig, reads: Any, source: str, *, hold_out: bool) -> 
     by a stable hash of their number (the last if none is picked), and the driver reads held-out rows until it has
     what evaluation scores; returns (stream, those examples or None)."""
     names = [f"read@{k}" for k in range(len(reads.tasks))]
-    held = [hold_out and zlib.crc32(n.encode()) / 2**32 < cfg.data.heldout_fraction for n in names]
-    if hold_out and not any(held):
-        held[-1] = True
+    held = held_out_by_name(names, cfg.data.heldout_fraction) if hold_out else [False] * len(names)
     units = [Unit(n, "read", -1, k, rows if rows is not None else -1, max(1, rows or 1), h)
              for k, (n, rows, h) in enumerate(zip(names, reads.rows, held))]
     train = [u for u in units if not u.heldout]
     if len(train) < cfg.num_islands:
         raise DataError(f"the Ray dataset reads in {len(reads.tasks)} task(s), too few for {cfg.num_islands} islands and "
                         f"held-out data; give it more files, or train fewer islands (pools.NAME.islands)")
-    stream = _python_stream(cfg, CorpusFormat("examples", is_text=False), train, source, examples=reads)
+    stream = _stream(cfg, CorpusFormat("examples", is_text=False), train, source, examples=reads)
     if not hold_out:
         return stream, None
     want, examples = cfg.eval.batches * cfg.eval.batch_size, []
@@ -294,7 +289,7 @@ def reads_stream(cfg: RunConfig, reads: Any, source: str, *, hold_out: bool) -> 
 
 def read_all_training(index: CorpusIndex) -> np.ndarray:
     """Every training token of the corpus in one array, units in index order: the in-memory form that only the
-    data-parallel baseline and `diloco evaluate`'s unigram still take (they read the whole corpus)."""
+    data-parallel baseline still takes (it reads the whole corpus)."""
     pieces = []
     for u in index.train_units():
         try:

@@ -87,8 +87,8 @@ class TrainingData:
 
 def load_corpus(cfg: RunConfig, run_dir: str | Path | None = None) -> Corpus:
     """The config's corpus read whole into memory: every training unit and the held-out sample, through the same
-    unit readers the islands stream with (islands/corpus.py). Only the data-parallel baseline and `diloco
-    evaluate`'s unigram baseline take it; a run's islands stream their units (:func:`training_data`)."""
+    unit readers the islands stream with (islands/corpus.py). Only the data-parallel baseline takes it; a run's
+    islands stream their units (:func:`training_data`)."""
     plan = corpus_stream(cfg, run_dir)
     corpus = Corpus(train=read_all_training(plan.index), heldout=plan.heldout, vocab_size=plan.vocab_size,
                     source=plan.source)
