@@ -31,7 +31,9 @@ ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
 # A small run: nano model, 2 islands in one pool, no warm spares; it stops on max_wall_s so that it
 # lasts long enough for `diloco status` to attach whatever the machine's load.
 RUN_SETTINGS = [
-    "model.preset=nano", "run.token_budget=100000000", "run.max_wall_s=4", "data.max_bytes=400000",
+    # 8 s of training: `diloco status` (a new driver process per try, 1-3 s each) must find the run live; at 4 s a
+    # clean clone's cold first imports once let the job finish between two tries.
+    "model.preset=nano", "run.token_budget=100000000", "run.max_wall_s=8", "data.max_bytes=400000",
     "eval.interval_s=5", "eval.batches=2", "health.warm_spares=0", "outer.sync_every_steps=8",
     "pools=[{name: a, islands: 2, cpus_per_island: 0.5}]",
     # A user's own model by import path: its module travels in the job's working_dir and every process of
