@@ -294,7 +294,10 @@ class PoolConfig(_Section):
     """A named set of nodes of one hardware kind in one region, and the islands placed on it."""
 
     name: str = Field(..., min_length=1, description="Pool name, e.g. 'us-east/v5p'; used in logs and reports.")
-    islands: int = Field(1, ge=1, description="Number of islands (learner units) on this pool.")
+    islands: int = Field(1, ge=1, description="Island slots (learner units) on this pool; written {min: A, max: B} the pool "
+                         "is elastic: B slots, of which the run needs A placed to start and fills the rest as nodes join.")
+    min_islands: int | None = Field(None, ge=0, description="Elastic pool: islands that must be placed before the run starts "
+                                    "(the 'min' of islands: {min, max}); None = a fixed pool of `islands`.")
     labels: dict[str, str] = Field(default_factory=dict, description="Node labels every bundle must match (bundle_label_selector), e.g. {pool: a}.")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom resources every bundle asks for, e.g. {pool_a: 1}.")
     cpus_per_island: float = Field(1.0, gt=0, description="Logical CPUs reserved per island worker bundle.")
@@ -313,8 +316,30 @@ class PoolConfig(_Section):
     emulated_slowdown: float = Field(1.0, ge=1.0, description="EMULATION: stretch each inner step to this multiple of its compute time (sleep).")
     emulated_jitter: float = Field(0.0, ge=0.0, lt=1.0, description="EMULATION: random +- fraction on the stretched step time.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _island_range(cls, data: Any) -> Any:
+        # `islands: {min: A, max: B}` is the user's spelling of an elastic pool; it is kept as two plain fields so
+        # that everything sized by slots (data plan, specs, metrics) reads `islands` as before.
+        if not isinstance(data, dict) or not isinstance(data.get("islands"), dict):
+            return data
+        rng, name = dict(data["islands"]), data.get("name", "?")
+        if set(rng) != {"min", "max"}:
+            raise ValueError(f"pool {name!r}: islands {rng} must be a number or {{min: A, max: B}}, "
+                             f"e.g. islands: {{min: 2, max: 6}}")
+        lo, hi = rng["min"], rng["max"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo <= hi or hi < 1:
+            raise ValueError(f"pool {name!r}: islands {{min: {lo}, max: {hi}}} needs whole numbers 0 <= min <= max, "
+                             f"max >= 1; e.g. islands: {{min: 2, max: 6}}")
+        if data.get("min_islands") is not None and data["min_islands"] != lo:
+            raise ValueError(f"pool {name!r}: islands.min {lo} conflicts with min_islands {data['min_islands']}; give one")
+        return {**data, "islands": hi, "min_islands": lo}
+
     @model_validator(mode="after")
     def _gpu_pools_reserve_gpus(self) -> PoolConfig:
+        if self.min_islands is not None and self.min_islands > self.islands:
+            raise ValueError(f"pool {self.name!r}: min_islands {self.min_islands} exceeds islands {self.islands}; "
+                             f"write islands: {{min: A, max: B}} with A <= B")
         # Caught here rather than when the island first touches CUDA, minutes in, on a placement group
         # that holds no GPU.
         if self.accelerator != "cpu" and self.gpus_per_worker <= 0:
@@ -336,10 +361,26 @@ class PoolConfig(_Section):
         """True when this pool's speed is emulated by throttling (report it as emulation)."""
         return self.emulated_slowdown != 1.0 or self.emulated_jitter > 0
 
+    @property
+    def elastic(self) -> bool:
+        """True when the pool's island count follows its capacity (islands: {min, max} with min < max)."""
+        return self.min_islands is not None and self.min_islands < self.islands
+
+    @property
+    def required_islands(self) -> int:
+        """Islands that must be placed before the run starts: `min_islands`, or every slot of a fixed pool."""
+        return self.islands if self.min_islands is None else self.min_islands
+
+    @property
+    def spares(self) -> bool:
+        """Whether the pool may hold warm spares: single-worker islands of a fixed pool (an elastic pool's free
+        capacity goes to its vacant slots, which a spare would only compete with)."""
+        return self.workers_per_island == 1 and not self.elastic
+
     def reserved_bundles(self, warm_spares: int) -> int:
-        """Worker bundles this pool holds at once: one per worker of every island, plus `warm_spares` when its
-        islands are single workers (pools of several workers per island get no spares)."""
-        return self.islands * self.workers_per_island + (warm_spares if self.workers_per_island == 1 else 0)
+        """Worker bundles this pool holds at once when it starts: one per worker of every required island, plus
+        `warm_spares` when it may hold spares (`spares`)."""
+        return self.required_islands * self.workers_per_island + (warm_spares if self.spares else 0)
 
 
 class EvalSection(_Section):
@@ -480,6 +521,9 @@ class RunConfig(_Section):
     def _pools(self) -> RunConfig:
         if not self.pools:
             raise ValueError("pools is empty; define at least one pool with islands >= 1")
+        if self.required_islands < 1:
+            raise ValueError("every pool's islands.min is 0, so the run could start with no island; give one pool "
+                             "islands.min >= 1")
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
@@ -508,8 +552,22 @@ class RunConfig(_Section):
 
     @property
     def num_islands(self) -> int:
-        """Total islands over all pools."""
+        """Total island slots over all pools (an elastic pool counts its maximum)."""
         return sum(p.islands for p in self.pools)
+
+    @property
+    def required_islands(self) -> int:
+        """Islands that must be placed before the run starts (every slot unless a pool is elastic)."""
+        return sum(p.required_islands for p in self.pools)
+
+    def elastic_slots(self) -> frozenset[int]:
+        """Island slots of elastic pools (numbered over the pools in config order)."""
+        out, first = set(), 0
+        for p in self.pools:
+            if p.elastic:
+                out.update(range(first, first + p.islands))
+            first += p.islands
+        return frozenset(out)
 
     def precision_of(self, pool: PoolConfig) -> str:
         """The inner-step arithmetic of `pool`'s islands: its own `precision`, else inner.precision."""

@@ -16,6 +16,11 @@ Meaning of ``Fault.duration_s`` by kind:
 - ``slow``: seconds each inner step is stretched by ``factor``; 0 = until the incarnation dies.
 - ``drop_submission`` / ``corrupt_submission``: every submission the island makes in
   ``[at, at + duration_s)`` is dropped / corrupted; 0 = only its next submission.
+- ``drain_node``: the island's node is drained with a deadline ``duration_s`` seconds away (a preemption
+  notice), and ended at the deadline, as a cloud reclaims a VM; ``> 0``.
+- ``node_joins``: a node for the island's pool joins the cluster (``island`` names a slot of that pool: an
+  elastic pool's vacant slots fill from it); ``duration_s`` 0 = it stays, else it is drained with deadline
+  :data:`JOINED_NODE_DEADLINE_S` after that many seconds.
 """
 
 from __future__ import annotations
@@ -32,12 +37,16 @@ import numpy as np
 import yaml
 
 __all__ = [
-    "FAULT_KINDS", "KILL_KINDS", "Fault", "FaultTape", "poisson_tape", "fixed_tape", "parse_chaos_spec",
+    "CAPACITY_KINDS", "FAULT_KINDS", "KILL_KINDS", "Fault", "FaultTape", "poisson_tape", "fixed_tape", "parse_chaos_spec",
     "tape_from_config",
 ]
 
-FAULT_KINDS = ("kill_island", "kill_node", "hang", "slow", "drop_submission", "corrupt_submission")
+FAULT_KINDS = ("kill_island", "kill_node", "hang", "slow", "drop_submission", "corrupt_submission", "drain_node",
+               "node_joins")
 KILL_KINDS = ("kill_island", "kill_node")
+CAPACITY_KINDS = ("drain_node", "node_joins")  # capacity that comes and goes (elastic pools), not island failures
+JOINED_NODE_DEADLINE_S = 20.0  # the deadline a node_joins node is drained with when its duration_s runs out
+DRAIN_DEADLINE_S = 20.0  # drain_node's deadline in Poisson and fixed tapes (drain_deadline_s)
 
 _FAULT_FIELDS = ("island", "kind", "at_s", "at_step", "incarnation", "duration_s", "factor")
 
@@ -104,6 +113,9 @@ class Fault:
                  f"Fault.factor must be a finite number, got {self.factor!r}")
         _require(self.kind != "slow" or self.factor > 1.0,
                  f"Fault.factor of a slow fault must be > 1, got {self.factor}; use e.g. factor=4.0")
+        _require(self.kind != "drain_node" or self.duration_s > 0,
+                 f"Fault.duration_s of a drain_node fault is its node's deadline and must be > 0, got "
+                 f"{self.duration_s}; use e.g. duration_s=20")
         _require(self.kind == "slow" or self.factor == 1.0,
                  f"Fault.factor only applies to kind 'slow', got factor={self.factor} for {self.kind!r}; leave it 1.0")
         for name, cast in (("island", int), ("incarnation", int), ("duration_s", float), ("factor", float)):
@@ -254,6 +266,7 @@ def poisson_tape(
     start_s: float = 0.0,
     slow_factor: float = 4.0,
     slow_duration_s: float = 0.0,
+    drain_deadline_s: float = DRAIN_DEADLINE_S,
 ) -> FaultTape:
     """Independent Poisson failures per island over ``(start_s, horizon_s)``.
 
@@ -284,10 +297,13 @@ def poisson_tape(
         start_s: no fault at or before this time, ``>= 0``.
         slow_factor: ``factor`` of drawn ``slow`` faults, ``> 1``.
         slow_duration_s: ``duration_s`` of drawn ``slow`` faults (0 = until the incarnation dies).
+        drain_deadline_s: ``duration_s`` of drawn ``drain_node`` faults: the drained node's deadline, ``> 0``.
+            Drawn ``node_joins`` faults add a node that stays.
     """
     _check_poisson(
         mtbf_s=mtbf_s, seed=seed, kinds=kinds, kind_weights=kind_weights, recovery_delay_s=recovery_delay_s,
         min_gap_s=min_gap_s, start_s=start_s, slow_factor=slow_factor, slow_duration_s=slow_duration_s,
+        drain_deadline_s=drain_deadline_s,
     )
     _check_common(islands=islands, horizon_s=horizon_s, start_s=start_s)
     kinds = tuple(kinds)
@@ -310,6 +326,8 @@ def poisson_tape(
                 faults.append(Fault(island=m, kind=kind, at_s=t, duration_s=delay))
             elif kind == "slow":
                 faults.append(Fault(island=m, kind=kind, at_s=t, duration_s=slow_duration_s, factor=slow_factor))
+            elif kind == "drain_node":
+                faults.append(Fault(island=m, kind=kind, at_s=t, duration_s=drain_deadline_s))
             else:
                 faults.append(Fault(island=m, kind=kind, at_s=t))
             gap = float(min_gap_s)
@@ -317,8 +335,11 @@ def poisson_tape(
 
 
 def _check_poisson(
-    *, mtbf_s, seed, kinds, kind_weights, recovery_delay_s, min_gap_s, start_s, slow_factor, slow_duration_s
+    *, mtbf_s, seed, kinds, kind_weights, recovery_delay_s, min_gap_s, start_s, slow_factor, slow_duration_s,
+    drain_deadline_s=DRAIN_DEADLINE_S,
 ) -> None:
+    _require(_is_number(drain_deadline_s) and math.isfinite(drain_deadline_s) and drain_deadline_s > 0,
+             f"drain_deadline_s must be a finite number > 0, got {drain_deadline_s!r}; use e.g. 20")
     _require(_is_number(mtbf_s) and math.isfinite(mtbf_s) and mtbf_s > 0,
              f"mtbf_s must be a finite number > 0, got {mtbf_s!r}; use e.g. mtbf_s=60")
     _check_seed(seed)
@@ -370,11 +391,12 @@ def fixed_tape(
     phase = float(rng.uniform(-0.5, 0.5))
     period = (horizon_s - start_s) / failures_per_island
     factor = float(slow_factor) if kind == "slow" else 1.0
+    duration = DRAIN_DEADLINE_S if kind == "drain_node" else 0.0
     faults = []
     for m in range(islands):
         u = (int(rank[m]) + 0.5 + phase) / islands
         for j in range(failures_per_island):
-            faults.append(Fault(island=m, kind=kind, at_s=start_s + (j + u) * period, factor=factor))
+            faults.append(Fault(island=m, kind=kind, at_s=start_s + (j + u) * period, factor=factor, duration_s=duration))
     return FaultTape(tuple(faults))
 
 
@@ -382,7 +404,7 @@ def fixed_tape(
 
 _VALID_SPECS = (
     "none | tape:PATH.yaml | PATH.yaml | poisson:mtbf_s=60[,seed=3,kinds=kill_island|hang,"
-    "kind_weights=3|1,recovery_delay_s=0|5,min_gap_s=10,start_s=5] | fixed:failures=3[,kind=kill_island,seed=0]"
+    "kind_weights=3|1,recovery_delay_s=0|5,min_gap_s=10,start_s=5,drain_deadline_s=20] | fixed:failures=3[,kind=kill_island,seed=0]"
 )
 
 
@@ -400,7 +422,7 @@ _SPEC_KEYS: dict[str, dict[str, Any]] = {
     "poisson": {
         "mtbf_s": float, "seed": int, "kinds": lambda v: [k.strip() for k in v.split("|")], "kind_weights": _floats,
         "recovery_delay_s": _pair, "min_gap_s": float, "start_s": float, "slow_factor": float,
-        "slow_duration_s": float,
+        "slow_duration_s": float, "drain_deadline_s": float,
     },
     "fixed": {"failures_per_island": int, "kind": str, "start_s": float, "seed": int, "slow_factor": float},
 }

@@ -1,7 +1,8 @@
 """Goodput accounting, exactly as docs/architecture.md section 6 defines it.
 
-- Allocated time: every island slot, wall time from run start to run end:
-  ``allocated_s = islands * (run_end - run_start)``.
+- Allocated time: every island slot, wall time from run start to run end, less the time a slot of an
+  elastic pool was ``vacant`` (its pool had no machine for it: capacity the run never had):
+  ``allocated_s = islands * (run_end - run_start) - vacant_s``.
 - Useful time: inner-step compute time whose effect reached the global parameters through a merged
   submission (the caller measures it and passes ``useful_s``).
 - Lost time: ``lost_s = allocated_s - useful_s``; :attr:`GoodputReport.by_state_s` breaks the
@@ -47,8 +48,10 @@ __all__ = [
     "uptime_window_from_rounds",
 ]
 
-# "starting": a slot's first start; "restarting" then "reintegrating": a start after a failure.
-TIMELINE_STATES = ("starting", "training", "blocked", "dead", "restarting", "reintegrating")
+# "starting": a slot's first start; "restarting" then "reintegrating": a start after a failure (or, in an elastic
+# pool, after a vacancy). "leaving": an island on a drained node flushing its progress before it goes; "vacant": an
+# elastic slot with no machine in its pool (not allocated: goodput is over the capacity the run had).
+TIMELINE_STATES = ("starting", "training", "blocked", "dead", "restarting", "reintegrating", "leaving", "vacant")
 
 _TOL = 1e-9
 
@@ -138,7 +141,7 @@ class GoodputReport:
             global version advance; 0.0 when no version advanced before ``uptime_until``.
         fill_s: ``run_start`` to the first advance at or after ``fill_until`` (the pipeline fill); to
             ``uptime_until`` if none.
-        allocated_s: ``islands * (run_end - run_start)``.
+        allocated_s: ``islands * (run_end - run_start)`` less the slots' ``vacant`` time: the capacity the run had.
         useful_s: island compute time that reached the global parameters.
         lost_s: ``allocated_s - useful_s``.
         by_state_s: seconds per timeline state (every state present), intervals clipped to the run.
@@ -243,10 +246,11 @@ def goodput_report(
         ValueError: ``run_end <= run_start``, ``islands < 1``, negative times or tokens, an
             unknown state, an island whose intervals overlap, or ``useful_s > allocated_s``.
     """
-    allocated = _check_allocation(run_start=run_start, run_end=run_end, islands=islands, useful_s=useful_s)
     tokens = _token_fates(merged=tokens_merged, lost=tokens_lost, refused=tokens_refused, in_flight=tokens_in_flight,
                           overwritten=tokens_overwritten)
     by_state = _time_by_state(intervals, run_start=run_start, run_end=run_end)
+    allocated = _check_allocation(run_start=run_start, run_end=run_end, islands=islands, useful_s=useful_s,
+                                  vacant_s=by_state["vacant"])
 
     # The uptime clock starts at the first advance (module docstring: the fill is not a stall).
     until = run_end if uptime_until is None else uptime_until
@@ -270,13 +274,14 @@ def goodput_report(
     )
 
 
-def _check_allocation(*, run_start: float, run_end: float, islands: int, useful_s: float) -> float:
-    """The allocated island time (islands x wall time), after checking the arguments it is made of."""
+def _check_allocation(*, run_start: float, run_end: float, islands: int, useful_s: float, vacant_s: float = 0.0) -> float:
+    """The allocated island time (islands x wall time, less vacant slot time), after checking its arguments."""
     if not run_end > run_start:
         raise ValueError(f"run_end must be > run_start, got run_start={run_start}, run_end={run_end}")
     if isinstance(islands, bool) or not isinstance(islands, int) or islands < 1:
         raise ValueError(f"islands must be an int >= 1, got {islands!r}; count every island slot of the run")
-    allocated = islands * (run_end - run_start)
+    # A run always had some capacity (its minimum); the floor keeps the ratio defined if a timeline says otherwise.
+    allocated = max(islands * (run_end - run_start) - vacant_s, _TOL)
     if math.isnan(useful_s) or useful_s < 0:
         raise ValueError(f"useful_s must be >= 0, got {useful_s}")
     if useful_s > allocated + _TOL:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MovingAverage", "RoundDecision", "grace_window_s", "decide_round"]
+__all__ = ["MovingAverage", "RoundDecision", "grace_window_s", "decide_round", "membership_quorum"]
 
 
 class MovingAverage:
@@ -159,3 +159,23 @@ def decide_round(
     return RoundDecision(
         False, deadline - now, f"in grace window ({pending}/{live_islands} submitted, {deadline - now:.3g}s left)"
     )
+
+
+def membership_quorum(min_quorum: int, *, fixed_slots: int, elastic_members: int) -> int:
+    """K as a round applies it when some island slots are elastic (pools with islands: {min, max}).
+
+    ``min(min_quorum, fixed_slots + elastic_members)``, at least 1. A fixed pool's slot always counts: a dead
+    island there is restarted, and a synchronous round (K = all) waits for it, as :func:`decide_round` says.
+    An elastic slot counts only while it holds an island (``elastic_members``): a slot whose pool has no
+    machine for it, or whose island left with its node, may stay empty for the rest of the run, and a
+    round waiting for it would never close. So K = all means every island the run has now.
+
+    Args:
+        min_quorum: the configured K (``'all'`` resolved to the number of slots), ``>= 1``.
+        fixed_slots: island slots of fixed pools, ``>= 0``.
+        elastic_members: elastic slots holding an island now (registered with the outer optimizer), ``>= 0``.
+    """
+    if min_quorum < 1 or fixed_slots < 0 or elastic_members < 0:
+        raise ValueError(f"min_quorum={min_quorum} must be >= 1 and fixed_slots={fixed_slots}, "
+                         f"elastic_members={elastic_members} >= 0")
+    return max(1, min(min_quorum, fixed_slots + elastic_members))

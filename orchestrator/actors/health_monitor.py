@@ -39,7 +39,9 @@ from islands.spec import IslandSpec
 from orchestrator.actors.keepers import ProgressKeepers
 from orchestrator.actors.launcher import IslandLauncher, find_run_actors, island_statuses, stop_islands
 from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorTimeouts, RunAddress
+from orchestrator.actors.drains import DrainWatch
 from orchestrator.actors.outer_link import OuterLink
+from orchestrator.actors.placement import no_room
 from orchestrator.actors.recovery_record import RecoveryRecord, parked_state, restore_parked
 from orchestrator.actors.slots import SlotState, has_submitted, islands_stepped
 from orchestrator.config import PoolConfig
@@ -49,6 +51,10 @@ from policies.restart import RestartBudget
 __all__ = ["HealthMonitor"]
 
 log = logging.getLogger(__name__)
+
+# A drained island stops DRAIN_MARGIN_S before its node's deadline at the latest; a drain without a deadline
+# gives it DRAIN_WITHOUT_DEADLINE_S.
+DRAIN_MARGIN_S, DRAIN_WITHOUT_DEADLINE_S = 2.0, 60.0
 
 
 class HealthMonitor:
@@ -89,6 +95,9 @@ class HealthMonitor:
         self.handles: dict[int, Any] = {}  # island -> leader of its live incarnation
         self.watchers: dict[int, asyncio.Task] = {}
         self.restarting: dict[int, asyncio.Task] = {}
+        self.joining: dict[int, asyncio.Task] = {}  # elastic slots waiting for room in their pool
+        self.leaving: dict[int, asyncio.Task] = {}  # islands leaving with their drained node
+        self.drains = DrainWatch(self.timeouts.tick_s)
         self._failing: set[int] = set()  # slots inside _fail(), before their restart task exists
         self._loop_task: asyncio.Task | None = None
         self._after_steps_task: asyncio.Task | None = None
@@ -120,12 +129,63 @@ class HealthMonitor:
         adopted = set() if fresh else await self._adopt_existing()
         if saved:
             self.record.mark_lost_in_restart(self.slots.values(), adopted)
-        starts = [self._start(slot) for slot in self.slots.values() if slot.island not in adopted]
+        todo = [slot for slot in self.slots.values() if slot.island not in adopted]
+        # An elastic pool's slots wait for room in the background; the run needs only its minimum placed.
+        for slot in todo:
+            if self.pools[slot.pool].elastic:
+                self.joining[slot.island] = asyncio.get_running_loop().create_task(self._join(slot))
+        starts = [self._start(slot) for slot in todo if not self.pools[slot.pool].elastic]
         if fresh:
-            await asyncio.gather(*starts)
+            await asyncio.gather(*starts, self._until_required())
         else:  # keepers a previous monitor started are taken back at once: salvage needs them from the start
             await asyncio.gather(*starts, self.keepers.start(self.launcher.placed))
         self._after_steps_task = asyncio.get_running_loop().create_task(self._start_when_islands_step(fresh))
+
+    def waiting_for(self) -> list[str]:
+        """What the run waits for before it can start, one line per elastic pool below its minimum (empty when
+        none is): how many of its islands are placed, and the room it lacks."""
+        lines = []
+        for name, pool in self.pools.items():
+            if not pool.elastic:
+                continue
+            placed = sum(1 for s in self.slots.values() if s.pool == name and s.island in self.handles)
+            if placed < pool.required_islands:
+                lines.append(f"{no_room(pool, 0).split(' within ')[0]}: {placed} of min {pool.required_islands} "
+                             f"islands placed; add nodes with labels {pool.labels or '{}'} (ray start --labels ...)")
+        return lines
+
+    async def _until_required(self) -> None:
+        """Return once every elastic pool has its minimum of islands up, saying what it waits for meanwhile."""
+        said = 0.0
+        while not self._stopping:
+            lines = self.waiting_for()
+            if not lines:
+                return
+            if time.monotonic() - said >= 30.0:
+                for line in lines:
+                    log.warning("waiting for %s", line)
+                said = time.monotonic()
+            await asyncio.sleep(self.timeouts.tick_s)
+
+    async def _join(self, slot: SlotState) -> None:
+        """An elastic slot: wait for room in its pool, then start an island there (a join when it had been vacant).
+        Retried with backoff if the start fails, like a restart, until it succeeds or the run stops."""
+        while not self._stopping:
+            vacant_before = slot.state == "vacant"
+            try:
+                await self._start(slot)
+            except Exception as err:  # noqa: BLE001 - e.g. the new actor died while starting
+                log.error("island %d incarnation %d failed to join: %s", slot.island, slot.incarnation, err)
+                await self._teardown(slot)
+                await asyncio.sleep(max(self.budget.on_failure(slot.island, time.monotonic()).at - time.monotonic(), 0.5))
+                continue
+            if slot.island in self.handles and (vacant_before or slot.joined_vacant):
+                slot.joins += 1
+                self.record.joins.append({"island": slot.island, "incarnation": slot.incarnation, "node": slot.node,
+                                          "at": time.time()})
+                log.warning("island %d incarnation %d joined on node %s", slot.island, slot.incarnation, slot.node)
+            break
+        self.joining.pop(slot.island, None)
 
     async def _start_when_islands_step(self, keepers: bool) -> None:
         """Once every island has stepped (slots.islands_stepped): the pools' keepers when `keepers`, then
@@ -167,17 +227,28 @@ class HealthMonitor:
         The slot's first start is "starting" until its first step; a start after a failure is
         "restarting" until placed, then "reintegrating" until its first step.
         """
-        first = slot.failures == 0  # a resumed run's new driver session starts its slots afresh too
+        # A resumed run's new driver session starts its slots afresh too; an island filling a slot another left
+        # reintegrates like a restart.
+        first = slot.failures == 0 and slot.leaves == 0
         slot.incarnation += 1
-        self.record.mark(slot, "starting" if first else "restarting")
+        slot.joined_vacant = False
+        if slot.state != "vacant":
+            self.record.mark(slot, "starting" if first else "restarting")
         outer = self.outer.handle()
         spec = dataclasses.replace(self.specs[slot.island], incarnation=slot.incarnation)
-        placed = await self.launcher.place(slot, spec, outer, cursor, self.data)
+
+        def vacant(since: float) -> None:  # an elastic pool had no room at once: capacity the run does not have
+            slot.joined_vacant = True
+            self.record.mark(slot, "vacant", at=since)
+
+        placed = await self.launcher.place(slot, spec, outer, cursor, self.data, on_wait=vacant)
         if placed is None:
             return  # the run stopped while the island waited for capacity
         handle, cursor = placed
         if not first:  # a first start stays "starting" until its first step
             self.record.mark(slot, "reintegrating")
+        elif slot.state == "vacant":
+            self.record.mark(slot, "starting")
         try:
             if self.pools[slot.pool].workers_per_island > 1:
                 await self.launcher.start_followers(slot, spec, handle, self.data)
@@ -209,9 +280,11 @@ class HealthMonitor:
                 await self._fail(slot, state, f"inner loop {state}")
                 return
 
-    async def _fail(self, slot: SlotState, kind: str, reason: str) -> None:
-        if slot.island in self.restarting or slot.island in self._failing or slot.state in ("dead", "restarting"):
+    async def _fail(self, slot: SlotState, kind: str, reason: str, *, leaving: bool = False) -> None:
+        if slot.island in self.restarting or slot.island in self._failing or slot.state in ("dead", "restarting", "vacant"):
             return
+        if slot.island in self.leaving and not leaving:
+            return  # the leave in progress decides: merged and gone, or a failure after all
         # One failure at a time per slot, until its restart task is registered (the teardown below awaits).
         self._failing.add(slot.island)
         try:
@@ -275,6 +348,7 @@ class HealthMonitor:
         while not self._stopping:
             await asyncio.sleep(self.timeouts.tick_s)
             try:
+                await self._check_drains()
                 await self._check_outer()
                 await asyncio.gather(*(self._check(slot) for slot in self.slots.values()))
                 self.keepers.check_when_due()
@@ -284,6 +358,52 @@ class HealthMonitor:
                     last_saved = time.monotonic()
             except Exception as err:  # noqa: BLE001 - the monitor itself must keep going
                 log.warning("health check round failed: %s", err)
+
+    async def _check_drains(self) -> None:
+        """Islands on a node being drained (a preemption notice, the autoscaler taking it back) leave before its
+        deadline, their progress merged (`_leave`)."""
+        draining = await self.drains.poll()
+        for slot in self.slots.values():
+            if (slot.node in draining and slot.island in self.handles and slot.island not in self.leaving
+                    and slot.island not in self.restarting and slot.state not in ("dead", "restarting", "vacant")):
+                self.leaving[slot.island] = asyncio.get_running_loop().create_task(
+                    self._leave(slot, slot.node, draining[slot.node]))
+
+    async def _leave(self, slot: SlotState, node: str, deadline: float | None) -> None:
+        """Island `slot` leaves its drained node: it stops with a flush (every fragment's progress cut), the outer
+        optimizer takes and merges the cuts (`OuterOptimizer.leave`), and the slot turns vacant until its pool has
+        room again (another node, or this one if its drain is cancelled). If the island dies first, or the
+        leave cannot finish before the deadline, it fails as today (salvage, restart)."""
+        island, inc, handle = slot.island, slot.incarnation, self.handles[slot.island]
+        left_s = (deadline - time.time()) if deadline else DRAIN_WITHOUT_DEADLINE_S
+        log.warning("island %d incarnation %d leaves node %s, which is being drained (%s)", island, inc, node,
+                    f"{left_s:.0f} s to its deadline" if deadline else "no deadline")
+        self.record.mark(slot, "leaving")
+        try:
+            budget = max(left_s - DRAIN_MARGIN_S, 1.0)
+            t0 = time.monotonic()
+            await asyncio.wait_for(handle.stop.remote(timeout_s=budget, flush=True), timeout=budget)
+            rest = max(budget - (time.monotonic() - t0), 1.0)
+            outer = self.outer.handle()
+            took = await asyncio.wait_for(outer.leave.remote(island, inc, rest), timeout=rest + self.timeouts.call_s)
+            final = await asyncio.wait_for(handle.status.remote(), timeout=self.timeouts.call_s)
+        except Exception as err:  # noqa: BLE001 - gone before it could leave: today's failure path
+            self.leaving.pop(island, None)
+            if slot.incarnation == inc:
+                await self._fail(slot, "dead", f"drained node went before the island left: {err}"[:200], leaving=True)
+            return
+        slot.finals.append(final)
+        slot.status, slot.leaves = None, slot.leaves + 1
+        self.launcher.kill(island, self.handles.pop(island, None))
+        self.launcher.release(island)
+        self.record.leaves.append({"island": island, "incarnation": inc, "node": node, "at": time.time(),
+                                   "deadline": deadline, "merged": took["merged"], "waited_s": took["waited_s"]})
+        self.record.mark(slot, "vacant")
+        log.warning("island %d incarnation %d left node %s (its progress %s)", island, inc, node,
+                    "merged" if took["merged"] else "not all merged before the deadline")
+        self.leaving.pop(island, None)
+        if not self._stopping:
+            self.joining[island] = asyncio.get_running_loop().create_task(self._join(slot))
 
     async def _check_outer(self) -> None:
         """One round with the outer optimizer (OuterLink.check): resyncs, diverged islands, registrations."""
@@ -301,7 +421,8 @@ class HealthMonitor:
 
     async def _check(self, slot: SlotState) -> None:
         handle = self.handles.get(slot.island)
-        if handle is None or slot.island in self.restarting or slot.state in ("dead", "restarting", "stopped"):
+        if (handle is None or slot.island in self.restarting or slot.island in self.leaving
+                or slot.state in ("dead", "restarting", "stopped", "leaving", "vacant")):
             return
         now = time.monotonic()
         ok = True
@@ -348,6 +469,7 @@ class HealthMonitor:
             "timeline": list(r.timeline), "detect_s": list(r.detect_s), "rejoin_s": list(r.rejoin_s),
             "spares": self.launcher.spares.counts(), "detections": list(r.detections),
             "salvages": list(k.salvages), "keeper_restarts": dict(k.restarts), "keeper_moves": dict(k.moves),
+            "joins": list(r.joins), "leaves": list(r.leaves), "waiting": self.waiting_for(),
         }
 
     async def stop(self, flush: bool = False) -> dict:
@@ -356,8 +478,10 @@ class HealthMonitor:
         Outboxes freeze, unless `flush`: then each island cuts its remaining progress into submissions
         the outer optimizer still takes (see `LearnerIsland.stop`)."""
         self._stopping = True
-        for task in list(self.restarting.values()):
+        for task in [*self.restarting.values(), *self.joining.values()]:
             task.cancel()
+        for task in list(self.leaving.values()):  # a leave under way finishes: its flush is what stop would do
+            await asyncio.wait([task], timeout=self.timeouts.call_s)
         for island, st in (await stop_islands(self.handles, flush=flush, timeout_s=self.timeouts.call_s)).items():
             self.slots[island].status = st
             self.record.mark(self.slots[island], "stopped")

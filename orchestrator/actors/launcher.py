@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ from ray.util.placement_group import get_placement_group
 
 from islands.spec import IslandSpec
 from orchestrator.actors.monitor_settings import ActorClasses, MonitorTimeouts, RunAddress
-from orchestrator.actors.placement import create_island_group, island_scheduling, release_group
+from orchestrator.actors.placement import create_island_group, island_scheduling, release_group, request_island_group
 from orchestrator.actors.runtime import DATA_PLANE_RUNTIME_ENV
 from orchestrator.actors.slots import SlotState, island_name
 from orchestrator.actors.spares import WarmSpares
@@ -31,6 +32,10 @@ from orchestrator.config import PoolConfig
 __all__ = ["IslandLauncher", "RunActors", "find_run_actors", "island_statuses", "stop_islands"]
 
 log = logging.getLogger(__name__)
+
+# An elastic slot's group placed within ROOM_NOW_S had room at once; past it the slot is vacant until a node has
+# room. Its readiness is polled every ROOM_POLL_S (a local check of an object's readiness, not a GCS call).
+ROOM_NOW_S, ROOM_POLL_S = 1.0, 0.25
 
 
 class IslandLauncher:
@@ -57,14 +62,16 @@ class IslandLauncher:
         env = actors.island_runtime_env
         self.island_env = dict(env) if env is not None else DATA_PLANE_RUNTIME_ENV
         self.groups: dict[int, Any] = {}
+        self.pending: dict[int, Any] = {}  # island -> its elastic slot's group, requested and not placed yet
         self.followers: dict[int, list[Any]] = {}
         self.spares = WarmSpares(run_id=run.run_id, pools=pools, count=warm_spares, start_spare=self._start_spare,
                                  placement_timeout_s=timeouts.placement_s, call_timeout_s=timeouts.call_s,
                                  stopping=stopping)
 
     def placed(self, pool: str) -> bool:
-        """Whether every island slot of `pool` holds a placement group (its keeper may be placed now)."""
-        return all(island in self.groups for island, p in self.slot_pools.items() if p == pool)
+        """Whether every island slot of `pool` holds a placement group, or waits for room in an elastic pool (its
+        keeper may be placed now, away from them)."""
+        return all(island in self.groups or island in self.pending for island, p in self.slot_pools.items() if p == pool)
 
     def island_groups(self, pool: str) -> list[Any]:
         """The placement groups of `pool`'s islands and warm spares (where its keeper should not go)."""
@@ -76,9 +83,11 @@ class IslandLauncher:
         self.followers[island] = followers
 
     async def place(self, slot: SlotState, spec: IslandSpec, outer: Any, cursor: int | None,
-                    data: list[Any]) -> tuple[Any, int | None] | None:
+                    data: list[Any], on_wait: Callable[[float], None] | None = None) -> tuple[Any, int | None] | None:
         """A process for the new incarnation of `slot` (named in `slot.name`): a warm spare of its pool when there
         is one, else a new process in a new group, waiting for pool capacity without blocking the other islands.
+        In an elastic pool the group stays requested until a node has room (`on_wait(since)`, wall time, is
+        called once if it is not placed at once: the slot is vacant meanwhile).
 
         Returns (leader handle, data cursor; None when the new process asks the outer optimizer for it itself),
         or None if the run stopped while it waited for capacity."""
@@ -99,7 +108,10 @@ class IslandLauncher:
         pending = [outer.latest.remote(slot.fetcher),
                    None if cursor is not None else outer.resume_cursor.remote(slot.island)]
         slot.name = island_name(self.run.run_id, slot.island, slot.incarnation)
-        group = await self._place_group(pool, slot.name, slot.island)
+        if pool.elastic:
+            group = await self._wait_for_room(pool, slot.name, slot.island, on_wait or (lambda since: None))
+        else:
+            group = await self._place_group(pool, slot.name, slot.island)
         if group is None:
             return None
         self.groups[slot.island] = group
@@ -121,6 +133,26 @@ class IslandLauncher:
                 log.warning("island %d: %s; retrying", island, err)
                 if self._stopping():
                     return None
+
+    async def _wait_for_room(self, pool: PoolConfig, name: str, island: int, on_wait: Callable[[float], None]) -> Any | None:
+        """An elastic slot's group: requested once and left pending until a node of the pool has room (a node
+        joins, or an island leaves), so Ray places it the moment there is, and the autoscaler sees the demand."""
+        group = self.pending[island] = request_island_group(pool, name=name, lifetime="detached")
+        ready, began, told = group.ready(), time.time(), False
+        try:
+            while not self._stopping():
+                done, _ = ray.wait([ready], timeout=0)  # no blocking call in the monitor's event loop
+                if done:
+                    log.info("placement group %s ready on elastic pool %s", name, pool.name)
+                    return group
+                if not told and time.time() - began >= ROOM_NOW_S:
+                    on_wait(began)
+                    told = True
+                await asyncio.sleep(ROOM_POLL_S)
+            release_group(group)
+            return None
+        finally:
+            self.pending.pop(island, None)
 
     def _start_spare(self, pool_name: str, name: str, group: Any, data: list[Any]) -> Any:
         """Start a warm spare: an island process with no slot yet, on bundle 0 of `group`."""
@@ -165,10 +197,11 @@ class IslandLauncher:
                 log.info("kill island %d follower: %s", island, err)
 
     def release(self, island: int) -> None:
-        """Remove an island's placement group, once its processes are killed (never the reverse)."""
-        group = self.groups.pop(island, None)
-        if group is not None:
-            release_group(group)
+        """Remove an island's placement group, once its processes are killed (never the reverse), and any group
+        still requested for it."""
+        for group in (self.groups.pop(island, None), self.pending.pop(island, None)):
+            if group is not None:
+                release_group(group)
 
 
 @dataclass

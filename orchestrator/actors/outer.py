@@ -96,6 +96,7 @@ class _OuterShell:
         self._wake: asyncio.Event | None = None
         self._stopping = False
         self._finishing = False  # the final flush has begun: pollers end when their island's outbox is empty
+        self._leaving: set[tuple[int, int]] = set()  # (island, incarnation) leaving with its node: its poller ends when empty
         self._events_cursor = (0, 0)
 
     def _now(self) -> float:
@@ -162,6 +163,33 @@ class _OuterShell:
         await self._core(self.core.unregister, island)
         self._wake_up()
 
+    async def leave(self, island: int, incarnation: int, timeout_s: float) -> dict:
+        """An island leaves the run on purpose (its node is drained): it was stopped with `flush`, so take the rest
+        of its outbox, wait for the uplink and for the rounds holding its submissions to close, then unregister it.
+
+        What it cut is merged, not lost, and the slot's resume cursor is where its last merged submission ended, so
+        the island that fills the slot next reads on from there (exactly once). Returns {"merged": bool (nothing of
+        it still pending), "waited_s": seconds}; within `timeout_s` whatever the answer."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        self._leaving.add((island, incarnation))
+        try:
+            poller = self._pollers.get(island)
+            if poller is not None and not poller.done():
+                await asyncio.wait([poller], timeout=max(deadline - time.monotonic(), 0.0))
+            async def mine() -> bool:  # on its uplink, or waiting in an open round
+                return (any(k.island == island for k in self.transport.in_transit)
+                        or await self._core(self.core.pending_from, island, incarnation) > 0)
+            while time.monotonic() < deadline and await mine():
+                self._wake_up()
+                await asyncio.sleep(0.05)
+            merged = not await mine()
+        finally:
+            self._leaving.discard((island, incarnation))
+        if self._islands.get(island, (None,))[0] == incarnation:
+            await self.unregister(island)
+        return {"merged": merged, "waited_s": time.monotonic() - t0}
+
     # ------------------------------------------------------------ data plane
 
     async def _poll(self, island: int, incarnation: int, handle: Any) -> None:
@@ -175,7 +203,7 @@ class _OuterShell:
                     await self.unregister(island)
                 return
             if sub is None:
-                if self._finishing:
+                if self._finishing or (island, incarnation) in self._leaving:
                     return  # the island stopped and its outbox is empty: nothing more will come
                 continue
             self._salvage.took(island, incarnation, sub)

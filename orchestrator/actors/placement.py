@@ -33,29 +33,44 @@ def island_bundle(pool: PoolConfig) -> dict[str, float]:
     return {"CPU": pool.cpus_per_island, **gpus, **pool.resources}
 
 
+def request_island_group(pool: PoolConfig, *, name: str, lifetime: str | None = None) -> PlacementGroup:
+    """Ask Ray for one island's placement group on `pool` and return at once; it is placed when a node has room.
+
+    A pending group is also the Ray autoscaler's demand for a node of the pool (its bundles and label selector).
+    `lifetime="detached"` keeps the group when its creator (the health monitor) restarts.
+    """
+    workers = pool.workers_per_island
+    return placement_group(
+        [island_bundle(pool)] * workers,
+        strategy="STRICT_PACK" if workers == 1 else "PACK",
+        name=name,
+        lifetime=lifetime,
+        bundle_label_selector=[dict(pool.labels)] * workers if pool.labels else None,
+    )
+
+
+def no_room(pool: PoolConfig, waited_s: float) -> str:
+    """What an island of `pool` waits for, in words (a placement error, or an elastic pool's vacant slot)."""
+    workers = pool.workers_per_island
+    return (f"pool {pool.name!r}: no node with labels {pool.labels or '{}'} could host {workers} x bundle "
+            f"{island_bundle(pool)} within {waited_s:.0f}s")
+
+
 def create_island_group(pool: PoolConfig, *, name: str, timeout_s: float, lifetime: str | None = None) -> PlacementGroup:
     """Reserve one island's placement group on `pool`, waiting up to `timeout_s`.
 
     Raises PlacementError (after removing the pending group) when no node of the pool can host it.
     `lifetime="detached"` keeps the group when its creator (the health monitor) restarts.
     """
-    bundle = island_bundle(pool)
-    workers = pool.workers_per_island
-    pg = placement_group(
-        [bundle] * workers,
-        strategy="STRICT_PACK" if workers == 1 else "PACK",
-        name=name,
-        lifetime=lifetime,
-        bundle_label_selector=[dict(pool.labels)] * workers if pool.labels else None,
-    )
+    pg = request_island_group(pool, name=name, lifetime=lifetime)
     if not pg.wait(timeout_s):
         remove_placement_group(pg)
         raise PlacementError(
-            f"pool {pool.name!r}: no node with labels {pool.labels or '{}'} could host {workers} x bundle {bundle} "
-            f"within {timeout_s:.0f}s; check node labels/resources with `ray status`, or lower cpus_per_island"
-            + (" or workers_per_island" if workers > 1 else "")
+            no_room(pool, timeout_s) + "; check node labels/resources with `ray status`, or lower cpus_per_island"
+            + (" or workers_per_island" if pool.workers_per_island > 1 else "")
         )
-    log.info("placement group %s ready on pool %s (%d x bundle %s)", name, pool.name, workers, bundle)
+    log.info("placement group %s ready on pool %s (%d x bundle %s)", name, pool.name, pool.workers_per_island,
+             island_bundle(pool))
     return pg
 
 

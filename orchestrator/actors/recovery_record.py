@@ -30,6 +30,9 @@ class RecoveryRecord:
         detections: one dict per failure: island, incarnation, kind, reason, detected_at, fault_at.
         rejoin_s: seconds from a death to the slot's next incarnation being up.
         faults: (island, incarnation) -> {"kind", "at", "recovery_delay_s"} of each injected fault.
+        joins: one dict per island placed in an elastic slot that had been vacant: island, incarnation, node, at.
+        leaves: one dict per island that left with its drained node: island, incarnation, node, at, deadline,
+            merged (its last submissions merged before it went), waited_s.
     """
 
     def __init__(self) -> None:
@@ -38,6 +41,8 @@ class RecoveryRecord:
         self.detections: list[dict] = []
         self.rejoin_s: list[float] = []
         self.faults: dict[tuple[int, int], dict] = {}
+        self.joins: list[dict] = []
+        self.leaves: list[dict] = []
         self._last: dict[int, tuple[int, str]] = {}  # island -> (incarnation, state) of its latest timeline event
 
     def mark(self, slot: SlotState, state: str, at: float | None = None) -> None:
@@ -55,7 +60,7 @@ class RecoveryRecord:
         died unseen, so it counts as a failure and goes dead. A first start cut short by the restart
         ("starting") is no island failure: it simply starts again."""
         for slot in slots:
-            if slot.island not in adopted and slot.state not in ("dead", "restarting", "starting"):
+            if slot.island not in adopted and slot.state not in ("dead", "restarting", "starting", "vacant"):
                 slot.failures += 1
                 self.mark(slot, "dead")
                 log.warning("island %d incarnation %d found dead after a monitor restart", slot.island, slot.incarnation)
@@ -89,6 +94,7 @@ class RecoveryRecord:
         self.detect_s, self.rejoin_s = list(saved["detect_s"]), list(saved["rejoin_s"])
         self.detections = list(saved["detections"])
         self.faults = dict(saved["faults"])
+        self.joins, self.leaves = list(saved.get("joins", [])), list(saved.get("leaves", []))
 
 
 def parked_state(slots: dict[int, SlotState], record: RecoveryRecord, keepers: ProgressKeepers) -> dict:
@@ -99,7 +105,7 @@ def parked_state(slots: dict[int, SlotState], record: RecoveryRecord, keepers: P
             "keeper_restarts": dict(k.restarts), "keeper_moves": dict(k.moves),
             "slots": {i: {"failures": s.failures, "restarts": s.restarts, "finals": list(s.finals),
                           "incarnation": s.incarnation, "state": s.state} for i, s in slots.items()},
-            "faults": dict(r.faults)}
+            "faults": dict(r.faults), "joins": list(r.joins), "leaves": list(r.leaves)}
 
 
 def restore_parked(saved: dict, slots: dict[int, SlotState], record: RecoveryRecord, keepers: ProgressKeepers) -> None:

@@ -22,7 +22,8 @@ class SlotState:
     island: int
     pool: str
     incarnation: int = 0
-    # starting (first start) | training | blocked | dead | restarting, reintegrating (after a failure) | stopped
+    # starting (first start) | training | blocked | dead | restarting, reintegrating (after a failure or a vacancy)
+    # | leaving (its node is drained: flushing its progress) | vacant (an elastic slot with no room in its pool) | stopped
     state: str = "starting"
     name: str | None = None
     node: str | None = None
@@ -32,6 +33,9 @@ class SlotState:
     status: Any = None
     failures: int = 0
     restarts: int = 0
+    joins: int = 0  # islands placed in this (elastic) slot after it had been vacant
+    leaves: int = 0  # islands that left this slot with their drained node
+    joined_vacant: bool = False  # the current incarnation waited for room (it joins when placed)
     finals: list = field(default_factory=list)  # last statuses of dead incarnations (token accounting)
 
     @property
@@ -73,7 +77,7 @@ def island_name(run_id: str, island: int, incarnation: int) -> str:
 
 
 async def islands_stepped(slots: Iterable[Any], *, wait_s: float, tick_s: float, stopping: Callable[[], bool]) -> None:
-    """Return once every island slot (a live view of the monitor's `SlotState`s) that is not dead or stopped
+    """Return once every island slot (a live view of the monitor's `SlotState`s) that is not dead, stopped or vacant
     has stepped, or `wait_s` later, or when the run stops.
 
     What the islands need only once they train (warm spares, progress keepers) starts after this: each is
@@ -81,5 +85,5 @@ async def islands_stepped(slots: Iterable[Any], *, wait_s: float, tick_s: float,
     their first steps on a small machine (benchmarks/startup.py)."""
     deadline = time.monotonic() + wait_s
     while not stopping() and time.monotonic() < deadline and any(
-            slot.steps == 0 and slot.state not in ("dead", "stopped") for slot in slots):
+            slot.steps == 0 and slot.state not in ("dead", "stopped", "vacant") for slot in slots):
         await asyncio.sleep(tick_s)

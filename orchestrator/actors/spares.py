@@ -6,7 +6,8 @@ placement group of its own named `<run_id>-spare-<pool>-<n>`. A restart in its p
 instead of placing and starting a new process, and the pool is refilled in the background. Spares
 are best effort: one is started only when its pool has free capacity now, so a pending spare never
 holds capacity a restart needs. Pools whose islands have several workers get none: a spare would
-have to be a whole pre-joined worker group; they restart cold.
+have to be a whole pre-joined worker group; they restart cold. Elastic pools get none either: their free
+capacity belongs to their vacant slots, and a spare would take the room a joining island needs.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ class WarmSpares:
 
     def refill(self, pool: str, data: list[Any]) -> None:
         """Start spares for `pool` in the background until it has `count` (no-op while that is under way)."""
-        if self.pools[pool].workers_per_island > 1:
-            return  # no warm spares for islands of several workers: they restart cold (see the module docstring)
+        if not self.pools[pool].spares:
+            return  # none for islands of several workers (they restart cold) or elastic pools (module docstring)
         if self.count and not self._stopping() and pool not in self._tasks:
             self._tasks[pool] = asyncio.get_running_loop().create_task(self._fill(pool, data))
 

@@ -77,6 +77,26 @@ def _at(counts: Sequence[int], p: int) -> int:
     return counts[p] if p < len(counts) else 0
 
 
+def first_placement(timeline: Sequence[tuple[float, int, int, str]], islands: int) -> list[int]:
+    """The slots placed at the run's start: all but those of elastic pools that went vacant before they trained
+    (they join later, if ever, and the pipeline fill does not wait for them)."""
+    out = []
+    for island in range(islands):
+        states = [state for _, i, _, state in sorted(timeline, key=lambda e: e[0]) if i == island]
+        vacant = states.index("vacant") if "vacant" in states else len(states)
+        if not any(state in ("training", "dead") for state in states[:vacant]) and vacant < len(states):
+            continue
+        out.append(island)
+    return out
+
+
+def capacity_s(timeline: Sequence[tuple[float, int, int, str]], *, islands: int, run_start: float, run_end: float) -> float:
+    """Island seconds the run had: every slot over the run, less the time elastic slots were vacant."""
+    intervals = merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end)
+    vacant = sum(max(0.0, min(iv.end, run_end) - max(iv.start, run_start)) for iv in intervals if iv.state == "vacant")
+    return max(islands * (run_end - run_start) - vacant, 0.0)
+
+
 def run_goodput(
     *,
     timeline: Sequence[tuple[float, int, int, str]],
@@ -103,17 +123,18 @@ def run_goodput(
     for at, island, _, state in timeline:
         if state == "dead":
             failed[island] = min(at, failed.get(island, at))
-    full = None if first_merged is None else pipeline_full_at(range(islands), first_merged, failed)
+    full = None if first_merged is None else pipeline_full_at(first_placement(timeline, islands), first_merged, failed)
     start = run_start if full is None else min(max(run_start, full), until)
     inside = [t for t in advances if start <= t <= until]
     window = uptime_window_from_rounds(inside)
     report = goodput_report(
         intervals=merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end),
-        useful_s=min(useful_s, islands * (run_end - run_start)),
+        useful_s=min(useful_s, capacity_s(timeline, islands=islands, run_start=run_start, run_end=run_end)),
         run_start=run_start, run_end=run_end, islands=islands, version_advances=inside, uptime_window_s=window,
         tokens_merged=mean(fates["merged"]), tokens_lost=mean(fates["lost"]), tokens_refused=mean(fates["refused"]),
         tokens_in_flight=mean(fates["in_flight"]), tokens_overwritten=mean(fates["overwritten"]),
         uptime_until=until, fill_until=start,
     )
     return {"goodput": report.goodput, "uptime": report.uptime, "uptime_window_s": window, "fill_s": report.fill_s,
-            "allocated_s": report.allocated_s, "useful_s": report.useful_s, "time_by_state_s": report.by_state_s}
+            "allocated_s": report.allocated_s, "useful_s": report.useful_s, "time_by_state_s": report.by_state_s,
+            "run_end": run_end}

@@ -31,7 +31,7 @@ from orchestrator.core.submission_check import check_submission
 from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds
 from policies.outer_optimizer import FragmentOuterOptimizer
-from policies.quorum import MovingAverage, decide_round, grace_window_s
+from policies.quorum import MovingAverage, decide_round, grace_window_s, membership_quorum
 from policies.sync_schedule import sync_every_at
 
 __all__ = ["OuterOptimizer", "OuterSettings", "Refusal", "RoundRecord", "RoundResult"]
@@ -118,6 +118,10 @@ class OuterOptimizer:
         """Mark an island slot dead: it no longer counts toward 'every live island submitted'."""
         self.islands.pop(island, None)
 
+    def pending_from(self, island: int, incarnation: int) -> int:
+        """Submissions of one island incarnation waiting in open rounds (a leaving island waits for them to merge)."""
+        return sum(1 for r in self._open for e in r.pending if (e.sub.island, e.sub.incarnation) == (island, incarnation))
+
     # ---------------------------------------------------------------- submissions
 
     def receive(self, sub: Submission, now: float) -> tuple[list[RoundResult], Refusal | None]:
@@ -138,7 +142,7 @@ class OuterOptimizer:
         round_.pending.append(Pending(sub, verdict.staleness, verdict.deltas, verdict.norms))
         if not sub.salvaged and self.islands.get(sub.island) == sub.incarnation:
             round_.voters.add(sub.island)
-        if round_.quorum_at is None and self._pending_islands(p) >= self.settings.min_quorum:
+        if round_.quorum_at is None and self._pending_islands(p) >= self._quorum():
             round_.quorum_at = now
             self.quorum_time.update(now - round_.opened_at)
             round_.grace_s = grace_window_s(
@@ -194,6 +198,14 @@ class OuterOptimizer:
         # What "every island" means for K = all and for a round's share of a full round (at least 1).
         return max(1, len(self.islands))
 
+    def _quorum(self) -> int:
+        # K follows membership where pools are elastic (policies.quorum.membership_quorum); else the configured K.
+        s = self.settings
+        if not s.elastic_slots:
+            return s.min_quorum
+        return membership_quorum(s.min_quorum, fixed_slots=s.fixed_slots,
+                                 elastic_members=sum(1 for i in self.islands if i in s.elastic_slots))
+
     def _pending_islands(self, p: int) -> int:
         # Quorum counts islands, not submissions: a fast island's second submission is not a second vote.
         # A submission votes if its incarnation was live when it arrived (dying afterwards does not take
@@ -207,7 +219,7 @@ class OuterOptimizer:
                 continue
             yield p, decide_round(
                 now=now, pending=self._pending_islands(p),
-                min_quorum=self.settings.min_quorum, live_islands=self._live_islands(),
+                min_quorum=self._quorum(), live_islands=self._live_islands(),
                 quorum_reached_at=self._open[p].quorum_at, grace_s=self._open[p].grace_s,
             )
 

@@ -37,3 +37,5 @@ class OuterSettings:
     topk_density: float  # fraction of each chunk a topk difference keeps (downlink_delta topk)
     average_window: float | None  # served model: moving average over this fraction of merged tokens (None = raw)
     torch_threads: int  # torch intra-op threads of the actor's core thread
+    elastic_slots: frozenset[int]  # island slots of elastic pools: K counts only those holding an island (quorum.py)
+    fixed_slots: int  # island slots of fixed pools

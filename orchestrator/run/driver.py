@@ -513,10 +513,12 @@ class Run:
         # for its metadata above. Process starts, not control calls: on a loaded machine they can take longer
         # than call_timeout_s.
         waits = [started] + ([] if self.resume else [self.outer.restored_extra.remote()])
-        deadline, ready = time.monotonic() + self._start_timeout_s(), 0
+        deadline, ready, need, said = time.monotonic() + self._start_timeout_s(), 0, self.cfg.required_islands, ""
+        elastic = need < self.cfg.num_islands
         while waits:
             left = max(0.0, deadline - time.monotonic())
-            done, waits = ray.wait(waits, num_returns=len(waits), timeout=min(0.25, left) if self.stages else left)
+            done, waits = ray.wait(waits, num_returns=len(waits),
+                                   timeout=min(0.25 if self.stages else 1.0, left) if elastic or self.stages else left)
             for ref in done:
                 try:
                     self._get(ref, timeout=max(1.0, deadline - time.monotonic()))
@@ -525,13 +527,21 @@ class Run:
                         raise
                     cause = str(err).strip().splitlines()[-1]
                     raise RuntimeError(f"islands failed to start: {cause}") from None
-            if self.stages is not None:
+            if self.stages is not None or elastic:
                 snap = self._get(self.monitor.snapshot.remote()) if started in waits else None
-                now_ready = self.cfg.num_islands if snap is None else islands_ready(snap, self.first_inc)
-                if now_ready > ready:
+                now_ready = need if snap is None else min(islands_ready(snap, self.first_inc), need)
+                if now_ready > ready and self.stages is not None:
                     ready = now_ready
-                    self._stage("islands", f"islands ready {ready} of {self.cfg.num_islands}", ready, self.cfg.num_islands)
-                if snap is not None:  # islands start at different times (some in Ray's prestarted workers)
+                    self._stage("islands", f"islands ready {ready} of {need}" + (" (the elastic pools' minimum)" if elastic else ""),
+                                ready, need)
+                if snap is not None and snap.get("waiting"):
+                    # An elastic pool below its minimum waits for machines as long as it takes, and says for what.
+                    deadline = max(deadline, time.monotonic() + self._start_timeout_s())
+                    text = "; ".join(snap["waiting"])
+                    if text != said:
+                        log.warning("waiting for %s", text)
+                        said = text
+                if snap is not None and self.stages is not None:  # islands start at different times
                     self._note_first_step(stepped_islands(snap, self.first_inc))
             if waits and time.monotonic() > deadline:
                 raise GetTimeoutError(f"islands or the outer optimizer not up after {self._start_timeout_s():.0f} s")

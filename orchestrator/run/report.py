@@ -33,8 +33,9 @@ __all__ = ["PLOTS_HINT", "ReportError", "have_matplotlib", "write_report", "time
 log = logging.getLogger(__name__)
 
 # "starting" (a first start) in a light shade of "reintegrating" (a start after a failure): both are start-up.
+# "vacant" (an elastic slot without a machine) near white: capacity the run did not have.
 STATE_COLORS = {"starting": "#aec7e8", "training": "#2ca02c", "blocked": "#bcbd22", "dead": "#d62728",
-                "restarting": "#ff7f0e", "reintegrating": "#1f77b4"}
+                "restarting": "#ff7f0e", "reintegrating": "#1f77b4", "leaving": "#9467bd", "vacant": "#f0f0f0"}
 assert tuple(STATE_COLORS) == TIMELINE_STATES
 
 

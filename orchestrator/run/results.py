@@ -79,6 +79,7 @@ def run_summary(run: Run, *, tokens: int, live: list[IslandStatus], dead: list[I
         "wall_s": wall,
         "stopped_by": run.stopped_by,  # token_budget | max_wall_s | stop_at_eval_loss | stop request
         "run_start": run.run_start,  # wall clock (time.time) that goodput, chaos tapes and `at` fields count from
+        "run_end": good["run_end"],  # wall clock when the islands had stopped: goodput's allocation ends here
         "resumed": run.resume,
         "corpus": run.data.source,
         "islands": _island_rows(run),
@@ -115,6 +116,11 @@ def _recovery(snapshot: dict, statuses: list[IslandStatus], faults: list,
         "salvage_snapshot_s": sum(st.shelve_s for st in statuses),
         "salvage_snapshot_bytes": sum(st.shelved_bytes for st in statuses),
         "keeper_restarts": sum(snapshot.get("keeper_restarts", {}).values()),  # keepers that died, replaced
+        # Elastic pools: islands placed in slots that had been vacant, and islands that left with a drained node
+        # (each with whether its last submissions merged before it went).
+        "joins": len(snapshot.get("joins", [])),
+        "leaves": len(snapshot.get("leaves", [])),
+        "leaves_merged": sum(1 for leave in snapshot.get("leaves", []) if leave.get("merged")),
     }
 
 
@@ -143,6 +149,7 @@ def _island_rows(run: Run) -> list[dict]:
              # incarnations started this session, failed starts included (each one is a new process)
              "incarnations": s["incarnation"] - run.first_inc.get(s["island"], 1) + 1,
              "failures": s["failures"], "restarts": s["restarts"], "state": s["state"],
+             "joins": s.get("joins", 0), "leaves": s.get("leaves", 0),
              "device": s["status"].device if s["status"] else None,  # where it trained: cpu, cuda:0 (card)
              "precision": precision[s["pool"]],  # its inner steps' arithmetic (pool's, else inner.precision)
              "steps": (s["status"].steps if s["status"] else 0) + sum(f.steps for f in s["finals"]),

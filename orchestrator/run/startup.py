@@ -34,8 +34,9 @@ class Stage:
 
 def placing_text(cfg: RunConfig) -> str:
     """"placing 4 islands in 2 pools (fast 2, slow 2)": what the "placing" stage says."""
-    pools = ", ".join(f"{p.name} {p.islands}" for p in cfg.pools)
-    return f"placing {cfg.num_islands} islands in {len(cfg.pools)} pools ({pools})"
+    pools = ", ".join(f"{p.name} {p.min_islands}-{p.islands}" if p.elastic else f"{p.name} {p.islands}" for p in cfg.pools)
+    count = f"{cfg.required_islands}-{cfg.num_islands}" if cfg.required_islands < cfg.num_islands else str(cfg.num_islands)
+    return f"placing {count} islands in {len(cfg.pools)} pools ({pools})"
 
 
 def islands_ready(snapshot: dict, first_incarnation: dict[int, int]) -> int:

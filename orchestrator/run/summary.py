@@ -49,6 +49,11 @@ def _recovery_rows(summary: dict) -> list[tuple[str, str]]:
                                                       ("rejoined in", s("mean_time_to_rejoin_s"))) if v is not None]
         rows.append(("failures / restarts", f"{s('failures') or 0} / {s('restarts') or 0}"
                      + (f" ({', '.join(times)} on average)" if times else "")))
+    if s("joins") or s("leaves"):
+        unmerged = (s("leaves") or 0) - (s("leaves_merged") or 0)
+        rows.append(("joins / leaves", f"{s('joins') or 0} / {s('leaves') or 0} (elastic pools: islands placed as "
+                     f"nodes joined; islands that left drained nodes, "
+                     + (f"{unmerged} before all their progress merged)" if unmerged else "all their progress merged)")))
     faults = faults_cell(summary)
     if faults is not None:
         rows.append(("faults fired", faults))

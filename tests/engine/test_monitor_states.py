@@ -43,7 +43,7 @@ def _startable():
     slot.incarnation, slot.state, slot.steps = 0, SlotState(0, "a").state, 0
     seen: list[str] = []  # the slot's state while its process is being placed
 
-    async def place(slot, spec, outer, cursor, data):
+    async def place(slot, spec, outer, cursor, data, on_wait=None):
         seen.append(slot.state)
         return _Island(), 0
 

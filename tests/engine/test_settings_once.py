@@ -57,7 +57,8 @@ def test_outer_settings_are_the_config_outer_section():
     cfg = RunConfig()
     got = dataclasses.asdict(outer_settings(cfg))
     derived = {"min_quorum": cfg.min_quorum_count(), "tau_steps": cfg.outer.effective_tau_steps(),
-               "tau_schedule": cfg.outer.tau_schedule(), "average_window": cfg.run.average_window}
+               "tau_schedule": cfg.outer.tau_schedule(), "average_window": cfg.run.average_window,
+               "elastic_slots": cfg.elastic_slots(), "fixed_slots": cfg.num_islands}
     for name, value in got.items():
         want = derived[name] if name in derived else getattr(cfg.outer, name)
         assert value == want, name

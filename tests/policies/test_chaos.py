@@ -265,7 +265,7 @@ def test_parse_poisson():
     d = parse_chaos_spec("poisson:mtbf_s=60,seed=3,kinds=kill_island|hang")
     assert d == {"mode": "poisson", "mtbf_s": 60.0, "seed": 3, "kinds": ["kill_island", "hang"],
                  "kind_weights": None, "recovery_delay_s": [0.0, 0.0], "min_gap_s": 0.0, "start_s": 0.0,
-                 "slow_factor": 4.0, "slow_duration_s": 0.0}
+                 "slow_factor": 4.0, "slow_duration_s": 0.0, "drain_deadline_s": 20.0}
     d = parse_chaos_spec("poisson:mtbf_s=30,kinds=hang|slow,kind_weights=3|1,recovery_delay_s=5,min_gap_s=10")
     assert d["seed"] == 0 and d["kind_weights"] == [3.0, 1.0] and d["recovery_delay_s"] == [5.0, 5.0]
     assert parse_chaos_spec("poisson:mtbf_s=30,recovery_delay_s=1|4")["recovery_delay_s"] == [1.0, 4.0]

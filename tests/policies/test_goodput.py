@@ -99,7 +99,7 @@ def test_goodput_report_hand_computed():
         useful_s=120.0,
         lost_s=80.0,
         by_state_s={"starting": 0.0, "training": 170.0, "blocked": 10.0, "dead": 5.0, "restarting": 10.0,
-                    "reintegrating": 5.0},
+                    "reintegrating": 5.0, "leaving": 0.0, "vacant": 0.0},
         tokens={"merged": 1000, "lost": 200, "refused": 50, "in_flight": 30, "overwritten": 7, "processed": 1287},
     )
     assert sum(r.by_state_s.values()) == r.allocated_s  # the timeline covers every slot-second here
@@ -112,7 +112,7 @@ def test_by_state_is_clipped_to_the_run_and_lists_every_state():
         uptime_window_s=1.0, tokens_merged=0, tokens_lost=0, tokens_refused=0, tokens_in_flight=0,
     )
     assert r.by_state_s == {"starting": 0.0, "training": 20.0, "blocked": 0.0, "dead": 30.0, "restarting": 0.0,
-                            "reintegrating": 0.0}
+                            "reintegrating": 0.0, "leaving": 0.0, "vacant": 0.0}
     assert list(r.by_state_s) == list(TIMELINE_STATES)
     assert r.allocated_s == 150.0 and r.lost_s == 145.0 and r.goodput == pytest.approx(5.0 / 150.0)
     assert r.uptime == 0.0 and r.fill_s == 50.0 and r.tokens["processed"] == 0
@@ -131,7 +131,7 @@ def test_a_first_start_is_starting_and_counts_as_downtime_like_a_reintegration()
                        version_advances=[20.0], uptime_window_s=100.0, tokens_merged=0, tokens_lost=0,
                        tokens_refused=0, tokens_in_flight=0)
     assert r.by_state_s == {"starting": 20.0, "training": 170.0, "blocked": 0.0, "dead": 1.0, "restarting": 3.0,
-                            "reintegrating": 6.0}
+                            "reintegrating": 6.0, "leaving": 0.0, "vacant": 0.0}
     downtime = sum(r.by_state_s[k] for k in ("starting", "dead", "restarting", "reintegrating"))
     assert downtime == r.allocated_s - r.by_state_s["training"] == 30.0
     assert r.lost_s == 50.0 and r.goodput == 0.75  # useful 150 of 200: start-up is allocated, not useful
