@@ -4,28 +4,67 @@ Time faults (`at_s`, seconds since the run started) hit whatever incarnation of 
 then; step faults (`at_step`) hit the named incarnation once it has taken that many inner steps.
 Every executed fault is reported to the health monitor (so it can measure time to detect and honour a
 recovery delay) and kept for the run's event log, so tests can assert exact counts.
+
+Capacity that comes and goes (policies.chaos.CAPACITY_KINDS), for elastic pools:
+
+- `drain_node`: the island's node is drained through the GCS with a deadline (a preemption notice, as a cloud
+  handler or the autoscaler gives it; orchestrator/actors/drains.py), and ended at the deadline by a `NodeEnder`
+  placed on it first (a draining node takes no new work), as the cloud ends the VM. Never the driver's node.
+- `node_joins`: EMULATION on the injector's machine: a Ray node labelled for the island's pool is started there
+  (`ray start --address ... --labels ... --block`) and stopped with the run (`stop`); with a duration, it is
+  drained after it like `drain_node`. On a real cluster capacity joins by the autoscaler or `ray start` on new
+  machines (docs/cluster.md); this stands in for that on one machine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from policies.chaos import Fault, FaultTape
+from orchestrator.actors.drains import drain_node
+from policies.chaos import JOINED_NODE_DEADLINE_S, KILL_KINDS, Fault, FaultTape
 
 log = logging.getLogger(__name__)
 
-KILL_KINDS = ("kill_island", "kill_node")
+# A joined node's object store: small, as the islands' traffic is (a fragment at a time).
+JOINED_NODE_OBJECT_STORE_BYTES = 100 << 20
+
+
+class NodeEnder:
+    """Placed on a node before it is drained (`ray.remote` in remote.py): ends the node at its deadline, as a
+    cloud reclaims a preempted VM (Ray only marks a drained node; it never ends it)."""
+
+    def end_at(self, deadline: float) -> None:
+        """Kill this node's raylet at `deadline` (wall time), from a timer thread; returns at once."""
+        def end() -> None:
+            time.sleep(max(deadline - time.time(), 0.0))
+            log.warning("chaos: the drained node's deadline passed: ending it")
+            os.kill(os.getppid(), signal.SIGKILL)  # a worker's parent process is its node's raylet
+
+        threading.Thread(target=end, daemon=True).start()
 
 
 class ChaosInjector:
     """Plain class with an asyncio loop; `ray.remote` is applied in orchestrator/actors/remote.py."""
 
     def __init__(self, tape: FaultTape, *, namespace: str, monitor_name: str, run_start: float,
-                 protected_node: str | None = None, tick_s: float = 0.1) -> None:
+                 protected_node: str | None = None, tick_s: float = 0.1, ender_cls: Any = None,
+                 join_nodes: dict[int, dict] | None = None) -> None:
+        """`ender_cls`: the NodeEnder actor class (drain_node); `join_nodes`: island -> what a node_joins node of its
+        pool offers: {"labels": {...}, "num_cpus": float, "resources": {...}}."""
+        self.ender_cls, self.join_nodes = ender_cls, join_nodes or {}
+        self.joined: list[subprocess.Popen] = []  # node_joins nodes started on this machine, stopped by `stop`
         self.pending: list[Fault] = list(tape.faults)
         self.namespace, self.monitor_name = namespace, monitor_name
         self.run_start = run_start  # wall clock (time.time) the tape's at_s counts from
@@ -77,6 +116,8 @@ class ChaosInjector:
         return max(self.tick_s, min(ahead))
 
     async def _maybe_fire(self, monitor, fault: Fault) -> bool:
+        if fault.kind == "node_joins":
+            return await self._join(fault)
         inc, name, node = await monitor.current.remote(fault.island)
         if fault.at_step is not None and inc > fault.incarnation:
             self._record(fault, inc, "skipped: its incarnation is gone")
@@ -89,8 +130,12 @@ class ChaosInjector:
             if status.steps < fault.at_step:
                 return False
         now = time.time()
-        if fault.kind == "kill_node" and node == self.protected_node:
+        if fault.kind in ("kill_node", "drain_node") and node == self.protected_node:
             self._record(fault, inc, "skipped: island shares the driver's node")
+            return True
+        if fault.kind == "drain_node":  # no failure to note: the monitor sees the drain itself (drains.py)
+            await self._drain(node, fault.duration_s, f"chaos: drain_node of island {fault.island}")
+            self._record(fault, inc, "fired", at=now)
             return True
         recovery = fault.duration_s if fault.kind in KILL_KINDS else 0.0
         await monitor.note_fault.remote(fault.island, inc, fault.kind, now, recovery)
@@ -103,6 +148,56 @@ class ChaosInjector:
         self._record(fault, inc, "fired", at=now)
         log.warning("chaos: %s on island %d incarnation %d", fault.kind, fault.island, inc)
         return True
+
+    async def _drain(self, node: str, deadline_s: float, message: str) -> None:
+        """Drain `node` with a deadline `deadline_s` from now, and end it then (NodeEnder, placed first)."""
+        deadline = time.time() + deadline_s
+        if self.ender_cls is not None:
+            ender = self.ender_cls.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            await ender.remote().end_at.remote(deadline)
+        await asyncio.get_running_loop().run_in_executor(None, drain_node, node, deadline_s, message)
+        log.warning("chaos: drained node %s with a %.0f s deadline", node, deadline_s)
+
+    async def _join(self, fault: Fault) -> bool:
+        """EMULATION: start a Ray node for `fault.island`'s pool on this machine (module docstring)."""
+        spec = self.join_nodes.get(fault.island)
+        if spec is None:
+            self._record(fault, 0, "skipped: no pool to join for this island")
+            return True
+        before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        labels = ",".join(f"{k}={v}" for k, v in spec.get("labels", {}).items())
+        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--address", ray.get_runtime_context().gcs_address,
+               "--num-cpus", str(spec.get("num_cpus", 1)), "--object-store-memory", str(JOINED_NODE_OBJECT_STORE_BYTES),
+               "--block", "--disable-usage-stats"]
+        cmd += ["--labels", labels] if labels else []
+        cmd += ["--resources", json.dumps(spec["resources"])] if spec.get("resources") else []
+        self.joined.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                            start_new_session=True))
+        now = time.time()
+        self._record(fault, 0, "fired", at=now)
+        log.warning("chaos: a node joins for island %d's pool (EMULATION: on this machine, labels %s)", fault.island, labels)
+        if fault.duration_s > 0:
+            asyncio.get_running_loop().create_task(self._drain_joined(before, fault))
+        return True
+
+    async def _drain_joined(self, before: set[str], fault: Fault) -> None:
+        # The new node is the one that was not there before; it is drained once its duration is over.
+        await asyncio.sleep(fault.duration_s)
+        new = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in before]
+        for node in new[:1]:
+            await self._drain(node, JOINED_NODE_DEADLINE_S, f"chaos: the node joined for island {fault.island} leaves")
+
+    async def stop(self) -> int:
+        """Stop the nodes `node_joins` started (with the run: they must not outlive it); returns how many."""
+        for proc in self.joined:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)  # `ray start --block` stops its node's processes on SIGTERM
+        for proc in self.joined:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        return len(self.joined)
 
     def _record(self, fault: Fault, incarnation: int, outcome: str, at: float | None = None) -> None:
         self.executed.append({"island": fault.island, "incarnation": incarnation, "kind": fault.kind,

@@ -397,7 +397,9 @@ class HealthMonitor:
         self.launcher.kill(island, self.handles.pop(island, None))
         self.launcher.release(island)
         self.record.leaves.append({"island": island, "incarnation": inc, "node": node, "at": time.time(),
-                                   "deadline": deadline, "merged": took["merged"], "waited_s": took["waited_s"]})
+                                   "deadline": deadline, "merged": took["merged"], "waited_s": took["waited_s"],
+                                   # every token it processed reached the outer optimizer when the two agree
+                                   "tokens": final.tokens, "received": took["received"]})
         self.record.mark(slot, "vacant")
         log.warning("island %d incarnation %d left node %s (its progress %s)", island, inc, node,
                     "merged" if took["merged"] else "not all merged before the deadline")

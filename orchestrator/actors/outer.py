@@ -169,7 +169,8 @@ class _OuterShell:
 
         What it cut is merged, not lost, and the slot's resume cursor is where its last merged submission ended, so
         the island that fills the slot next reads on from there (exactly once). Returns {"merged": bool (nothing of
-        it still pending), "waited_s": seconds}; within `timeout_s` whatever the answer."""
+        it still pending), "waited_s": seconds, "received": its tokens received (mean over fragments)}; within
+        `timeout_s` whatever the answer."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         self._leaving.add((island, incarnation))
@@ -188,7 +189,9 @@ class _OuterShell:
             self._leaving.discard((island, incarnation))
         if self._islands.get(island, (None,))[0] == incarnation:
             await self.unregister(island)
-        return {"merged": merged, "waited_s": time.monotonic() - t0}
+        got = await self._core(lambda: list(self.core.received.get((island, incarnation), [])))
+        return {"merged": merged, "waited_s": time.monotonic() - t0,
+                "received": round(sum(got) / len(got)) if got else 0}
 
     # ------------------------------------------------------------ data plane
 

@@ -32,7 +32,8 @@ class RecoveryRecord:
         faults: (island, incarnation) -> {"kind", "at", "recovery_delay_s"} of each injected fault.
         joins: one dict per island placed in an elastic slot that had been vacant: island, incarnation, node, at.
         leaves: one dict per island that left with its drained node: island, incarnation, node, at, deadline,
-            merged (its last submissions merged before it went), waited_s.
+            merged (its last submissions merged before it went), waited_s, tokens (it processed), received (of them,
+            by the outer optimizer: mean over fragments).
     """
 
     def __init__(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ray
 
-from orchestrator.actors.chaos_injector import ChaosInjector
+from orchestrator.actors.chaos_injector import ChaosInjector, NodeEnder
 from orchestrator.actors.health_monitor import HealthMonitor
 from orchestrator.actors.islands import _IslandShell, _IslandWorker
 from orchestrator.actors.keeper import ProgressKeeper
@@ -31,7 +31,7 @@ from orchestrator.actors.outer import _OuterShell
 from orchestrator.actors.runtime import NAMESPACE, WORKER_ENV, ignore_zero_copy_warnings
 
 __all__ = ["NAMESPACE", "WORKER_ENV", "ignore_zero_copy_warnings", "IslandActor", "IslandWorkerActor",
-           "OuterOptimizerActor", "HealthMonitorActor", "ChaosInjectorActor", "ProgressKeeperActor"]
+           "OuterOptimizerActor", "HealthMonitorActor", "ChaosInjectorActor", "NodeEnderActor", "ProgressKeeperActor"]
 
 
 IslandActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=8)(_IslandShell)
@@ -42,5 +42,6 @@ IslandWorkerActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurren
 OuterOptimizerActor = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=64)(_OuterShell)
 HealthMonitorActor = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=64)(HealthMonitor)
 ChaosInjectorActor = ray.remote(max_restarts=0, max_concurrency=16)(ChaosInjector)
+NodeEnderActor = ray.remote(max_restarts=0)(NodeEnder)  # dies with the node it ends
 # One call at a time keeps each island's snapshots in order; a dead keeper is replaced by the monitor.
 ProgressKeeperActor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=1)(ProgressKeeper)

@@ -453,7 +453,7 @@ class Run:
         self.run_start = time.time()
         if len(self.tape):
             self.injector = start_injector(self.tape, self.run_id, self.monitor_name, self.run_start,
-                                           cfg.run.call_timeout_s)
+                                           cfg.run.call_timeout_s, cfg.pools)
 
     def _build_world(self) -> tuple[dict[str, torch.Tensor], frozenset[str], dict[int, str]]:
         """Data, model recipe, fragment plan, network, evaluator and chaos tape of the run: (the initial
@@ -763,6 +763,11 @@ class Run:
                 self._get(self.monitor.teardown.remote())
             except Exception as err:
                 log.warning("monitor teardown: %s", err)
+        if self.injector is not None:  # the nodes its node_joins faults started must not outlive the run
+            try:
+                self._get(self.injector.stop.remote(), timeout=60)
+            except Exception as err:
+                log.warning("chaos injector stop: %s", err)
         kill_run_actors(self.run_id)
 
 

@@ -121,6 +121,9 @@ def _recovery(snapshot: dict, statuses: list[IslandStatus], faults: list,
         "joins": len(snapshot.get("joins", [])),
         "leaves": len(snapshot.get("leaves", [])),
         "leaves_merged": sum(1 for leave in snapshot.get("leaves", []) if leave.get("merged")),
+        # Tokens the leaving islands processed that never reached the outer optimizer (0 when every leave finished).
+        "drained_tokens_lost": sum(max(0, leave.get("tokens", 0) - leave.get("received", 0))
+                                   for leave in snapshot.get("leaves", [])),
     }
 
 

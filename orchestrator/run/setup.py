@@ -27,10 +27,11 @@ from orchestrator.actors.remote import (
     HealthMonitorActor,
     IslandActor,
     IslandWorkerActor,
+    NodeEnderActor,
     ProgressKeeperActor,
 )
 from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
-from orchestrator.config import ConfigError, RunConfig, build_config, resume_conflict
+from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config, resume_conflict
 from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.core.outer_optimizer import OuterOptimizer
 from orchestrator.settings import monitor_health, monitor_restart, monitor_timeouts, outer_settings
@@ -117,11 +118,20 @@ def monitor_runtime_env(job_env: dict) -> dict | None:
     return CONTROL_PLANE_RUNTIME_ENV if job_env else None
 
 
-def start_injector(tape: Any, run_id: str, monitor_name: str, run_start: float, timeout_s: float) -> Any:
-    """Start the chaos injector on `tape` (its clock counts from `run_start`) and return its handle."""
+def start_injector(tape: Any, run_id: str, monitor_name: str, run_start: float, timeout_s: float,
+                   pools: list[PoolConfig] | None = None) -> Any:
+    """Start the chaos injector on `tape` (its clock counts from `run_start`) and return its handle. `pools`: the
+    run's pools in config order, for what a `node_joins` node of an island's pool offers."""
+    join_nodes, island = {}, 0
+    for pool in pools or []:
+        node = {"labels": dict(pool.labels), "resources": dict(pool.resources),
+                "num_cpus": pool.cpus_per_island * pool.workers_per_island}  # room for one island
+        for _ in range(pool.islands):
+            join_nodes[island] = node
+            island += 1
     injector = ChaosInjectorActor.options(name=f"chaos-{run_id}", namespace=NAMESPACE, num_cpus=0,
                                           scheduling_strategy=here(), runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote(
         tape, namespace=NAMESPACE, monitor_name=monitor_name, run_start=run_start,
-        protected_node=ray.get_runtime_context().get_node_id())
+        protected_node=ray.get_runtime_context().get_node_id(), ender_cls=NodeEnderActor, join_nodes=join_nodes)
     ray.get(injector.start.remote(), timeout=timeout_s)
     return injector
