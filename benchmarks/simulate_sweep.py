@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/simulate_sweep.py                      # grid tables, closed forms, paper checks, timing
     python benchmarks/simulate_sweep.py --calibrate          # re-derive the calibrated defaults
     python benchmarks/simulate_sweep.py --sensitivity        # dp against the step lost per failure
+    python benchmarks/simulate_sweep.py --capacity           # fixed pool against capacity that comes and goes
 
 The speed target (2.4 million chips over a simulated week in under 30 s on a 2-core machine) is
 measured here as the median of ``--repeats`` runs per method, never asserted in tests. Prints
@@ -101,18 +102,49 @@ def sensitivity(steps=SENSITIVITY_STEPS_S, chips=(150_000, 1_200_000, 2_400_000)
         print(f"| {step:g} | {lost:.2f} | {cells(kept)} | {refit.recovery_mean_s:.1f} | {cells(refit)} |")
 
 
+# Elastic capacity rows: (mean hours a slot is present, mean hours absent, reclaims drained with notice).
+CAPACITY_ROWS = ((9.0, 1.0, True), (9.0, 1.0, False), (3.0, 1.0, True), (3.0, 1.0, False))
+CAPACITY_METHODS = ("dp", "elastic-dp", "decoupled")
+
+
+def capacity_table(chips: int = 1_200_000, learners: int = 8, seeds=range(5)) -> str:
+    """Goodput over the chip-time present (closed form in brackets), mean over ``seeds``: the fixed pool's row,
+    then one row per elastic capacity of ``CAPACITY_ROWS``, its ``learners`` slots shared by every method."""
+    head = f"| capacity ({chips / 1e6:g}M chips, {learners} slots, 7 days) | available | " + " | ".join(
+        m if m != "decoupled" else f"decoupled M={learners}" for m in CAPACITY_METHODS) + " |"
+    lines = [head, "| --- |" + " ---: |" * (1 + len(CAPACITY_METHODS))]
+    for up_h, down_h, notice in ((math.inf, 0.0, True), *CAPACITY_ROWS):
+        runs = {m: [simulate(SimConfig(method=m, chips=chips, learners=learners, seed=s, capacity_notice=notice,
+                                       capacity_mean_up_s=up_h * 3600, capacity_mean_down_s=down_h * 3600))
+                    for s in seeds] for m in CAPACITY_METHODS}
+        if math.isinf(up_h):
+            label = "fixed pool"
+        else:
+            label = (f"elastic capacity (slots up {up_h / (up_h + down_h):.0%} of the time: {up_h:g} h up, {down_h:g} h "
+                     f"down; reclaims {'drained with notice' if notice else 'without notice'})")
+        available = statistics.fmean(r.available_fraction for r in runs[CAPACITY_METHODS[0]])
+        cells = [f"{statistics.fmean(r.goodput for r in rs):.3f} ({rs[0].details['closed_form_goodput']:.3f})"
+                 for rs in runs.values()]
+        lines.append(f"| {label} | {available:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="runs per method for the 2.4M timing median")
     ap.add_argument("--png", default="goodput_vs_chips.png", help="where to write the plot")
     ap.add_argument("--calibrate", action="store_true", help="re-derive the calibrated defaults and exit")
     ap.add_argument("--sensitivity", action="store_true", help="dp against the step lost per failure, and exit")
+    ap.add_argument("--capacity", action="store_true", help="fixed pool against elastic capacity, and exit")
     args = ap.parse_args()
     if args.calibrate:
         calibrate()
         return 0
     if args.sensitivity:
         sensitivity()
+        return 0
+    if args.capacity:
+        print(f"goodput over the chip-time present, mean of seeds 0-4 (closed form):\n\n{capacity_table()}")
         return 0
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -133,6 +165,7 @@ def main() -> int:
             off = r["goodput"] - PAPER_DP[r["chips"]]
             print(f"- {r['chips']:,} chips: {r['goodput']:.3f} against the paper's {PAPER_DP[r['chips']]:.2f} "
                   f"({off:+.3f}, {'within' if abs(off) <= CHECK_TOLERANCE else 'OUTSIDE'})")
+    print(f"\nelastic capacity: goodput over the chip-time present, mean of seeds 0-4 (closed form):\n\n{capacity_table()}")
     print("\nwall time per cell, s:\n")
     print(markdown_table(rows, "wall_s"))
     print(f"\nwhole grid: {grid_s:.1f} s for {len(rows)} cells")

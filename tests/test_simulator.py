@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 
 from orchestrator.cli import simulate as simulate_cli
-from orchestrator.simulator.goodput import SimConfig, dp_closed_form, dp_fit_recovery_mean_s, quorum_met, run_rounds, simulate, straggler_efficiency
+from orchestrator.simulator.goodput import (
+    ConfigError,
+    SimConfig,
+    dp_closed_form,
+    dp_fit_recovery_mean_s,
+    quorum_met,
+    run_rounds,
+    simulate,
+    straggler_efficiency,
+)
 from policies.quorum import decide_round
 
 YEAR_S = 365 * 86400
@@ -248,6 +257,107 @@ def test_bad_salvage_period_is_a_one_line_error(kw, words):
     with pytest.raises(ValueError) as exc:
         SimConfig(**kw)
     assert all(w in str(exc.value) for w in words) and "\n" not in str(exc.value)
+
+
+# Elastic capacity: `learners` slots that come and go (docs/simulator.md, "Elastic capacity").
+P_S = SimConfig().reconfig_s  # a decoupled learner's rejoin: the elastic re-add
+
+
+@pytest.mark.parametrize("method", ["dp", "elastic-dp", "decoupled"])
+def test_capacity_that_never_leaves_is_the_fixed_pool_exactly(method):
+    # Finite periods run the elastic code path (own random stream, thinning, unions, drains); with a slot present
+    # for 1e15 s on average none leaves in the horizon, and every number is the fixed pool's, bit for bit.
+    kw = dict(method=method, chips=300_000, learners=4, horizon_days=2, seed=7)
+    fixed = simulate(SimConfig(**kw))
+    always = simulate(SimConfig(**kw, capacity_mean_up_s=1e15, capacity_mean_down_s=1.0))
+    assert always.details["capacity"]["reclaims"] == 0 and "capacity" not in fixed.details
+    assert always.available_fraction == fixed.available_fraction == 1.0
+    assert fixed.failures > 1_000
+    for key in ("failures", "goodput", "uptime", "productive_chip_s", "allocated_chip_s"):
+        assert getattr(always, key) == getattr(fixed, key), key
+
+
+def _no_failures(method, **kw):
+    cfg = dict(method=method, chips=8 * 4 * 256, learners=8, mtbi_chip_years=math.inf, horizon_days=7,
+               capacity_mean_up_s=600.0, capacity_mean_down_s=300.0)
+    return simulate(SimConfig(**{**cfg, **kw}))
+
+
+def test_graceful_reclaims_cost_a_learner_its_rejoin_and_data_parallel_the_whole_fleet():
+    # No failures; 8 slots present 2/3 of the time in Exp(600 s) periods, drained with notice.
+    # Decoupled: a learner loses only its rejoin P at the start of each present period, Exp(up) and memoryless,
+    # so exp(-P / up) of its present time steps. dp needs all 8 slots: present together a^8 of the time, in
+    # Exp(up / 8) sojourns each begun by a restart r; over the a present: a^7 exp(-8 r / up).
+    a, up, r = 2 / 3, 600.0, SimConfig().restart_s
+    decoupled = _no_failures("decoupled")
+    dp = _no_failures("dp", horizon_days=28)  # all 8 present about 900 times in 28 days
+    assert decoupled.available_fraction == pytest.approx(a, abs=0.02)
+    assert decoupled.goodput == pytest.approx(math.exp(-P_S / up), abs=0.002)  # 0.976
+    assert dp.goodput == pytest.approx(a**7 * math.exp(-8 * r / up), rel=0.08)  # 0.048
+    assert decoupled.details["wipes"] == 0 and decoupled.details["unmerged_chip_s"] == 0.0
+    assert decoupled.uptime > 0.99 and dp.uptime < 0.05
+
+
+def test_reclaim_without_notice_loses_the_work_since_the_last_submission():
+    # Abrupt: a learner's stepping in a present period is U ~ Exp(up) (after the rejoin), and it loses U mod s,
+    # s = sync_period_s, keeping s / (up (exp(s / up) - 1)) of it: the formula of dp's step in flight.
+    up, s = 600.0, SimConfig().sync_period_s
+    graceful, abrupt = _no_failures("decoupled"), _no_failures("decoupled", capacity_notice=False)
+    assert abrupt.details["wipes"] > 0.9 * abrupt.details["capacity"]["reclaims"]  # every reclaim of a present slot
+    assert abrupt.available_fraction == graceful.available_fraction  # same capacity draws
+    kept = (s / up) / math.expm1(s / up)
+    assert abrupt.goodput == pytest.approx(math.exp(-P_S / up) * kept, abs=0.003)  # 0.897
+    assert abrupt.goodput < graceful.goodput - 0.05
+    assert abrupt.to_dict() == _no_failures("decoupled", capacity_notice=False).to_dict()  # seeded
+
+
+def test_available_fraction_is_up_over_up_plus_down():
+    # Each slot starts in its stationary state, so the present share is up / (up + down) at every instant; over
+    # 16 slots and 14 days of 2,400 s cycles one run's estimate spreads about 0.004.
+    for seed in range(3):
+        r = _no_failures("dp", chips=16 * 256, learners=16, horizon_days=14, capacity_mean_up_s=1800.0,
+                         capacity_mean_down_s=600.0, seed=seed)
+        assert r.available_fraction == pytest.approx(0.75, abs=0.015)
+        assert r.allocated_chip_s == pytest.approx(r.available_fraction * r.chips * r.horizon_s, rel=1e-12)
+        assert r.to_dict()["available_fraction"] == r.available_fraction
+
+
+def test_elastic_capacity_at_the_calibration_cell():
+    # 1.2M chips, 8 slots present 90% of the time (9 h up, 1 h down), with failures. Absent chips do not fail;
+    # decoupled keeps the fixed pool's goodput less its rejoins, exp(-P / 9 h); elastic-dp has fewer failures
+    # (0.9 lambda) and a few more reconfigurations; dp stops whenever one slot is out.
+    kw = dict(chips=1_200_000, learners=8, horizon_days=2)
+    cap = dict(capacity_mean_up_s=9 * 3600.0, capacity_mean_down_s=3600.0)
+    fixed = {m: simulate(SimConfig(method=m, **kw)) for m in ("dp", "elastic-dp", "decoupled")}
+    elastic = {m: simulate(SimConfig(method=m, **kw, **cap)) for m in fixed}
+    d = elastic["decoupled"]
+    assert d.failures == pytest.approx(d.available_fraction * fixed["decoupled"].failures, rel=0.03)
+    assert d.goodput == pytest.approx(fixed["decoupled"].goodput * math.exp(-P_S / (9 * 3600)), abs=0.003)
+    lam = 0.9 * 1_200_000 / YEAR_S + 8 / (10 * 3600)  # failures and slot changes per second (each two pauses)
+    live = 1 - 256 * SimConfig().recovery_mean_s / YEAR_S
+    assert elastic["elastic-dp"].goodput == pytest.approx(live / (1 + 2 * lam * P_S), rel=0.02)
+    assert elastic["elastic-dp"].goodput > fixed["elastic-dp"].goodput  # fewer chips present, fewer failures
+    assert elastic["dp"].goodput < 0.6 * fixed["dp"].goodput  # about 0.9^7 of it
+    for m in ("elastic-dp", "decoupled"):  # dp's all-present spells are too few in 2 days for a 2% check
+        assert elastic[m].details["closed_form_goodput"] == pytest.approx(elastic[m].goodput, rel=0.02)
+
+
+@pytest.mark.parametrize("kw, field, words", [
+    (dict(capacity_mean_up_s=0.0), "capacity_mean_up_s", ["> 0", "inf for a fixed pool"]),
+    (dict(capacity_mean_up_s=math.nan), "capacity_mean_up_s", ["> 0"]),
+    (dict(capacity_mean_up_s=3600.0), "capacity_mean_down_s", ["> 0 when capacity_mean_up_s is finite"]),
+    (dict(capacity_mean_up_s=3600.0, capacity_mean_down_s=-1.0), "capacity_mean_down_s", [">= 0"]),
+    (dict(capacity_mean_up_s=3600.0, capacity_mean_down_s=math.inf), "capacity_mean_down_s", ["finite"]),
+    (dict(capacity_mean_down_s=600.0), "capacity_mean_down_s", ["no effect", "capacity_mean_up_s"]),
+    (dict(capacity_notice="yes"), "capacity_notice", ["bool"]),
+    (dict(method="dp", chips=1000, capacity_mean_up_s=3600.0, capacity_mean_down_s=600.0), "learners", ["4 slices"]),
+])
+def test_bad_capacity_settings_are_one_line_errors_naming_the_field(kw, field, words):
+    with pytest.raises(ConfigError) as exc:
+        SimConfig(**kw)
+    assert exc.value.field == field
+    message = str(exc.value)
+    assert message.startswith(f"{field}=") and "\n" not in message and all(w in message for w in words), message
 
 
 def test_simulator_imports_without_ray():

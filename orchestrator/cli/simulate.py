@@ -99,6 +99,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-quorum", type=POS_INT, default=d.min_quorum,
                    help="decoupled: minimum quorum K of learners per round (default %(default)s)")
     g.add_argument("--checkpoint-interval-s", action=_Removed, help=argparse.SUPPRESS)
+    c = p.add_argument_group("capacity that comes and goes (elastic pools; docs/simulator.md)")
+    c.add_argument("--capacity-mean-up-s", type=POS_FLOAT, default=d.capacity_mean_up_s,
+                   help="mean seconds a learner slot's machines stay (default %(default)s: a fixed pool)")
+    c.add_argument("--capacity-mean-down-s", type=NONNEG_FLOAT, default=d.capacity_mean_down_s,
+                   help="mean seconds a slot is reclaimed before it comes back (default %(default)s)")
+    c.add_argument("--capacity-without-notice", dest="capacity_notice", action="store_false",
+                   help="reclaims come without notice: a learner loses its work since its last submission "
+                        "(default: drained with notice, nothing lost)")
 
 
 
@@ -124,6 +132,8 @@ def run_simulate(args: argparse.Namespace) -> int:
           f"{result.learners} learner(s), {result.failures} slice failures over {result.horizon_s / 86400:g} days")
     print(f"goodput {result.goodput:.4f}  uptime {result.uptime:.4f}  "
           f"(closed form {result.details['closed_form_goodput']:.4f}, docs/simulator.md)")
+    if result.available_fraction < 1.0:  # elastic capacity: goodput is over the chip-seconds present
+        print(f"capacity present {result.available_fraction:.3f} of the time (goodput is over that capacity)")
     d = result.details
     if result.method == "decoupled" and d.get("wipes"):
         salvage = (f"; {d['salvages']} salvaged ({d['salvaged_chip_s'] / result.allocated_chip_s:.2%} of the chip-time)"

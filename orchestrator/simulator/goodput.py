@@ -31,11 +31,18 @@ Model (docs/simulator.md has the full list of assumptions and the calibration):
 * Optional stragglers: per-step lognormal jitter of sigma ``step_jitter_sigma`` per slice; a
   synchronous group of n slices steps at the pace of its slowest slice, so its chips are busy a
   fraction ``E[X] / E[max(X_1..X_n)]`` of the time. Decoupled learners wait only for their own slices.
+* Optional elastic capacity (``capacity_mean_up_s`` finite): the fleet comes and goes in ``learners``
+  slots (decoupled's learners; the same slices for dp and elastic-dp), each present and absent for
+  exponential periods. Absent chips do not fail; capacity comes back healthy. A decoupled learner is out
+  while its slot is, and rejoins after a reconfiguration ``P``; elastic-dp drops and re-adds the slot's
+  slices like failed ones; dp, a fixed-size job, runs only while every slot is present and restarts
+  (``restart_s``) once all are back. A reclaim with notice (default) loses no work; without, it loses
+  what a failure would.
 
-Goodput = productive chip-time / allocated chip-time (``chips * horizon_s``), where productive means
-the work reached the final model. Uptime = fraction of wall time in which the global model advances:
-the kept stepping time of the group (dp, elastic-dp), the time with at least K learners stepping
-(decoupled). No Ray here; time and the seed are arguments.
+Goodput = productive chip-time / allocated chip-time (``chips * horizon_s``, or the chip-time present
+under elastic capacity), where productive means the work reached the final model. Uptime = fraction of
+wall time in which the global model advances: the kept stepping time of the group (dp, elastic-dp), the
+time with at least K learners stepping (decoupled). No Ray here; time and the seed are arguments.
 """
 
 from __future__ import annotations
@@ -99,6 +106,14 @@ class SimConfig:
     step_time_s: float = 1.0
     sync_time_s: float = 1.0
     step_jitter_sigma: float = 0.0
+    # Elastic capacity: mean seconds a capacity slot (one of `learners` shares of the fleet, for every method)
+    # stays present, exponential. inf = a fixed pool, always present: the paper's model and the calibration.
+    capacity_mean_up_s: float = math.inf
+    # Mean seconds a slot stays absent once reclaimed, exponential; > 0 with a finite capacity_mean_up_s, else 0.
+    capacity_mean_down_s: float = 0.0
+    # A reclaim comes with notice: learners drain (submit their progress) and dp / elastic-dp keep their step, so
+    # it loses no work. False: it loses what a failure would (the work since the last durable point).
+    capacity_notice: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,8 +136,24 @@ class SimConfig:
         if self.salvage_period_s > 0 and self.method != "decoupled":
             raise ConfigError("salvage_period_s", self.salvage_period_s, f"salvage applies to decoupled learners, "
                               f"not {self.method}", "pass 0 or use --method decoupled")
+        if math.isnan(self.capacity_mean_up_s) or not self.capacity_mean_up_s > 0:
+            raise ConfigError("capacity_mean_up_s", self.capacity_mean_up_s, "must be > 0",
+                              "pass the mean seconds a slot stays present, or inf for a fixed pool")
+        down, elastic = self.capacity_mean_down_s, self.elastic_capacity
+        if math.isnan(down) or not 0 <= down < math.inf:
+            raise ConfigError("capacity_mean_down_s", down, "must be a finite number >= 0",
+                              "pass the mean seconds a slot stays absent, e.g. 3600, or 0 for a fixed pool")
+        if elastic and down == 0:
+            raise ConfigError("capacity_mean_down_s", down, "must be > 0 when capacity_mean_up_s is finite",
+                              "pass the mean seconds a slot stays absent, e.g. 3600")
+        if not elastic and down > 0:
+            raise ConfigError("capacity_mean_down_s", down, "has no effect with capacity_mean_up_s=inf (a fixed "
+                              "pool)", "pass a finite capacity_mean_up_s too, or 0")
+        if not isinstance(self.capacity_notice, bool):
+            raise ConfigError("capacity_notice", self.capacity_notice, "must be a bool",
+                              "pass True (reclaims drain, losing nothing) or False (they lose like failures)")
         n_slices = math.ceil(self.chips / self.slice_chips)
-        if self.method == "decoupled" and self.learners > n_slices:
+        if (self.method == "decoupled" or elastic) and self.learners > n_slices:
             raise ConfigError("learners", self.learners, f"more learners than the {n_slices} slices of "
                               f"{self.slice_chips} chips", f"use --learners <= {n_slices} or a smaller --slice-chips")
         if self.method == "decoupled" and self.min_quorum > self.learners:
@@ -136,6 +167,16 @@ class SimConfig:
     @property
     def mtbi_chip_s(self) -> float:
         return self.mtbi_chip_years * interruptions.SECONDS_PER_YEAR
+
+    @property
+    def elastic_capacity(self) -> bool:
+        """Capacity comes and goes (a finite ``capacity_mean_up_s``); False is a fixed pool."""
+        return math.isfinite(self.capacity_mean_up_s)
+
+    @property
+    def capacity_up_fraction(self) -> float:
+        """Share of the time a slot is present: ``up / (up + down)`` (1 for a fixed pool)."""
+        return self.capacity_mean_up_s / (self.capacity_mean_up_s + self.capacity_mean_down_s) if self.elastic_capacity else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +193,8 @@ class SimResult:
     goodput: float
     uptime: float
     productive_chip_s: float
-    allocated_chip_s: float
+    allocated_chip_s: float  # chip-seconds the run had: chips * horizon, or those present under elastic capacity
+    available_fraction: float  # allocated_chip_s / (chips * horizon): 1 for a fixed pool
     seed: int
     details: dict
 
@@ -181,9 +223,13 @@ def dp_closed_form(cfg: SimConfig, chips: float | None = None) -> float:
     ``goodput = (lambda s / (exp(lambda s) - 1)) / (1 + lambda E[D])``.
     """
     lam = (cfg.chips if chips is None else chips) / cfg.mtbi_chip_s
-    x = lam * cfg.step_time_s
-    kept = 1.0 if x == 0 else x / math.expm1(x)
-    return kept / (1.0 + lam * (cfg.recovery_mean_s + cfg.restart_s))
+    return _kept_share(lam * cfg.step_time_s) / (1.0 + lam * (cfg.recovery_mean_s + cfg.restart_s))
+
+
+def _kept_share(x: float) -> float:
+    """``E[floor(U / s) s] / E[U]`` for ``U ~ Exp`` of mean ``s / x``: the share of stepping kept by durable
+    points every ``s`` when the stepping ends at a memoryless time, ``x / (exp(x) - 1)``."""
+    return 1.0 if x == 0 else x / math.expm1(x)
 
 
 def dp_fit_recovery_mean_s(cfg: SimConfig, goodput: float, chips: float) -> float:
@@ -191,9 +237,7 @@ def dp_fit_recovery_mean_s(cfg: SimConfig, goodput: float, chips: float) -> floa
     settings as in ``cfg``: the dp half of the calibration, solved exactly instead of bisected on runs
     (``benchmarks/simulate_sweep.py --sensitivity`` redoes it for other step times)."""
     lam = chips / cfg.mtbi_chip_s
-    x = lam * cfg.step_time_s
-    kept = 1.0 if x == 0 else x / math.expm1(x)
-    return (kept / goodput - 1.0) / lam - cfg.restart_s
+    return (_kept_share(lam * cfg.step_time_s) / goodput - 1.0) / lam - cfg.restart_s
 
 
 def elastic_closed_form(cfg: SimConfig, chips: float | None = None) -> float:
@@ -206,13 +250,43 @@ def elastic_closed_form(cfg: SimConfig, chips: float | None = None) -> float:
     ignored (a group of many slices never loses all of them).
     """
     lam = (cfg.chips if chips is None else chips) / cfg.mtbi_chip_s
+    return _elastic_share(cfg, 2.0 * lam)
+
+
+def _elastic_share(cfg: SimConfig, changes_per_s: float) -> float:
     live = 1.0 - cfg.slice_chips * cfg.recovery_mean_s / cfg.mtbi_chip_s
-    return live / (1.0 + 2.0 * lam * cfg.reconfig_s)
+    return live / (1.0 + changes_per_s * cfg.reconfig_s)
+
+
+def capacity_closed_form(cfg: SimConfig) -> float:
+    """Goodput over the chip-time present under elastic capacity (= :func:`closed_form_goodput`).
+
+    Slots present a share ``a = up / (up + down)`` of the time, M = ``learners`` of them, periods exponential.
+    dp runs while all M are present, ``a^M`` of the time in exponential spells of mean ``up / M``, each begun by a restart
+    ``r`` (memoryless: a share ``exp(-M r / up)`` remains), over the ``a`` present: ``a^(M-1) exp(-M r / up)``
+    times the fixed pool's form; without notice, times ``kept(M step / up)`` for the step lost per reclaim.
+    A decoupled learner rejoins after ``P`` (share ``exp(-P / up)`` of its present time left); without notice it
+    loses its work since its last submission, ``kept(sync_period / up)``. Both exact without failures.
+    elastic-dp: failures at ``a lambda`` (absent chips do not fail) and ``2 M / (up + down)`` more changes per
+    second, as one Poisson stream of pauses (approximate).
+    """
+    a, up, m = cfg.capacity_up_fraction, cfg.capacity_mean_up_s, cfg.learners
+    if cfg.method == "dp":
+        lost = 1.0 if cfg.capacity_notice else _kept_share(m * cfg.step_time_s / up)
+        return dp_closed_form(cfg) * a ** (m - 1) * math.exp(-m * cfg.restart_s / up) * lost
+    if cfg.method == "elastic-dp":
+        return _elastic_share(cfg, 2.0 * a * cfg.chips / cfg.mtbi_chip_s + 2.0 * m / (up + cfg.capacity_mean_down_s))
+    lost = 1.0 if cfg.capacity_notice else _kept_share(cfg.sync_period_s / up)
+    return closed_form_goodput(dataclasses.replace(cfg, capacity_mean_up_s=math.inf, capacity_mean_down_s=0.0)) \
+        * math.exp(-cfg.reconfig_s / up) * lost
 
 
 def closed_form_goodput(cfg: SimConfig) -> float:
     """The closed form for ``cfg.method``: dp exact, elastic-dp approximate, decoupled as M elastic
-    groups whose work all merges (K = 1 over a long horizon), weighted by their chips."""
+    groups whose work all merges (K = 1 over a long horizon), weighted by their chips; under elastic
+    capacity, :func:`capacity_closed_form`."""
+    if cfg.elastic_capacity:
+        return capacity_closed_form(cfg)
     if cfg.method == "dp":
         return dp_closed_form(cfg)
     if cfg.method == "elastic-dp":
@@ -282,24 +356,117 @@ def run_rounds(sub_t, sub_learner, sub_chip_s, *, live_at, min_quorum, grace_s, 
     return merged, np.asarray(merge_times)
 
 
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """Slot ``m`` holds slices ``slots[m]`` (decoupled's learner m) and is absent on ``[starts[m][i], ends[m][i])``,
+    ends clipped to the horizon. A fixed pool has no absences."""
+
+    slots: list[np.ndarray]
+    starts: list[np.ndarray]
+    ends: list[np.ndarray]
+
+    def absent_s(self, m: int) -> float:
+        return float((self.ends[m] - self.starts[m]).sum())
+
+
+def draw_capacity(cfg: SimConfig, n_slices: int) -> Capacity:
+    """Each slot alternates ``Exp(capacity_mean_up_s)`` present and ``Exp(capacity_mean_down_s)`` absent periods,
+    started in its stationary state (absent at 0 with probability ``down / (up + down)``; exponential periods are
+    memoryless, so the first needs no correction). Its own random stream: the failures are the fixed pool's."""
+    slots = np.array_split(np.arange(n_slices), cfg.learners)
+    if not cfg.elastic_capacity:
+        return Capacity(slots, [np.zeros(0)] * len(slots), [np.zeros(0)] * len(slots))
+    rng = np.random.default_rng([cfg.seed, 1])
+    up, down, T = cfg.capacity_mean_up_s, cfg.capacity_mean_down_s, cfg.horizon_s
+    n = int(T / (up + down)) + 8  # cycles per draw, drawn again until the horizon is covered
+    starts, ends = [], []
+    for _ in slots:
+        absent_first = bool(rng.random() < down / (up + down))
+        means = (down, up) if absent_first else (up, down)
+        chunks, total = [], 0.0
+        while total < T:
+            first, second = rng.exponential(means[0], n), rng.exponential(means[1], n)
+            chunks.append(np.column_stack((first, second)).ravel())
+            total += float(chunks[-1].sum())
+        b = np.r_[0.0, np.cumsum(np.concatenate(chunks))]  # period k is [b[k], b[k + 1])
+        a0, a1 = (b[0:-1:2], b[1::2]) if absent_first else (b[1:-1:2], b[2::2])
+        keep = a0 < T
+        starts.append(a0[keep])
+        ends.append(np.minimum(a1[keep], T))
+    return Capacity(slots, starts, ends)
+
+
 def _draw(cfg: SimConfig):
-    """All slice interruptions of the horizon: sizes, times, slices, recoveries (absorbed ones dropped)."""
+    """All slice interruptions of the horizon (sizes, times, slices, recoveries; absorbed ones dropped) and the
+    capacity. A failure of an absent slot's chips does not happen; a recovery ends when its slot is reclaimed
+    (the capacity comes back healthy)."""
     rng = np.random.default_rng(cfg.seed)
     sizes = interruptions.slice_sizes(chips=cfg.chips, slice_chips=cfg.slice_chips)
     t, s = interruptions.draw_interruptions(sizes=sizes, mtbi_chip_s=cfg.mtbi_chip_s,
                                             horizon_s=cfg.horizon_s, rng=rng)
     r = interruptions.draw_recoveries(len(t), mean_s=cfg.recovery_mean_s, sigma=cfg.recovery_sigma, rng=rng)
+    cap = draw_capacity(cfg, len(sizes))
+    if cfg.elastic_capacity:
+        slot = np.repeat(np.arange(len(cap.slots)), [len(g) for g in cap.slots])[s]
+        present = np.ones(len(t), dtype=bool)
+        for m, (a0, a1) in enumerate(zip(cap.starts, cap.ends)):
+            idx = np.flatnonzero(slot == m)
+            j = np.searchsorted(a0, t[idx], side="right") - 1
+            present[idx] = t[idx] >= np.r_[a1, -np.inf][j]  # j = -1 (before any absence) reads the sentinel
+            r[idx] = np.minimum(r[idx], np.r_[a0, np.inf][j + 1] - t[idx])
+        t, s, r = t[present], s[present], r[present]
     keep = interruptions.absorb_while_down(t, s, r)
-    return sizes, t[keep], s[keep], r[keep]
+    return sizes, t[keep], s[keep], r[keep], cap
 
 
-def _single_group(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
+def _drained(tl, reclaims, notice: bool):
+    """With notice a reclaim loses no work: its wipes are dropped, so the epoch's progress carries on."""
+    if not notice or len(tl.wipes) == 0:
+        return tl
+    return dataclasses.replace(tl, wipes=tl.wipes[~np.isin(tl.edges[tl.wipes], reclaims)])
+
+
+def _union(starts, rec, restart_s):
+    """Union of stalls ``[start, start + rec + restart_s)``, as ``(starts, rec)``; a stall that overlaps no other
+    keeps its own values (so that without absences dp's timeline is the fixed pool's, bit for bit)."""
+    if len(starts) == 0:
+        return starts, rec
+    o = np.argsort(starts, kind="stable")
+    starts, rec = starts[o], rec[o]
+    ends = starts + rec + restart_s
+    first = np.flatnonzero(np.r_[True, starts[1:] >= np.maximum.accumulate(ends)[:-1]])
+    alone = np.diff(np.r_[first, len(starts)]) == 1
+    return starts[first], np.where(alone, rec[first], np.maximum.reduceat(ends, first) - starts[first] - restart_s)
+
+
+def _dp_timeline(cfg, t, r, cap, chips):
+    """dp, a fixed-size synchronous job: stopped from any slot's reclaim until every slot is back and it has
+    restarted; failures stall it as on a fixed pool, and one during a capacity stop is absorbed by it."""
+    T, restart = cfg.horizon_s, cfg.restart_s
+    if not cfg.elastic_capacity:
+        return interruptions.stall_timeline(t, r, chips=chips, restart_s=restart, horizon_s=T)
+    a0, a1 = np.concatenate(cap.starts), np.concatenate(cap.ends)
+    b0, b_rec = _union(a0, a1 - a0, restart)
+    j = np.searchsorted(b0, t, side="right") - 1
+    inside = (j >= 0) & (t < np.r_[b0 + b_rec + restart, -np.inf][j])  # j = -1 reads the sentinel
+    t, r = t[~inside], r[~inside]
+    k = interruptions.pause_starts(t, r + restart)
+    s0, s_rec = _union(np.r_[b0, t[k]], np.r_[b_rec, r[k]], restart)
+    tl = interruptions.stall_timeline(s0, s_rec, chips=chips, restart_s=restart, horizon_s=T)
+    return _drained(tl, a0, cfg.capacity_notice)
+
+
+def _single_group(cfg, sizes, t, s, r, cap) -> tuple[float, float, dict]:
     """dp and elastic-dp: one group of every slice; productive chip-s, uptime and details."""
     T, chips = cfg.horizon_s, int(sizes.sum())
     if cfg.method == "dp":
-        tl = interruptions.stall_timeline(t, r, chips=chips, restart_s=cfg.restart_s, horizon_s=T)
-    else:
-        tl = interruptions.elastic_timeline(t, r, sizes[s], chips=chips, reconfig_s=cfg.reconfig_s, horizon_s=T)
+        tl = _dp_timeline(cfg, t, r, cap, chips)
+    else:  # a reclaimed slot's slices are out like failed ones; a drop and a re-add are reconfigurations
+        slot_chips = [np.full(len(a0), float(sizes[g].sum())) for g, a0 in zip(cap.slots, cap.starts)]
+        a0, a1 = np.concatenate(cap.starts), np.concatenate(cap.ends)
+        tl = interruptions.elastic_timeline(np.r_[t, a0], np.r_[r, a1 - a0], np.concatenate([sizes[s], *slot_chips]),
+                                            chips=chips, reconfig_s=cfg.reconfig_s, horizon_s=T)
+        tl = _drained(tl, a0, cfg.capacity_notice)
     _, chip_s = interruptions.durable_points(tl, cfg.step_time_s)  # completed steps survive a failure
     eff = straggler_efficiency(len(sizes), cfg.step_jitter_sigma)
     productive = float(chip_s.sum()) * eff
@@ -317,10 +484,11 @@ def _single_group(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
     return productive, interruptions.kept_stepping_s(tl, cfg.step_time_s) / T, details
 
 
-def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
-    """M elastic learners; their submissions reach the global model through quorum rounds."""
+def _decoupled(cfg, sizes, t, s, r, cap) -> tuple[float, float, dict]:
+    """M elastic learners; their submissions reach the global model through quorum rounds. A learner is out
+    while its capacity slot is, and rejoins with a reconfiguration."""
     T, M = cfg.horizon_s, cfg.learners
-    groups = np.array_split(np.arange(len(sizes)), M)  # contiguous slices per learner
+    groups = cap.slots  # contiguous slices per learner
     learner_of_slice = np.repeat(np.arange(M), [len(g) for g in groups])
     ev_learner = learner_of_slice[s]
     order = np.argsort(ev_learner, kind="stable")  # stays time-sorted within each learner
@@ -328,8 +496,10 @@ def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
     timelines, subs, salvaged = [], [], []
     for m, g in enumerate(groups):
         idx = order[bounds[m]:bounds[m + 1]]
-        tl = interruptions.elastic_timeline(t[idx], r[idx], sizes[s[idx]], chips=int(sizes[g].sum()),
-                              reconfig_s=cfg.reconfig_s, horizon_s=T)
+        a0, a1, c_m = cap.starts[m], cap.ends[m], float(sizes[g].sum())
+        tl = interruptions.elastic_timeline(np.r_[t[idx], a0], np.r_[r[idx], a1 - a0], np.r_[sizes[s[idx]], np.full(len(a0), c_m)],
+                                            chips=int(c_m), reconfig_s=cfg.reconfig_s, horizon_s=T)
+        tl = _drained(tl, a0, cfg.capacity_notice)
         eff = straggler_efficiency(len(g), cfg.step_jitter_sigma)
         sub_t, chip_s = interruptions.durable_points(tl, cfg.sync_period_s)
         who = np.full(len(sub_t), m)
@@ -356,8 +526,8 @@ def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
     step_edges, stepping = _count_over_time([tl.edges for tl in timelines], [tl.stepping for tl in timelines], T)
     uptime = float((np.diff(step_edges) * quorum_met(stepping, cfg.min_quorum)).sum() / T)
     gaps = np.diff(np.r_[0.0, merge_times, T])
-    allocated = [float(sizes[g].sum()) * T for g in groups]
-    per_learner = [float(c.sum()) / a for (_, _, c), a in zip(subs, allocated)]
+    allocated = [float(sizes[g].sum()) * (T - cap.absent_s(m)) for m, g in enumerate(groups)]
+    per_learner = [float(c.sum()) / max(a, 1e-300) for (_, _, c), a in zip(subs, allocated)]
     details = {
         "rounds": int(len(merge_times)),
         "submissions": int(len(sub_t)),
@@ -376,17 +546,21 @@ def _decoupled(cfg, sizes, t, s, r) -> tuple[float, float, dict]:
 
 
 def simulate(cfg: SimConfig) -> SimResult:
-    """Simulate one job (see the module docstring for the model) and return its goodput."""
-    sizes, t, s, r = _draw(cfg)
+    """Simulate one job (see the module docstring for the model) and return its goodput over the chip-time it had."""
+    sizes, t, s, r, cap = _draw(cfg)
     run = _decoupled if cfg.method == "decoupled" else _single_group
-    productive, uptime, details = run(cfg, sizes, t, s, r)
-    allocated = float(cfg.chips) * cfg.horizon_s
+    productive, uptime, details = run(cfg, sizes, t, s, r, cap)
+    present = sum(float(sizes[g].sum()) * (cfg.horizon_s - cap.absent_s(m)) for m, g in enumerate(cap.slots))
+    allocated = present if cfg.elastic_capacity else float(cfg.chips) * cfg.horizon_s
+    if cfg.elastic_capacity:
+        details["capacity"] = {"slots": len(cap.slots), "reclaims": int(sum(len(a) for a in cap.starts)),
+                               "up_fraction": cfg.capacity_up_fraction, "notice": cfg.capacity_notice}
     result = SimResult(
         method=cfg.method, chips=cfg.chips, learners=cfg.learners if cfg.method == "decoupled" else 1,
         slices=len(sizes), slice_chips=cfg.slice_chips, horizon_s=cfg.horizon_s, failures=len(t),
-        goodput=productive / allocated, uptime=uptime, productive_chip_s=productive,
-        allocated_chip_s=allocated, seed=cfg.seed, details=details,
+        goodput=productive / allocated, uptime=uptime, productive_chip_s=productive, allocated_chip_s=allocated,
+        available_fraction=allocated / (float(cfg.chips) * cfg.horizon_s), seed=cfg.seed, details=details,
     )
-    log.info("simulate %s chips=%d learners=%d failures=%d: goodput=%.4f uptime=%.4f", result.method,
-             result.chips, result.learners, result.failures, result.goodput, result.uptime)
+    log.info("simulate %s chips=%d learners=%d failures=%d available=%.4f: goodput=%.4f uptime=%.4f", result.method,
+             result.chips, result.learners, result.failures, result.available_fraction, result.goodput, result.uptime)
     return result
