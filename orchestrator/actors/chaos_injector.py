@@ -21,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -37,8 +39,9 @@ from policies.chaos import JOINED_NODE_DEADLINE_S, KILL_KINDS, Fault, FaultTape
 
 log = logging.getLogger(__name__)
 
-# A joined node's object store: small, as the islands' traffic is (a fragment at a time).
-JOINED_NODE_OBJECT_STORE_BYTES = 100 << 20
+# A joined node's object store: small, as the islands' traffic is (a fragment at a time). The injector waits up to
+# JOIN_WAIT_S for one joined node to be up before it starts the next.
+JOINED_NODE_OBJECT_STORE_BYTES, JOIN_WAIT_S = 100 << 20, 60.0
 
 
 class NodeEnder:
@@ -167,15 +170,26 @@ class ChaosInjector:
         before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         labels = ",".join(f"{k}={v}" for k, v in spec.get("labels", {}).items())
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--address", ray.get_runtime_context().gcs_address,
-               "--num-cpus", str(spec.get("num_cpus", 1)), "--object-store-memory", str(JOINED_NODE_OBJECT_STORE_BYTES),
+               "--num-cpus", str(math.ceil(spec.get("num_cpus", 1))),  # whole CPUs only "--object-store-memory", str(JOINED_NODE_OBJECT_STORE_BYTES),
                "--block", "--disable-usage-stats"]
         cmd += ["--labels", labels] if labels else []
         cmd += ["--resources", json.dumps(spec["resources"])] if spec.get("resources") else []
-        self.joined.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                            start_new_session=True))
+        out = os.path.join(tempfile.gettempdir(), f"diloco-joined-node-{os.getpid()}-{len(self.joined)}.log")
+        with open(out, "wb") as f:  # what `ray start` says, if the node does not come up
+            self.joined.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
         now = time.time()
         self._record(fault, 0, "fired", at=now)
-        log.warning("chaos: a node joins for island %d's pool (EMULATION: on this machine, labels %s)", fault.island, labels)
+        log.warning("chaos: a node joins for island %d's pool (EMULATION: on this machine, labels %s; log %s)",
+                    fault.island, labels, out)
+        # One node starts at a time: four raylets started at once on a small machine timed out in their start-up.
+        proc, waited = self.joined[-1], time.monotonic()
+        while proc.poll() is None and time.monotonic() - waited < JOIN_WAIT_S:
+            if any(n["Alive"] and n["NodeID"] not in before for n in ray.nodes()):
+                break
+            await asyncio.sleep(0.5)
+        else:
+            log.error("chaos: the node_joins node did not join (ray start %s); see %s",
+                      "exited" if proc.poll() is not None else f"not up after {JOIN_WAIT_S:.0f} s", out)
         if fault.duration_s > 0:
             asyncio.get_running_loop().create_task(self._drain_joined(before, fault))
         return True

@@ -401,8 +401,9 @@ class HealthMonitor:
                                    # every token it processed reached the outer optimizer when the two agree
                                    "tokens": final.tokens, "received": took["received"]})
         self.record.mark(slot, "vacant")
-        log.warning("island %d incarnation %d left node %s (its progress %s)", island, inc, node,
-                    "merged" if took["merged"] else "not all merged before the deadline")
+        log.warning("island %d incarnation %d left node %s after %.1f s (its progress %s; %d of %d tokens received)",
+                    island, inc, node, took["waited_s"], "merged" if took["merged"] else "not all merged in time",
+                    took["received"], final.tokens)
         self.leaving.pop(island, None)
         if not self._stopping:
             self.joining[island] = asyncio.get_running_loop().create_task(self._join(slot))
