@@ -170,7 +170,8 @@ class ChaosInjector:
         before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         labels = ",".join(f"{k}={v}" for k, v in spec.get("labels", {}).items())
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--address", ray.get_runtime_context().gcs_address,
-               "--num-cpus", str(math.ceil(spec.get("num_cpus", 1))),  # whole CPUs only "--object-store-memory", str(JOINED_NODE_OBJECT_STORE_BYTES),
+               "--num-cpus", str(math.ceil(spec.get("num_cpus", 1))),  # `ray start` takes whole CPUs only
+               "--object-store-memory", str(JOINED_NODE_OBJECT_STORE_BYTES),
                "--block", "--disable-usage-stats"]
         cmd += ["--labels", labels] if labels else []
         cmd += ["--resources", json.dumps(spec["resources"])] if spec.get("resources") else []

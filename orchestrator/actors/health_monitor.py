@@ -36,10 +36,10 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from islands.spec import IslandSpec
+from orchestrator.actors.drains import DrainWatch
 from orchestrator.actors.keepers import ProgressKeepers
 from orchestrator.actors.launcher import IslandLauncher, find_run_actors, island_statuses, stop_islands
 from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorTimeouts, RunAddress
-from orchestrator.actors.drains import DrainWatch
 from orchestrator.actors.outer_link import OuterLink
 from orchestrator.actors.placement import no_room
 from orchestrator.actors.recovery_record import RecoveryRecord, parked_state, restore_parked

@@ -186,11 +186,14 @@ def local_problems(cfg: RunConfig, *, labels: dict[str, str], resources: dict[st
     that the node lacks or holds too little of for every island, worker and warm spare at once (a warm
     spare reserves its pool's bundle too). CPUs are left out: the driver sizes the local Ray's logical
     CPUs to the config. Without this, such a run waits for placement forever, warning every
-    placement_timeout_s; on a cluster it may be right to wait (nodes can join), so this is for local runs."""
+    placement_timeout_s; on a cluster it may be right to wait (nodes can join), so this is for local runs. An
+    elastic pool of min 0 is never a problem: the run starts without it."""
     problems: list[str] = []
     total: dict[str, float] = {}
     askers: dict[str, list[str]] = {}
     for pool in cfg.pools:
+        if pool.required_islands == 0:
+            continue  # an elastic pool of min 0 needs no room to start; nodes may join (chaos node_joins does locally)
         if not label_selector_matches(pool.labels, labels):
             problems.append(f"pool {pool.name!r} selects nodes labelled {_fmt(pool.labels)}, which the local Ray this "
                             f"run started is not; drop the pool's labels for a local run, or pass --address of a "

@@ -27,6 +27,7 @@ from orchestrator.run.driver import Run
 from orchestrator.run.streams import corpus_stream
 from orchestrator.run.summary import format_summary
 from orchestrator.run.workload import Workload
+from policies.chaos import Fault, FaultTape
 from tests.integration.test_self_healing import actor, wait_for
 from tests.integration.test_stream_resume import BATCH, SEED, SEQ, VOCAB, WindowLog, unique_ids_model
 
@@ -175,3 +176,45 @@ def test_an_elastic_pool_waits_for_its_minimum_fills_on_join_and_loses_nothing_o
         (start1, steps1), (start2, _) = sorted(runs[slot])[:2]
         assert start1 == 0 and start2 == start1 + steps1, (slot, runs[slot])
         assert ends[slot, 1] == steps1, f"slot {slot}: the island that left merged up to batch {ends[slot, 1]} of {steps1}"
+
+
+def test_chaos_tape_joins_a_node_and_drains_it_and_the_island_leaves_with_its_progress(ray_cluster, tmp_path):
+    """The chaos kinds for capacity: `node_joins` starts a labelled node (EMULATION: `ray start` on this machine)
+    whose island joins; `drain_node` drains it through the GCS with a deadline, its island leaves with every
+    token merged, and the node the tape started is stopped with the run."""
+    tape = tmp_path / "tape.yaml"
+    FaultTape((Fault(island=1, kind="node_joins", at_s=1.0),
+               Fault(island=1, kind="drain_node", at_s=1.0, duration_s=DEADLINE_S))).to_yaml(tape)
+    cfg = build_config({
+        "run": {"token_budget": 10**9, "seed": SEED, "call_timeout_s": 20},
+        "model": {"preset": "nano"},
+        "data": {"max_bytes": 1_000_000},
+        "eval": {"interval_s": 5.0, "batches": 2},
+        "health": {"warm_spares": 0, "salvage_every_steps": 0, "tick_s": 0.2},
+        "chaos": {"mode": "tape", "params": {"path": str(tape)}},
+        "pools": [
+            {"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "emulated_slowdown": 3.0},
+            {"name": "scavenged", "islands": {"min": 0, "max": 1}, "labels": {"pool": "scavenged"},
+             "cpus_per_island": 0.5, "emulated_slowdown": 3.0},
+        ],
+    })
+    run = Run(cfg, tmp_path / "run")
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.update(summary=run.train()), daemon=True)
+    th.start()
+    try:
+        wait_for("the monitor", lambda: run.monitor is not None)
+        snap = lambda: ray.get(actor(f"monitor-{run.run_id}").snapshot.remote(), timeout=10)  # noqa: E731
+        wait_for("the scavenged island to join and then leave", lambda: len(snap()["leaves"]) == 1)
+        # It left the node the tape started and then drained (once idle, a drained raylet may exit at once, so the
+        # GCS's draining list is no witness here).
+        assert snap()["leaves"][0]["node"] == snap()["joins"][0]["node"], snap()
+    finally:
+        run.request_stop()
+        th.join(120)
+        run.teardown()
+    summary = out["summary"]
+    assert summary["faults_injected"] == 2 and summary["joins"] == 1 and summary["leaves"] == 1, summary
+    assert summary["leaves_merged"] == 1 and summary["drained_tokens_lost"] == 0 and summary["failures"] == 0, summary
+    labels = [n.get("Labels", {}).get("pool") for n in ray.nodes() if n["Alive"]]
+    assert "scavenged" not in labels, "the node the tape started must not outlive the run"
