@@ -47,14 +47,17 @@ class Result:
     path: Path
     checkpoint: Path | None
     error: BaseException | None = field(default=None)
+    factory: Any = field(default=None, repr=False, compare=False)
+    """The model factory `fit()` was given (a callable or an import path); None: the one config.yaml records."""
 
-    def load_model(self, *, raw: bool = False) -> Any:
-        """The trained model, rebuilt by the run's factory, on the CPU in eval mode (orchestrator.run.trained).
+    def load_model(self, *, raw: bool = False, model: Callable[[], Any] | str | None = None) -> Any:
+        """The trained model, rebuilt on the CPU in eval mode (orchestrator.run.trained.load_trained).
 
-        Needs the factory importable from this process (true in the notebook or script that trained it)."""
+        Built by `model` (a zero-argument factory or its import path) if given, else by the factory `fit()` was
+        given, else by the one the run directory records; `raw=True` skips the served moving average."""
         from orchestrator.run.trained import load_trained
 
-        return load_trained(self.path, raw=raw).model
+        return load_trained(self.path, raw=raw, model=model if model is not None else self.factory).model
 
 
 class DilocoTrainer:
@@ -113,7 +116,7 @@ class DilocoTrainer:
         uri = run_checkpoint_uri(self.run_config.checkpoint.uri, self.run_dir)
         steps = CheckpointStore(uri).list() if "://" not in uri else []
         checkpoint = Path(uri) / checkpoint_dirname(steps[-1]) if steps else None
-        return Result(metrics=summary, path=self.run_dir.resolve(), checkpoint=checkpoint)
+        return Result(metrics=summary, path=self.run_dir.resolve(), checkpoint=checkpoint, factory=self.workload.model)
 
 
 def _split_datasets(datasets: Mapping[str, Any] | None) -> tuple[Any, Any]:

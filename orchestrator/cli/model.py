@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -20,12 +21,26 @@ def _describe(run_dir: str, t: TrainedModel) -> str:
     return f"{run_dir}: checkpoint {t.step} ({t.mode}{versions}{tokens}{which})"
 
 
+def import_from_cwd() -> None:
+    """Let a model of the current directory import, as `diloco train --model` does: the console script's path lacks
+    it (`python -m` has it). Appended, so a local file never shadows an installed package."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
+def _load(args: argparse.Namespace) -> TrainedModel:
+    from orchestrator.run.trained import load_trained
+
+    import_from_cwd()  # the run's recorded factory and --model alike
+    return load_trained(args.run_dir, step=args.step, raw=args.raw, model=args.model)
+
+
 def _cmd_sample(args: argparse.Namespace) -> int:
     from islands.sampling import sample_text
-    from orchestrator.run.trained import TrainedModelError, load_trained, run_text_codec
+    from orchestrator.run.trained import TrainedModelError, run_text_codec
 
     try:
-        trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
+        trained = _load(args)
         if not args.prompt:
             raise TrainedModelError("--prompt is empty; give some text to continue, e.g. --prompt 'def '")
         # Bytes unless the run kept a tokenizer; the model's own context window, else the run's seq_len.
@@ -40,11 +55,11 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from orchestrator.run.trained import TrainedModelError, evaluate_trained, load_trained
+    from orchestrator.run.trained import TrainedModelError, evaluate_trained
 
     try:
-        trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
-        got = evaluate_trained(trained, args.set)
+        trained = _load(args)
+        got = evaluate_trained(trained, args.set, loss=args.loss)
     except TrainedModelError as err:
         print(f"diloco evaluate: {err}", file=sys.stderr)
         return 2
@@ -57,10 +72,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from orchestrator.run.trained import TrainedModelError, export_model, load_trained
+    from orchestrator.run.trained import TrainedModelError, export_model
 
     try:
-        trained = load_trained(args.run_dir, step=args.step, raw=args.raw)
+        trained = _load(args)
         path = export_model(trained, args.out, format=args.format, overwrite=args.force)
     except TrainedModelError as err:
         print(f"diloco export: {err}", file=sys.stderr)
@@ -72,13 +87,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _run_dir_command(subparsers, name: str, *, help: str, description: str) -> argparse.ArgumentParser:
-    """A subcommand that reads one checkpoint of RUN_DIR: the positional RUN_DIR and --step."""
+    """A subcommand that reads one checkpoint of RUN_DIR: the positional RUN_DIR, --step, --raw and --model."""
     p = subparsers.add_parser(name, help=help, description=description,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by `diloco train` or `diloco baseline-dp`")
     p.add_argument("--step", type=int, default=None, help="checkpoint number (default: the newest)")
     p.add_argument("--raw", action="store_true",
                    help="the raw global model, not the moving average a run with run.average_window serves")
+    p.add_argument("--model", metavar="PACKAGE.MODULE:FUNCTION",
+                   help="the function of no arguments that builds the run's model, in place of the one RUN_DIR's "
+                        "config.yaml records (e.g. for a model defined in a notebook); the current directory and "
+                        "PYTHONPATH are searched, as for `diloco train --model`")
     return p
 
 
@@ -88,8 +107,9 @@ def register(subparsers) -> None:
         subparsers, "sample", help="continue a prompt with a run's trained model",
         description="Load the newest checkpoint of RUN_DIR (or --step) into the run's model (the built-in one or any "
                     "causal LM, e.g. a Hugging Face one) and continue the prompt token by token: byte by byte, unless "
-                    "the run kept a tokenizer (RUN_DIR/tokenizer.json).\n\nExample:\n"
-                    "  diloco sample runs/demo --prompt 'def ' --bytes 300 --temperature 0.8")
+                    "the run kept a tokenizer (RUN_DIR/tokenizer.json).\n\nExamples:\n"
+                    "  diloco sample runs/demo --prompt 'def ' --bytes 300 --temperature 0.8\n"
+                    "  diloco sample runs/mine --model mymodels:build   # a model defined in a notebook: its module")
     s.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     s.add_argument("--bytes", "--tokens", dest="bytes", type=int, default=200,
                    help="how many tokens (bytes, for a byte-level run) to generate (default 200)")
@@ -105,6 +125,8 @@ def register(subparsers) -> None:
                     "  diloco evaluate runs/demo --set data.source=parquet --set data.path=my.parquet --set eval.batches=64")
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a data.* or eval.* field to change (repeatable)")
+    v.add_argument("--loss", metavar="PACKAGE.MODULE:FUNCTION",
+                   help="loss(model, batch) -> scalar tensor, in place of the one RUN_DIR's config.yaml records")
     v.set_defaults(func=_cmd_evaluate)
     e = _run_dir_command(
         subparsers, "export", help="write a run's trained model as a PyTorch file or a Hugging Face folder",

@@ -45,9 +45,10 @@ import torch
 import yaml
 
 from islands.model import ModelConfig, build_model
-from islands.model_api import ModelError, instantiate, state_tensors
+from islands.model_api import ModelError, instantiate, resolve_callable, state_tensors
 from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig, apply_overrides, build_config
 from orchestrator.core.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
+from orchestrator.run.import_paths import import_path_of, is_main_path
 from orchestrator.run.workload import TOKENIZER_FILE
 from orchestrator.settings import model_recipe
 
@@ -91,6 +92,8 @@ class TrainedModel:
     """True when the parameters are the run's moving average of its global model (run.average_window)."""
     run_dir: Path | None = None
     """The run directory it was loaded from (where a tokenizer it used would be)."""
+    rebuilt_by: Any = None
+    """The model factory given to :func:`load_trained` in place of config.yaml's (a callable or an import path)."""
 
     @property
     def factory(self) -> str | None:
@@ -127,18 +130,24 @@ def read_run_config(run_dir: str | Path) -> tuple[RunConfig, str]:
     return cfg, mode if mode == DATA_PARALLEL_MODE else cfg.mode
 
 
-def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = False) -> TrainedModel:
+def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = False, model: Any = None) -> TrainedModel:
     """Rebuild the model of `run_dir` and load checkpoint `step` into it (None = the newest).
 
     The model is the run's served model: the moving average of its global parameters where the run
     kept one (`run.average_window`), else the global parameters; `raw=True` loads the global
-    parameters either way.
+    parameters either way. `model`: a zero-argument factory or its import path ``package.module:function``
+    to rebuild it with, in place of the one config.yaml records (`--model` of sample, evaluate and export).
 
     The checkpoint's payload is verified against its checksum; a checkpoint whose parameters do not
     match the model of the run's config (a missing, extra or reshaped tensor) is refused, naming the
-    first mismatch. A run still training can be read: its newest checkpoint is a consistent snapshot.
+    first mismatch. A model that cannot be rebuilt (its factory does not import here, or config.yaml names
+    none for a model of the user's) is refused in one line that says what to pass as `model`.
+    A run still training can be read: its newest checkpoint is a consistent snapshot.
     """
     cfg, mode = read_run_config(run_dir)
+    recorded = cfg.model.factory
+    if model is not None:  # what export records and evaluate rebuilds from then on
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"factory": import_path_of(model)})})
     uri = run_checkpoint_uri(cfg.checkpoint.uri, run_dir)
     if "://" not in uri and not Path(uri).is_dir():
         raise TrainedModelError(f"{run_dir} has no checkpoints at {uri}: the run failed before its first one, or it "
@@ -159,41 +168,67 @@ def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = Fa
 
     shape = cfg.model.shape()
     rows = ckpt.parameters().get("tok_emb.weight")
-    if cfg.model.factory is None and rows is not None:
+    if model is None and cfg.model.factory is None and rows is not None:
         # The built-in model's vocabulary is the data's (a trained tokenizer's, a token column's): read it
         # from the checkpoint's token table rather than from the config, which names no vocabulary.
         shape = dataclasses.replace(shape, vocab_size=int(rows.shape[0]))
-    recipe = model_recipe(cfg, shape=shape)
+    recipe = model_recipe(cfg, shape=shape, model=model)
     try:
-        model = instantiate(recipe.model, recipe.seed)
+        built = instantiate(recipe.model, recipe.seed)
     except ModelError as err:
-        raise TrainedModelError(f"cannot rebuild the model of {run_dir}: {err}") from None
+        raise TrainedModelError(f"cannot rebuild the model of {run_dir}: {_unbuildable(model, recorded, err)}") from None
     average = {} if raw else ckpt.average_parameters()
     averaged = bool(average)
     params = average or ckpt.parameters()
-    named = state_tensors(model)
+    named = state_tensors(built)
     where = f"checkpoint {checkpoint_dirname(step)} of {run_dir}"
+    # What a mismatch most likely means, and its fix: the model given, or the one config.yaml names.
+    if model is not None:
+        cause, named_as, fix = "the model given to rebuild it", f"{recipe.name!r}, a {type(built).__name__}", \
+            "pass the factory the run trained"
+    else:
+        cause, named_as = "the model of its config.yaml", recipe.name
+        if cfg.model.factory is None:
+            named_as += ", the built-in model: it names no model factory"
+        fix = ("was config.yaml changed after the run? " + ("if the run trained a model of your own, " if
+               cfg.model.factory is None else "else ") + _pass_model(cfg.model.factory))
     missing, extra = sorted(set(named) - set(params)), sorted(set(params) - set(named))
     if missing or extra:
         which = f"the model has {missing[0]!r}, the checkpoint not" if missing else \
             f"the checkpoint has {extra[0]!r}, the model not"
-        raise TrainedModelError(f"{where} does not fit the model of its config.yaml ({recipe.name}): "
-                                f"{which}; was config.yaml changed after the run?")
+        raise TrainedModelError(f"{where} does not fit {cause} ({named_as}): {which}; {fix}")
     with torch.no_grad():
         for name, p in named.items():
             t = params[name]
             if tuple(t.shape) != tuple(p.shape):
-                raise TrainedModelError(f"{where}: {name} has shape {tuple(t.shape)} but the model of its config.yaml "
-                                        f"wants {tuple(p.shape)}; was config.yaml changed after the run?")
+                raise TrainedModelError(f"{where}: {name} has shape {tuple(t.shape)} but {cause} wants "
+                                        f"{tuple(p.shape)}; {fix}")
             p.copy_(t)
-    model.eval()
+    built.eval()
     meta = ckpt.meta
     versions = meta.get("outer", {}).get("versions")
     tokens = meta.get("tokens_processed", meta.get("extra", {}).get("tokens_processed"))
-    return TrainedModel(model=model, run_config=cfg, mode=mode, step=step, checkpoint=ckpt.path,
+    return TrainedModel(model=built, run_config=cfg, mode=mode, step=step, checkpoint=ckpt.path,
                         versions=None if versions is None else list(versions),
                         tokens_processed=None if tokens is None else int(tokens), averaged=averaged,
-                        run_dir=Path(run_dir))
+                        run_dir=Path(run_dir), rebuilt_by=model)
+
+
+def _pass_model(recorded: str | None) -> str:
+    """What to pass to rebuild a run's model, in the command line's words and in Python's."""
+    name = recorded.partition(":")[2] if recorded and ":" in recorded else "make_model"
+    return (f"pass its factory: --model PACKAGE.MODULE:{name} (a module that defines it, importable from the current "
+            f"directory), or in Python Result.load_model(model={name.split('.')[-1]})")
+
+
+def _unbuildable(given: Any, recorded: str | None, err: ModelError) -> str:
+    """Why the model cannot be rebuilt, and what to pass instead, in one line."""
+    if given is not None:  # the user's own --model: its own message says what is wrong with it
+        return str(err)
+    if is_main_path(recorded):
+        return (f"its model factory {recorded!r} was defined in a notebook or in a script without an "
+                f"`if __name__ == \"__main__\":` block, which no other process can import; {_pass_model(recorded)}")
+    return f"{err}; or {_pass_model(recorded)}"
 
 
 def run_text_codec(run_dir: str | Path | None) -> Any:
@@ -217,8 +252,9 @@ def run_text_codec(run_dir: str | Path | None) -> Any:
         raise TrainedModelError(f"cannot read the run's tokenizer {file} ({first})") from None
 
 
-def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) -> dict:
-    """Held-out loss of `trained` on its run's held-out data, or on the data `overrides` name.
+def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None, *, loss: Any = None) -> dict:
+    """Held-out loss of `trained` on its run's held-out data, or on the data `overrides` name; `loss`: a
+    loss(model, batch) or its import path in place of the run's (`diloco evaluate --loss`).
 
     `overrides` are `data.*` and `eval.*` fields (`--set` syntax) applied to the run's config: another
     corpus (`data.source=parquet`, `data.path=...`), more or fewer windows (`eval.batches`). The
@@ -255,13 +291,23 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None) 
         raise TrainedModelError(f"{corpus.source} has token ids up to {corpus.vocab_size - 1} but the model knows "
                                 f"{vocab}; evaluate it on data of the run's vocabulary")
     # The run's recipe, so a user's model is scored with the run's loss exactly as the run's evaluations were.
-    recipe = model_recipe(cfg)
+    recipe = model_recipe(cfg, model=trained.rebuilt_by, loss=loss)
+    try:
+        resolve_callable(recipe.loss, "loss")
+    except ModelError as err:
+        if loss is not None:  # the user's own --loss: its message says what is wrong with it
+            raise TrainedModelError(f"cannot evaluate the model of the run: {err}") from None
+        why = (f"its loss {recipe.loss!r} was defined in a notebook or in a script without an `if __name__ == "
+               f"\"__main__\":` block, which no other process can import" if is_main_path(recipe.loss) else str(err))
+        name = str(recipe.loss).partition(":")[2] or "loss"
+        raise TrainedModelError(f"cannot evaluate the model of the run: {why}; pass the loss: --loss "
+                                f"PACKAGE.MODULE:{name} (a module that defines it)") from None
     try:
         evaluator = Evaluator(recipe, corpus.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
-        loss, bits = evaluator.evaluate(state_tensors(trained.model))
+        value, bits = evaluator.evaluate(state_tensors(trained.model))
     except ModelError as err:
         raise TrainedModelError(f"cannot evaluate the model of the run ({recipe.name}): {err}") from None
-    return {"eval_loss": loss, "eval_bits_per_token": bits,
+    return {"eval_loss": value, "eval_bits_per_token": bits,
             "unigram_bits_per_token": heldout_unigram_bits(corpus.heldout, corpus.vocab_size),
             "tokens": sum(x.numel() for x, _ in evaluator.batches), "source": corpus.source,
             "unit": "byte" if corpus.heldout.dtype.itemsize == 1 else "token"}  # uint8 = byte text (islands.corpus)
@@ -291,6 +337,9 @@ def export_model(trained: TrainedModel, path: str | Path, *, format: str = "torc
     if path.exists() and not overwrite:
         raise TrainedModelError(f"{path} already exists; pass another path, or overwrite it (--force)")
     model = trained.model
+    if trained.factory is None and trained.rebuilt_by is not None:
+        raise TrainedModelError(f"the model was rebuilt by {trained.rebuilt_by!r}, which has no import path for the "
+                                "file to record; pass the factory as a function or 'package.module:function'")
     if trained.factory is None:  # the built-in model: the format files have had since the first export
         payload: dict[str, Any] = {"format": EXPORT_FORMAT, "model_config": dataclasses.asdict(model.cfg),
                                    "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from islands.builtin import ByteTransformerFactory
 from islands.data import Corpus, DataError
 from islands.model_api import ModelError, check_loss, first_line
 from islands.spec import ModelRecipe
 from islands.stream import TokenStream
 from orchestrator.config import RunConfig
+from orchestrator.run.import_paths import import_path_of
 from orchestrator.run.streams import (
     DEFAULT_TRAINED_VOCAB,
     TOKENIZER_FILE,
@@ -209,31 +209,16 @@ def run_recipe(cfg: RunConfig, data: TrainingData, workload: Workload | None = N
     return model_recipe(cfg, shape=shape, model=w.model, loss=w.loss, optimizer=w.optimizer)
 
 
-def import_path_of(obj: Any) -> str | None:
-    """The ``module:qualname`` a resumed run would import `obj` by; None for a string (already a path) or None.
-
-    Recorded in the run directory's config.yaml for callables the API was given, so ``--resume`` rebuilds the
-    same model. A function defined in a notebook or a script run as ``__main__`` is recorded as it is, and a
-    resume without that notebook fails on it with a one-line error naming the fix (move it into a module).
-    """
-    if obj is None or isinstance(obj, str):
-        return None
-    module = getattr(obj, "__module__", None) or type(obj).__module__
-    qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
-    return f"{module}:{qualname}"
-
-
 def recorded_config(cfg: RunConfig, workload: Workload | None) -> RunConfig:
-    """`cfg` as the run directory records it: the workload's callables as import paths, and data.source 'python'
-    where the datasets came from Python (a resume must pass them again: the config cannot name them)."""
+    """`cfg` as the run directory records it: the workload's model, loss and optimizer as import paths, whatever
+    form they were given in (orchestrator/run/import_paths.py), and data.source 'python' where the datasets came
+    from Python (a resume must pass them again: the config cannot name them)."""
     if workload is None:
         return cfg
-    update = {key: path for key, path in (("factory", import_path_of(workload.model)),
-                                          ("loss", import_path_of(workload.loss)),
-                                          ("optimizer", import_path_of(workload.optimizer))) if path}
-    # The built-in model's shape travels in the ByteTransformerFactory itself: record no path for it.
-    if isinstance(workload.model, ByteTransformerFactory):
-        update.pop("factory", None)
+    # What the workload gives replaces the config's path, even with none: a callable object has no import path,
+    # and the built-in model's shape travels in its ByteTransformerFactory (the config's preset names it).
+    given = {"factory": workload.model, "loss": workload.loss, "optimizer": workload.optimizer}
+    update = {key: import_path_of(obj) for key, obj in given.items() if obj is not None}
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=update)}) if update else cfg
     if workload.train is not None:
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": "python"})})
