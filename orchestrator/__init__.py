@@ -19,7 +19,7 @@ RAY_LOG_SKIP = "Failed to query Ray Train Controller actor state"
 _os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", RAY_LOG_SKIP)
 
 
-__all__ = ["DilocoTrainer", "Result", "RunConfig", "load_config"]
+__all__ = ["DilocoTrainer", "Result", "RunConfig", "load_config", "Progress", "ProgressPrinter"]
 
 
 def __getattr__(name: str):  # PEP 562: the public names, imported on first use
@@ -31,4 +31,12 @@ def __getattr__(name: str):  # PEP 562: the public names, imported on first use
         from orchestrator import config
 
         return getattr(config, name)
+    if name == "Progress":
+        from orchestrator.run import driver
+
+        return driver.Progress
+    if name == "ProgressPrinter":
+        from orchestrator.run import progress
+
+        return progress.ProgressPrinter
     raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

@@ -11,7 +11,7 @@
         run_dir="runs/mine",
     )
     result = trainer.fit()
-    result.metrics["final_eval_loss"], result.path, result.checkpoint
+    result.metrics["eval_loss"], result.path, result.checkpoint
 
 It runs from a notebook against a local ``ray.init()``, from a script, and inside a Ray Job. Factories
 reach the island processes as callables (Ray pickles them; one defined in a notebook travels by value)
@@ -82,14 +82,16 @@ class DilocoTrainer:
         run_config: the run's settings (orchestrator.config.RunConfig; docs/config.md). Default: ``RunConfig()``.
         run_dir: where the run writes its config, checkpoints, events and summary. Default: ``runs/<timestamp>``.
         address: a Ray cluster to join; None uses the Ray this process is connected to, or starts a local one.
-        progress: called with a ``Progress`` at every tick of the run (tokens, versions, losses).
+        progress: True (default): print the start-up stages and a progress line every 10 s to stderr
+            (orchestrator.ProgressPrinter); False or None: nothing; a callable: called with a ``Progress`` at
+            every tick of the run (tokens, versions, losses), in place of the printer.
         resume: continue the run in ``run_dir`` from its newest checkpoint (pass the same model and datasets).
     """
 
     def __init__(self, model: Callable[[], Any] | str | None = None, *, datasets: Mapping[str, Any] | None = None,
                  loss_fn: Callable[..., Any] | str | None = None, optimizer: Callable[..., Any] | str | None = None,
                  run_config: RunConfig | None = None, run_dir: str | Path | None = None, address: str | None = None,
-                 progress: Callable[[Any], None] | None = None, resume: bool = False) -> None:
+                 progress: Callable[[Any], None] | bool | None = True, resume: bool = False) -> None:
         from orchestrator.run.workload import Workload
 
         if run_config is not None and not isinstance(run_config, RunConfig):
@@ -110,9 +112,15 @@ class DilocoTrainer:
         """
         from orchestrator.core.checkpoint import CheckpointStore, checkpoint_dirname, run_checkpoint_uri
         from orchestrator.run.driver import train
+        from orchestrator.run.progress import ProgressPrinter
+        from orchestrator.run.results import emulation_note
 
-        summary = train(self.run_config, self.run_dir, address=self.address, progress=self.progress,
-                        resume=self.resume, workload=self.workload)
+        progress, stages = self.progress, None
+        if progress is True:  # the default: what `diloco train` shows, as plain lines
+            printer = ProgressPrinter(emulation=emulation_note(self.run_config))
+            progress, stages = printer, printer.stage
+        summary = train(self.run_config, self.run_dir, address=self.address, progress=progress or None,
+                        resume=self.resume, stages=stages, workload=self.workload)
         uri = run_checkpoint_uri(self.run_config.checkpoint.uri, self.run_dir)
         steps = CheckpointStore(uri).list() if "://" not in uri else []
         checkpoint = Path(uri) / checkpoint_dirname(steps[-1]) if steps else None

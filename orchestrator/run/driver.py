@@ -124,6 +124,7 @@ class Progress:
     eval_bpb: float | None
     elapsed_s: float
     islands: dict[str, str] = field(default_factory=dict)  # "pool/island" -> state
+    unit: str = "token"  # what the losses are per: "byte" for text read as bytes (a token is a byte), else "token"
 
 
 def step_concurrency(cfg: RunConfig, *, gpu: bool = False) -> int:
@@ -636,6 +637,7 @@ class Run:
             eval_bpb=self.eval_points[-1]["eval_bits_per_byte"] if self.eval_points else None,
             elapsed_s=time.monotonic() - t0,
             islands={f"{s['pool']}/{i}": s["state"] for i, s in self.snapshot["slots"].items()},
+            unit="byte" if self.data.is_tokens and str(getattr(self.data.heldout, "dtype", "")) == "uint8" else "token",
         ))
 
     def train(self) -> dict:

@@ -1,0 +1,75 @@
+"""What `DilocoTrainer.fit()` shows by default while it trains: start-up stages and a progress line every few seconds.
+
+The driver (orchestrator/run/driver.py) calls a progress callable with a `Progress` at every tick (about
+twice a second) and a stages callable with each start-up `Stage` (orchestrator/run/startup.py).
+:class:`ProgressPrinter` is both: it writes one line per start-up stage, then one progress line every
+`every_s` seconds and one when the token budget is reached, as plain lines (a notebook or a log keeps
+each), to stderr unless given a stream. Each number carries its own unit: losses in nats per byte for
+byte-level text (a token is a byte), else per token, the held-out loss in the same unit as the training
+loss. `fit(progress=False)` silences it; a callable of one's own replaces it.
+
+    start-up   1.4s  starting a local Ray
+    progress  37%  1.11M/3.00M tokens | versions [21, 20] | rounds 41 | train loss 1.452 nats/byte | held-out loss 1.497 nats/byte | 31s | islands 4 training
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+__all__ = ["ProgressPrinter", "progress_line"]
+
+
+def progress_line(p: Any) -> str:
+    """One line for a `Progress` `p` (orchestrator.run.driver.Progress): tokens, versions, rounds, losses, islands."""
+    unit = getattr(p, "unit", "token")
+    frac = min(1.0, p.tokens / p.budget) if p.budget else 0.0
+    states: dict[str, int] = {}
+    for s in p.islands.values():
+        states[s] = states.get(s, 0) + 1
+    # Before the first loss (and the first evaluation) there is no number to show: "-", not "nan".
+    train = "-" if p.train_loss is None else f"{p.train_loss:.3f} nats/{unit}"
+    held = "-" if p.eval_bpb is None else f"{p.eval_bpb * math.log(2):.3f} nats/{unit}"  # bits -> the train loss's unit
+    islands = ", ".join(f"{n} {k}" for k, n in sorted(states.items())) or "-"
+    return (f"progress {frac:4.0%}  {p.tokens / 1e6:.2f}M/{p.budget / 1e6:.2f}M tokens | versions {p.versions} | "
+            f"rounds {p.rounds} | train loss {train} | held-out loss {held} | {p.elapsed_s:.0f}s | islands {islands}")
+
+
+class ProgressPrinter:
+    """The default `progress` of `DilocoTrainer.fit()`: start-up stages, then a progress line every `every_s` seconds.
+
+    `stream`: where the lines go (default: ``sys.stderr`` at the time of each line, so a notebook shows them);
+    `emulation`: a line written first (the EMULATION note of emulated pool speeds); `clock`: monotonic seconds.
+    """
+
+    def __init__(self, stream: TextIO | None = None, *, every_s: float = 10.0, emulation: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if every_s < 0:
+            raise ValueError(f"every_s={every_s} is negative; pass the seconds between progress lines (0: every tick)")
+        self.stream, self.every_s, self.clock = stream, every_s, clock
+        self._started = clock()
+        self._last: float | None = None
+        self._pending = emulation
+
+    def _write(self, line: str) -> None:
+        stream = self.stream or sys.stderr
+        if self._pending:
+            stream.write(self._pending + "\n")
+            self._pending = None
+        stream.write(line + "\n")
+        stream.flush()
+
+    def stage(self, s: Any) -> None:
+        """One line per start-up stage (an orchestrator.run.startup.Stage), e.g. `start-up   3.1s  islands ready 2 of 4`."""
+        self._write(f"start-up {self.clock() - self._started:5.1f}s  {s.text}")
+
+    def __call__(self, p: Any) -> None:
+        """The progress line of `p` when `every_s` have passed since the last one, or the budget is reached."""
+        now = self.clock()
+        if self._last is not None and now - self._last < self.every_s and p.tokens < p.budget:
+            return
+        self._last = now
+        self._write(progress_line(p))
