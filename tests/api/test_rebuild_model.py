@@ -27,7 +27,7 @@ from orchestrator.cli.main import main as diloco
 from orchestrator.config import RunConfig, build_config
 from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.run.import_paths import import_path_of, main_module_name
-from orchestrator.run.trained import TrainedModelError, load_exported, load_trained
+from orchestrator.run.trained import load_exported, load_trained
 from orchestrator.run.workload import Workload, recorded_config
 from tests.api import zoo
 
