@@ -1,9 +1,16 @@
 """decoupled-diloco's Ray edge and its public API.
 
-The public API, importable from here: :class:`DilocoTrainer` (orchestrator/api.py) with its
-:class:`Result`, :class:`RunConfig` and :func:`load_config` (orchestrator/config.py). Everything else
-(actors, the driver, checkpoints, events, reports, the CLI) lives in the subpackages. The API names
-are loaded on first use, so importing the config (the CLI's first step) does not import Ray or torch.
+The public API, importable from here (docs/api.md):
+
+- training: :class:`DilocoTrainer` and its :class:`Result` (orchestrator/api.py), :class:`RunConfig` and
+  :func:`load_config` (orchestrator/config.py), :func:`init_ray` (Ray up before ``fit()``, for a Ray Data
+  pipeline), :class:`Progress` (what a ``progress`` callable gets) and :class:`ProgressPrinter` (the default one);
+- text: :func:`train_tokenizer` (a byte-level BPE trained locally), :func:`text_encoder` (a
+  :class:`TextEncoder` from a tokenizer, a tokenizer.json or bytes) and :func:`sample_text` (a prompt
+  continued by a trained causal LM through such an encoder; islands/tokenizer.py, islands/sampling.py).
+
+Everything else (actors, the driver, checkpoints, events, reports, the CLI) lives in the subpackages. The API
+names are loaded on first use, so importing the config (the CLI's first step) does not import Ray or torch.
 """
 
 import os as _os
@@ -19,24 +26,27 @@ RAY_LOG_SKIP = "Failed to query Ray Train Controller actor state"
 _os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", RAY_LOG_SKIP)
 
 
-__all__ = ["DilocoTrainer", "Result", "RunConfig", "load_config", "Progress", "ProgressPrinter"]
+__all__ = ["DilocoTrainer", "Result", "init_ray", "RunConfig", "load_config", "Progress", "ProgressPrinter",
+           "TextEncoder", "text_encoder", "train_tokenizer", "sample_text"]
 
 
-def __getattr__(name: str):  # PEP 562: the public names, imported on first use
-    if name in ("DilocoTrainer", "Result"):
-        from orchestrator import api
+def __getattr__(name: str):  # PEP 562: the public names, imported on first use (by name: import walks see each edge)
+    if name in ("DilocoTrainer", "Result", "init_ray"):
+        from orchestrator import api as module
+    elif name in ("RunConfig", "load_config"):
+        from orchestrator import config as module
+    elif name == "Progress":
+        from orchestrator.run import driver as module
+    elif name == "ProgressPrinter":
+        from orchestrator.run import progress as module
+    elif name in ("TextEncoder", "text_encoder", "train_tokenizer"):
+        from islands import tokenizer as module
+    elif name == "sample_text":
+        from islands import sampling as module
+    else:
+        raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
+    return getattr(module, name)
 
-        return getattr(api, name)
-    if name in ("RunConfig", "load_config"):
-        from orchestrator import config
 
-        return getattr(config, name)
-    if name == "Progress":
-        from orchestrator.run import driver
-
-        return driver.Progress
-    if name == "ProgressPrinter":
-        from orchestrator.run import progress
-
-        return progress.ProgressPrinter
-    raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
