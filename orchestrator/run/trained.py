@@ -228,6 +228,9 @@ def _unbuildable(given: Any, recorded: str | None, err: ModelError) -> str:
     if is_main_path(recorded):
         return (f"its model factory {recorded!r} was defined in a notebook or in a script without an "
                 f"`if __name__ == \"__main__\":` block, which no other process can import; {_pass_model(recorded)}")
+    if isinstance(err.__cause__, ModuleNotFoundError):  # a module beside the user, looked for from elsewhere
+        return (f"its model factory {recorded!r} does not import here ({err.__cause__}); run this from the directory "
+                f"the run was trained from, or {_pass_model(recorded)}")
     return f"{err}; or {_pass_model(recorded)}"
 
 

@@ -198,6 +198,23 @@ def test_sample_evaluate_and_export_take_model_and_import_it_from_the_current_di
     err = capsys.readouterr().err
     assert "does not fit the model given to rebuild it ('tests.api.zoo:small_cnn', a SmallCNN)" in err, err
 
+    # A run of a model in the user's module: rebuilt from the directory it was trained from, and only there.
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["model"]["factory"] = "mymodels:build"
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    sys.modules.pop("mymodels")
+    sys.path.remove(str(user_dir))  # appended by the commands above, as the console script would
+    assert diloco(["sample", str(run), "--bytes", "3"]) == 0
+    capsys.readouterr()
+    sys.modules.pop("mymodels")
+    sys.path.remove(str(user_dir))
+    os.chdir(user_dir.parent)
+    assert diloco(["sample", str(run), "--bytes", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its model factory 'mymodels:build' does not import here (No module named " \
+        "'mymodels'); run this from the directory the run was trained from, or pass its factory: --model" in err, err
+    os.chdir(user_dir)
+
     # The run's loss was the notebook's too: evaluate says to pass it, and takes it.
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     cfg["model"]["loss"] = "__main__:my_loss"
