@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 # A drained island stops DRAIN_MARGIN_S before its node's deadline at the latest; a drain without a deadline
 # gives it DRAIN_WITHOUT_DEADLINE_S.
 DRAIN_MARGIN_S, DRAIN_WITHOUT_DEADLINE_S = 2.0, 60.0
+# A run below an elastic pool's minimum says what it waits for once the monitor has been up this long.
+WAIT_NOTICE_S = 5.0
 
 
 class HealthMonitor:
@@ -102,6 +104,7 @@ class HealthMonitor:
         self._loop_task: asyncio.Task | None = None
         self._after_steps_task: asyncio.Task | None = None
         self._stopping = False
+        self._began = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -154,8 +157,14 @@ class HealthMonitor:
                              f"islands placed; add nodes with labels {pool.labels or '{}'} (ray start --labels ...)")
         return lines
 
+    def _waiting_notice(self) -> list[str]:
+        """`waiting_for`, once the monitor has been up WAIT_NOTICE_S (placing and starting an island takes seconds
+        even where a node has room: saying "no node could host" before that would be wrong)."""
+        return self.waiting_for() if time.monotonic() - self._began >= WAIT_NOTICE_S else []
+
     async def _until_required(self) -> None:
-        """Return once every elastic pool has its minimum of islands up, saying what it waits for meanwhile."""
+        """Return once every elastic pool has its minimum of islands up, logging what it waits for meanwhile (in
+        this actor's log; the driver says it to the user from the snapshot's "waiting")."""
         said = 0.0
         while not self._stopping:
             lines = self.waiting_for()
@@ -163,7 +172,7 @@ class HealthMonitor:
                 return
             if time.monotonic() - said >= 30.0:
                 for line in lines:
-                    log.warning("waiting for %s", line)
+                    log.info("waiting for %s", line)
                 said = time.monotonic()
             await asyncio.sleep(self.timeouts.tick_s)
 
@@ -472,7 +481,7 @@ class HealthMonitor:
             "timeline": list(r.timeline), "detect_s": list(r.detect_s), "rejoin_s": list(r.rejoin_s),
             "spares": self.launcher.spares.counts(), "detections": list(r.detections),
             "salvages": list(k.salvages), "keeper_restarts": dict(k.restarts), "keeper_moves": dict(k.moves),
-            "joins": list(r.joins), "leaves": list(r.leaves), "waiting": self.waiting_for(),
+            "joins": list(r.joins), "leaves": list(r.leaves), "waiting": self._waiting_notice(),
         }
 
     async def stop(self, flush: bool = False) -> dict:
