@@ -2,8 +2,10 @@
 
 A :class:`FaultTape` is a list of :class:`Fault` values decided up front, so a chaos run is
 reproducible: the injector replays the tape, the test asserts exact counts of injected faults.
-Tapes come from a YAML file, from :func:`poisson_tape` (independent Poisson failures per island) or
-from :func:`fixed_tape` (exactly N failures per island, evenly spread). :func:`parse_chaos_spec`
+Tapes come from a YAML file, from :func:`poisson_tape` (independent Poisson failures per island, over
+seconds of the run), from :func:`fixed_tape` (exactly N failures per island, evenly spread over seconds)
+or from :func:`fixed_budget_tape` (the same over the token budget, chaos mode ``fixed``: every fault falls
+inside the run however long it takes). :func:`parse_chaos_spec`
 turns the CLI shorthand of ``diloco train --chaos ...`` into a config dict and
 :func:`tape_from_config` turns that dict into a tape. Nothing here reads the clock or injects
 anything; the injector in ``orchestrator/`` acts on the tape.
@@ -37,7 +39,8 @@ import numpy as np
 import yaml
 
 __all__ = [
-    "CAPACITY_KINDS", "FAULT_KINDS", "KILL_KINDS", "Fault", "FaultTape", "poisson_tape", "fixed_tape", "parse_chaos_spec",
+    "CAPACITY_KINDS", "FAULT_KINDS", "KILL_KINDS", "Fault", "FaultTape", "poisson_tape", "fixed_tape", "fixed_budget_tape",
+    "parse_chaos_spec",
     "tape_from_config",
 ]
 
@@ -48,7 +51,8 @@ CAPACITY_KINDS = ("drain_node", "node_joins")  # capacity that comes and goes (e
 JOINED_NODE_DEADLINE_S = 20.0  # the deadline a node_joins node is drained with when its duration_s runs out
 DRAIN_DEADLINE_S = 20.0  # drain_node's deadline in Poisson and fixed tapes (drain_deadline_s)
 
-_FAULT_FIELDS = ("island", "kind", "at_s", "at_step", "incarnation", "duration_s", "factor")
+_FAULT_FIELDS = ("island", "kind", "at_s", "at_step", "incarnation", "duration_s", "factor", "at_progress")
+_TRIGGERS = ("at_s", "at_step", "at_progress")
 
 
 def _is_int(x: object) -> bool:
@@ -69,14 +73,16 @@ class Fault:
     """One fault for one island.
 
     Exactly one trigger is set: ``at_s`` (seconds since run start; hits whichever incarnation of
-    the island is live then) or ``at_step`` (after that many inner steps of incarnation
-    ``incarnation`` of the island; never fires if that incarnation does not reach the step).
+    the island is live then), ``at_progress`` (once the run has processed that fraction of its token
+    budget; hits whichever incarnation is live then) or ``at_step`` (after that many inner steps of
+    incarnation ``incarnation`` of the island; never fires if that incarnation does not reach the step).
 
     Attributes:
         island: island slot index, ``>= 0``.
         kind: one of :data:`FAULT_KINDS`.
         at_s: trigger time in seconds since run start, ``>= 0``.
         at_step: trigger inner step of incarnation ``incarnation``, ``>= 0``.
+        at_progress: trigger fraction of the run's token budget processed, ``0 <= at_progress < 1``.
         incarnation: incarnation ``at_step`` counts in, ``>= 1`` (informational for ``at_s``).
         duration_s: ``>= 0``, meaning by kind as in the module docstring (recovery delay for kills).
         factor: step-time multiplier of a ``slow`` fault, ``> 1``; must stay 1.0 for other kinds.
@@ -89,14 +95,16 @@ class Fault:
     incarnation: int = 1
     duration_s: float = 0.0
     factor: float = 1.0
+    at_progress: float | None = None  # last: positional construction (island, kind, at_s, at_step, ...) is unchanged
 
     def __post_init__(self) -> None:
         _require(_is_int(self.island) and self.island >= 0,
                  f"Fault.island must be an int >= 0, got {self.island!r}; use the island slot index")
         _require(self.kind in FAULT_KINDS, f"Fault.kind must be one of {FAULT_KINDS}, got {self.kind!r}")
-        _require((self.at_s is None) != (self.at_step is None),
-                 f"Fault needs exactly one of at_s / at_step, got at_s={self.at_s!r}, at_step={self.at_step!r}; "
-                 "set at_s for a time trigger or at_step for a step trigger")
+        _require(sum(getattr(self, t) is not None for t in _TRIGGERS) == 1,
+                 f"Fault needs exactly one of at_s / at_step / at_progress, got at_s={self.at_s!r}, "
+                 f"at_step={self.at_step!r}, at_progress={self.at_progress!r}; set at_s for a time trigger, at_step "
+                 "for a step trigger or at_progress for a fraction of the token budget")
         if self.at_s is not None:
             _require(_is_number(self.at_s) and math.isfinite(self.at_s) and self.at_s >= 0,
                      f"Fault.at_s must be a finite number >= 0, got {self.at_s!r}; use seconds since run start")
@@ -105,6 +113,11 @@ class Fault:
             _require(_is_int(self.at_step) and self.at_step >= 0,
                      f"Fault.at_step must be an int >= 0, got {self.at_step!r}; count inner steps of the incarnation")
             object.__setattr__(self, "at_step", int(self.at_step))
+        if self.at_progress is not None:
+            _require(_is_number(self.at_progress) and 0 <= self.at_progress < 1,
+                     f"Fault.at_progress must be a number in [0, 1), got {self.at_progress!r}; use the fraction of the "
+                     "token budget processed")
+            object.__setattr__(self, "at_progress", float(self.at_progress))
         _require(_is_int(self.incarnation) and self.incarnation >= 1,
                  f"Fault.incarnation must be an int >= 1, got {self.incarnation!r}; the first incarnation is 1")
         _require(_is_number(self.duration_s) and math.isfinite(self.duration_s) and self.duration_s >= 0,
@@ -122,9 +135,11 @@ class Fault:
             object.__setattr__(self, name, cast(getattr(self, name)))
 
     def sort_key(self) -> tuple:
-        """``(at_s or inf, at_step or inf, island, ...)``: time faults first, then step faults."""
+        """``(at_s or inf, at_progress or inf, at_step or inf, island, ...)``: time faults first, then progress
+        faults, then step faults."""
         return (
             math.inf if self.at_s is None else self.at_s,
+            math.inf if self.at_progress is None else self.at_progress,
             math.inf if self.at_step is None else self.at_step,
             self.island,
             self.incarnation,
@@ -136,7 +151,7 @@ class Fault:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict; the unset trigger is left out."""
         d = dataclasses.asdict(self)
-        return {k: v for k, v in d.items() if not (k in ("at_s", "at_step") and v is None)}
+        return {k: v for k, v in d.items() if not (k in _TRIGGERS and v is None)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Fault:
@@ -400,11 +415,38 @@ def fixed_tape(
     return FaultTape(tuple(faults))
 
 
+def fixed_budget_tape(
+    *,
+    islands: int,
+    failures_per_island: int,
+    kind: str = "kill_island",
+    start: float = 0.0,
+    until: float = 0.9,
+    seed: int = 0,
+    slow_factor: float = 4.0,
+) -> FaultTape:
+    """:func:`fixed_tape`'s schedule on the run's progress instead of its clock: chaos mode ``fixed``.
+
+    Each fault triggers once the run has processed a fraction of its token budget (``Fault.at_progress``),
+    spread over ``(start, until)`` as :func:`fixed_tape` spreads them over ``(start_s, horizon_s)``: an island's
+    faults ``(until - start) / failures_per_island`` apart, all islands' ``1 / islands`` of that apart. So every
+    fault falls inside the run however long it takes, and the last ``1 - until`` of the budget is left for the
+    last restarted islands to train again.
+    """
+    _require(_is_number(start) and _is_number(until) and 0 <= start < until < 1,
+             f"start and until must be fractions of the token budget with 0 <= start < until < 1, got start={start!r}, "
+             f"until={until!r}; e.g. until=0.9")
+    on_clock = fixed_tape(islands=islands, failures_per_island=failures_per_island, horizon_s=float(until),
+                          kind=kind, start_s=float(start), seed=seed, slow_factor=slow_factor)
+    return FaultTape(tuple(dataclasses.replace(f, at_s=None, at_progress=f.at_s) for f in on_clock))
+
+
 # --- CLI shorthand ------------------------------------------------------------------------------
 
 _VALID_SPECS = (
     "none | tape:PATH.yaml | PATH.yaml | poisson:mtbf_s=60[,seed=3,kinds=kill_island|hang,"
-    "kind_weights=3|1,recovery_delay_s=0|5,min_gap_s=10,start_s=5,drain_deadline_s=20] | fixed:failures=3[,kind=kill_island,seed=0]"
+    "kind_weights=3|1,recovery_delay_s=0|5,min_gap_s=10,start_s=5,drain_deadline_s=20] | "
+    "fixed:failures=3[,kind=kill_island,seed=0,start=0,until=0.9]"
 )
 
 
@@ -424,7 +466,7 @@ _SPEC_KEYS: dict[str, dict[str, Any]] = {
         "recovery_delay_s": _pair, "min_gap_s": float, "start_s": float, "slow_factor": float,
         "slow_duration_s": float, "drain_deadline_s": float,
     },
-    "fixed": {"failures_per_island": int, "kind": str, "start_s": float, "seed": int, "slow_factor": float},
+    "fixed": {"failures_per_island": int, "kind": str, "start": float, "until": float, "seed": int, "slow_factor": float},
 }
 _SPEC_REQUIRED = {"poisson": "mtbf_s", "fixed": "failures_per_island"}
 _SPEC_ALIASES = {"failures": "failures_per_island"}
@@ -447,7 +489,7 @@ def parse_chaos_spec(spec: str) -> dict:
     - ``poisson:mtbf_s=60,seed=3,kinds=kill_island|hang`` -> ``{"mode": "poisson", "mtbf_s": 60.0, ...}``
     - ``fixed:failures=3`` -> ``{"mode": "fixed", "failures_per_island": 3, ...}``
 
-    The poisson and fixed dicts hold every keyword of :func:`poisson_tape` / :func:`fixed_tape`
+    The poisson and fixed dicts hold every keyword of :func:`poisson_tape` / :func:`fixed_budget_tape`
     except ``islands`` and ``horizon_s`` (the run supplies those), defaults filled in (``seed`` 0),
     lists for sequences (``kinds``, ``kind_weights``, ``recovery_delay_s``; ``|`` separates items, and a single
     ``recovery_delay_s=5`` means ``[5, 5]``). ``failures`` is short for ``failures_per_island``.
@@ -466,7 +508,7 @@ def parse_chaos_spec(spec: str) -> dict:
     if colon and mode in _SPEC_KEYS:
         keys = _SPEC_KEYS[mode]
         out: dict[str, Any] = {"mode": mode, _SPEC_REQUIRED[mode]: None, "seed": 0}  # seed defaults to 0
-        out.update(_spec_defaults(poisson_tape if mode == "poisson" else fixed_tape))
+        out.update(_spec_defaults(poisson_tape if mode == "poisson" else fixed_budget_tape))
         given: set[str] = set()
         for item in filter(None, (x.strip() for x in body.split(","))):
             key, eq, value = (x.strip() for x in item.partition("="))
@@ -488,8 +530,8 @@ def parse_chaos_spec(spec: str) -> dict:
         try:
             if mode == "poisson":
                 _check_poisson(**params)
-            else:  # a throwaway one-island tape over a unit window validates every value
-                fixed_tape(islands=1, horizon_s=params["start_s"] + 1.0, **params)
+            else:  # a throwaway one-island tape validates every value
+                fixed_budget_tape(islands=1, **params)
         except ValueError as e:
             raise ValueError(f"chaos spec {spec!r}: {e}") from None
         return out
@@ -502,8 +544,9 @@ def tape_from_config(config: Mapping[str, Any], *, islands: int, horizon_s: floa
     """Build the tape a chaos config dict (as from :func:`parse_chaos_spec`) describes.
 
     ``none`` gives an empty tape, ``tape`` reads the YAML file, ``poisson`` / ``fixed`` call
-    :func:`poisson_tape` / :func:`fixed_tape` with the run's ``islands`` and ``horizon_s``
-    (``failures`` is accepted for ``failures_per_island``, as in the CLI shorthand).
+    :func:`poisson_tape` with the run's ``islands`` and ``horizon_s``, ``fixed`` :func:`fixed_budget_tape` with its
+    ``islands`` (its faults trigger on the token budget: no horizon; ``failures`` is accepted for
+    ``failures_per_island``, as in the CLI shorthand).
     """
     params = {_SPEC_ALIASES.get(k, k) if _SPEC_ALIASES.get(k) not in config else k: v for k, v in config.items()}
     mode = params.pop("mode", None)
@@ -516,7 +559,7 @@ def tape_from_config(config: Mapping[str, Any], *, islands: int, horizon_s: floa
             if "recovery_delay_s" in params:
                 params["recovery_delay_s"] = tuple(params["recovery_delay_s"])
             return poisson_tape(islands=islands, horizon_s=horizon_s, **params)
-        return fixed_tape(islands=islands, horizon_s=horizon_s, **params)
+        return fixed_budget_tape(islands=islands, **params)
     if mode not in ("none", "tape", *_SPEC_KEYS):
         raise ValueError(f"chaos mode must be one of none, tape, poisson, fixed, got {mode!r}")
     valid = {"none": [], "tape": ["path"], **{m: list(k) for m, k in _SPEC_KEYS.items()}}[mode]

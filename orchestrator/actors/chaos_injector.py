@@ -1,7 +1,8 @@
 """ChaosInjector: executes a fault tape (policies.chaos) against a live run.
 
-Time faults (`at_s`, seconds since the run started) hit whatever incarnation of the island is live
-then; step faults (`at_step`) hit the named incarnation once it has taken that many inner steps.
+Time faults (`at_s`, seconds since the run started) and progress faults (`at_progress`, a fraction of the
+token budget, which the driver reports through `note_progress`) hit whatever incarnation of the island is
+live then; step faults (`at_step`) hit the named incarnation once it has taken that many inner steps.
 Every executed fault is reported to the health monitor (so it can measure time to detect and honour a
 recovery delay) and kept for the run's event log, so tests can assert exact counts.
 
@@ -73,6 +74,7 @@ class ChaosInjector:
         self.run_start = run_start  # wall clock (time.time) the tape's at_s counts from
         self.protected_node = protected_node  # never kill this node (the driver's / head node)
         self.tick_s = tick_s
+        self.progress = 0.0  # fraction of the token budget processed, as the driver last reported it
         self.executed: list[dict] = []
         self._task: asyncio.Task | None = None
         self._handles: dict[str, object] = {}
@@ -106,12 +108,19 @@ class ChaosInjector:
             self._handles[name] = ray.get_actor(name, namespace=self.namespace)
         return self._handles[name]
 
+    def note_progress(self, fraction: float) -> None:
+        """The run's progress: the fraction of its token budget processed (the driver's every tick)."""
+        self.progress = max(self.progress, float(fraction))
+
     def _not_due(self, fault: Fault) -> bool:
+        if fault.at_progress is not None:
+            return self.progress < fault.at_progress
         return fault.at_s is not None and time.time() - self.run_start < fault.at_s
 
     def _next_wait_s(self) -> float:
-        """Sleep until the earliest time fault is due; poll every tick while step faults wait (they need
-        the island's step count) or a due fault could not fire yet (its island is down: retry each tick)."""
+        """Sleep until the earliest time fault is due; poll every tick while step or progress faults wait (they
+        need the island's step count, the run's progress) or a due fault could not fire yet (its island is down:
+        retry each tick)."""
         elapsed = time.time() - self.run_start
         ahead = [f.at_s - elapsed for f in self.pending if f.at_s is not None and f.at_s > elapsed]
         if len(ahead) < len(self.pending):
@@ -128,7 +137,7 @@ class ChaosInjector:
         if name is None or (fault.at_step is not None and inc != fault.incarnation):
             return False  # island down or not yet at the target incarnation: wait
         handle = self._handle(name)
-        if fault.at_s is None:
+        if fault.at_step is not None:
             status = await handle.status.remote()
             if status.steps < fault.at_step:
                 return False

@@ -654,6 +654,8 @@ class Run:
                 self._get(self.outer.note.remote(tokens_processed=self._tokens(), run_id=self.run_id,
                                                  incarnations=incarnations,
                                                  progress=self._tokens() / self.cfg.run.token_budget))
+                if self.injector is not None:  # a fixed tape's faults trigger on the run's progress: no reply awaited
+                    self.injector.note_progress.remote(self._tokens() / self.cfg.run.token_budget)
             except _TRANSIENT as err:  # an actor restarting: Ray brings it back, try again next tick
                 _warn_transient(err)
                 time.sleep(0.5)

@@ -41,3 +41,16 @@ def test_step_faults_are_polled_every_tick():
 def test_never_sleeps_less_than_a_tick():
     inj = _injector(Fault(island=0, kind="kill_island", at_s=1.0), started_s_ago=0.99)
     assert inj._next_wait_s() == 0.1
+
+
+def test_progress_faults_wait_for_the_runs_progress_and_are_polled_every_tick():
+    inj = _injector(Fault(island=0, kind="kill_island", at_progress=0.3), Fault(island=1, kind="hang", at_s=50.0),
+                    started_s_ago=100.0)  # long past any clock: only the budget's progress decides
+    fault = next(f for f in inj.pending if f.at_progress is not None)
+    assert inj._not_due(fault) and inj._next_wait_s() == 0.1
+    inj.note_progress(0.29)
+    assert inj._not_due(fault)
+    inj.note_progress(0.31)
+    assert not inj._not_due(fault)
+    inj.note_progress(0.1)  # a late report of an earlier tick never takes progress back
+    assert not inj._not_due(fault)

@@ -9,6 +9,7 @@ from policies.chaos import (
     FAULT_KINDS,
     Fault,
     FaultTape,
+    fixed_budget_tape,
     fixed_tape,
     parse_chaos_spec,
     poisson_tape,
@@ -249,6 +250,49 @@ def test_fixed_tape_slow_kind_and_validation():
         fixed_tape(islands=2, failures_per_island=1, horizon_s=10.0, kind="boom")
 
 
+def test_fixed_budget_tape_spreads_fixed_tapes_schedule_over_the_token_budget():
+    islands, n, start, until = 4, 3, 0.1, 0.7
+    tape = fixed_budget_tape(islands=islands, failures_per_island=n, start=start, until=until, seed=7)
+    assert len(tape) == islands * n
+    period = (until - start) / n  # 0.2 of the budget
+    for m in range(islands):
+        at = [f.at_progress for f in tape.for_island(m)]
+        assert np.allclose(np.diff(at), period) and start < at[0] < start + period
+    every = np.array([f.at_progress for f in tape])
+    assert np.allclose(np.diff(every), period / islands)  # 0.05 of the budget between any two faults
+    assert all(start < p < until for p in every) and all(f.at_s is None for f in tape)
+    on_clock = fixed_tape(islands=islands, failures_per_island=n, horizon_s=until, start_s=start, seed=7)
+    assert [f.at_progress for f in tape] == [f.at_s for f in on_clock]
+
+
+def test_fixed_faults_fall_inside_the_token_budget_whatever_the_run_lasts():
+    # The README's `--chaos fixed:failures=3`: every island killed 3 times. Placed on the clock over a horizon the
+    # run never reached, faults did not fire ("10 of 12 planned"); on the budget's progress all 12 fall before 0.9
+    # of it, in a run of any length.
+    tape = tape_from_config(parse_chaos_spec("fixed:failures=3"), islands=4, horizon_s=180.0)
+    assert len(tape) == 12 and all(len(tape.for_island(m)) == 3 for m in range(4))
+    assert all(f.at_s is None and 0.0 < f.at_progress < 0.9 for f in tape)
+
+
+def test_fixed_budget_tape_validation():
+    assert fixed_budget_tape(islands=2, failures_per_island=1, seed=3) == fixed_budget_tape(islands=2, failures_per_island=1, seed=3)
+    with pytest.raises(ValueError, match="0 <= start < until < 1, got start=0.5, until=0.5"):
+        fixed_budget_tape(islands=2, failures_per_island=1, start=0.5, until=0.5)
+    with pytest.raises(ValueError, match="failures_per_island must be an int >= 1, got 0"):
+        fixed_budget_tape(islands=2, failures_per_island=0)
+
+
+def test_a_progress_fault_round_trips_and_is_checked():
+    f = Fault(island=1, kind="hang", at_progress=0.25)
+    assert Fault.from_dict(f.to_dict()) == f and "at_s" not in f.to_dict()
+    with pytest.raises(ValueError, match="exactly one of at_s / at_step / at_progress"):
+        Fault(island=0, kind="hang", at_s=1.0, at_progress=0.5)
+    with pytest.raises(ValueError, match=r"at_progress must be a number in \[0, 1\), got 1.0"):
+        Fault(island=0, kind="hang", at_progress=1.0)
+    tape = FaultTape((Fault(island=0, kind="hang", at_step=3), f, Fault(island=2, kind="hang", at_s=9.0)))
+    assert [x.island for x in tape] == [2, 1, 0]  # time, then progress, then step faults
+
+
 # --- parse_chaos_spec / tape_from_config -------------------------------------------------------
 
 
@@ -273,11 +317,11 @@ def test_parse_poisson():
 
 def test_parse_fixed():
     assert parse_chaos_spec("fixed:failures=3") == {
-        "mode": "fixed", "failures_per_island": 3, "seed": 0, "kind": "kill_island", "start_s": 0.0,
+        "mode": "fixed", "failures_per_island": 3, "seed": 0, "kind": "kill_island", "start": 0.0, "until": 0.9,
         "slow_factor": 4.0,
     }
-    d = parse_chaos_spec("fixed:failures_per_island=2,kind=hang,start_s=5,seed=9")
-    assert (d["failures_per_island"], d["kind"], d["start_s"], d["seed"]) == (2, "hang", 5.0, 9)
+    d = parse_chaos_spec("fixed:failures_per_island=2,kind=hang,start=0.2,until=0.6,seed=9")
+    assert (d["failures_per_island"], d["kind"], d["start"], d["until"], d["seed"]) == (2, "hang", 0.2, 0.6, 9)
 
 
 @pytest.mark.parametrize(
@@ -299,6 +343,8 @@ def test_parse_fixed():
         ("fixed:failures=0", "failures_per_island must be an int >= 1"),
         ("fixed:failures=2.5", "does not parse"),
         ("fixed:failures=2,mtbf_s=3", "unknown fixed key 'mtbf_s'"),
+        ("fixed:failures=2,start_s=5", "unknown fixed key 'start_s'"),
+        ("fixed:failures=2,until=1.5", "0 <= start < until < 1"),
     ],
 )
 def test_parse_errors_are_one_line(spec, match):
@@ -315,7 +361,7 @@ def test_tape_from_config_builds_each_mode(tmp_path):
     )
     fixed = tape_from_config(parse_chaos_spec("fixed:failures=3"), islands=4, horizon_s=120.0)
     assert tape_from_config({"mode": "fixed", "failures": 3}, islands=4, horizon_s=120.0) == fixed
-    assert fixed == fixed_tape(islands=4, failures_per_island=3, horizon_s=120.0) and len(fixed) == 12
+    assert fixed == fixed_budget_tape(islands=4, failures_per_island=3) and len(fixed) == 12
     path = tmp_path / "t.yaml"
     fixed.to_yaml(path)
     assert tape_from_config(parse_chaos_spec(str(path)), islands=4, horizon_s=120.0) == fixed
