@@ -8,13 +8,16 @@ The reference, with the reasoning and measurements behind the settings, is docs/
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from islands.spec import ModelConfig, model_config
+from orchestrator.config_errors import format_validation_error
 from policies.network import SCENARIOS as NETWORK_SCENARIOS
 from policies.sync_schedule import check_schedule_pairs, check_sync_every
 
@@ -129,21 +132,11 @@ class DataSection(_Section):
         if self.source in ("parquet", "tokens") and not self.path:
             example = "/path/to/data.parquet" if self.source == "parquet" else "/path/to/train.bin"
             raise ValueError(f"data.path is required when data.source is '{self.source}'; set data.path={example}")
-        if self.source not in ("parquet", "tokens") and self.path is not None:
-            raise ValueError(f"data.path={self.path!r} is set but data.source is '{self.source}', which does not read it; set "
-                             f"data.source=parquet (or tokens for token files), or drop data.path")
-        if self.source == "parquet":
-            if (self.text_column is None) == (self.token_column is None):
-                raise ValueError("set exactly one of data.text_column or data.token_column for a parquet source")
-            if self.token_column is not None and self.tokenizer != "bytes":
-                raise ValueError("data.tokenizer applies to text; a token_column is already token ids: set data.tokenizer=bytes "
-                                 "or train on data.text_column")
-        elif self.text_column is not None or self.token_column is not None:
-            raise ValueError(f"data.text_column/token_column name Parquet columns but data.source is '{self.source}'; set "
-                             f"data.source=parquet or drop them")
+        # A setting the source does not read (data.path under stdlib, ...) is refused by the config's rules of
+        # settings that have no effect (INERT_RULES, below), with the others of its kind.
+        if self.source == "parquet" and (self.text_column is None) == (self.token_column is None):
+            raise ValueError("set exactly one of data.text_column or data.token_column for a parquet source")
         if self.source == "tokens":
-            if self.tokenizer != "bytes":
-                raise ValueError("token files are token ids already: data.tokenizer does not apply; set data.tokenizer=bytes")
             if self.vocab_size is None:
                 raise ValueError("data.vocab_size is required for token files (source=tokens): set it to the vocabulary of the "
                                  "tokenizer that wrote them, e.g. data.vocab_size=50257")
@@ -395,7 +388,8 @@ class ChaosSection(_Section):
     """Chaos engineering: which faults to inject (policies.chaos). Default: none."""
 
     mode: Literal["none", "tape", "poisson", "fixed"] = Field("none", description="none | tape (YAML file) | poisson | fixed.")
-    horizon_s: float = Field(180.0, gt=0, description="poisson/fixed: faults are drawn over (start_s, horizon_s) seconds of the run.")
+    horizon_s: float = Field(180.0, gt=0, description="poisson: faults are drawn over (start_s, horizon_s) seconds of the run "
+                             "(fixed spreads its faults over the token budget instead).")
     params: dict[str, Any] = Field(default_factory=dict, description="The mode's parameters, e.g. {mtbf_s: 60, seed: 3} or {path: tape.yaml}.")
 
     def spec(self) -> dict[str, Any]:
@@ -533,6 +527,17 @@ class RunConfig(_Section):
             raise ValueError(f"outer.min_quorum={k} exceeds the {self.num_islands} islands; lower it or use 'all'")
         return self
 
+    @model_validator(mode="after")
+    def _no_inert_settings(self, info: ValidationInfo) -> RunConfig:
+        # A config read back from a run directory holds what the engine resolved (build_config(recorded=True));
+        # overrides applied to one are checked alone (`only`: the keys they set).
+        context = info.context or {}
+        if not context.get("recorded"):
+            why = inert_setting(self, only=context.get("only"))
+            if why is not None:
+                raise InertSetting(why)
+        return self
+
     def _fsdp_supported(self) -> None:
         # What an FSDP island cannot do yet (docs/islands.md, FSDP islands): each would need a whole model's
         # worth of tensors on one worker, which sharding exists to avoid.
@@ -584,21 +589,156 @@ class RunConfig(_Section):
         return any(p.emulated for p in self.pools)
 
 
-def _format_error(err: ValidationError) -> str:
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "config"
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        return f"unknown config field '{where}'; remove it or check the spelling (see configs/default.yaml)"
-    return f"config field '{where}': {msg}"
+class InertSetting(ValueError):
+    """A setting given a value that has no effect under the config's other settings (INERT_RULES)."""
 
 
-def build_config(data: dict[str, Any]) -> RunConfig:
-    """Validate a plain dict into a RunConfig, raising ConfigError with a one-line message."""
+@dataclass(frozen=True)
+class InertRule:
+    """When setting `field` ("section.name"; "pools.name" for each pool) has no effect, and the fix.
+
+    `inert(cfg)` says why the field does nothing in `cfg`, or None where it does something; `fix` is
+    the one-line way out. Pure reads of the config: no I/O.
+    """
+
+    field: str
+    inert: Callable[[RunConfig], str | None]
+    fix: str
+
+
+def _unless_python(rule: Callable[[RunConfig], str | None]) -> Callable[[RunConfig], str | None]:
+    # Source 'python' is what a run on datasets from Python records: they replaced the corpus, so the rules
+    # of the corpus sources do not apply to it (and the run was checked under the source it was given).
+    return lambda cfg: None if cfg.data.source == "python" else rule(cfg)
+
+
+def _src(*sources: str) -> Callable[[RunConfig], bool]:
+    return lambda cfg: cfg.data.source in sources
+
+
+def _blocked_formats(cfg: RunConfig) -> bool:
+    o = cfg.outer
+    return (o.compression in ("int8", "int4", "int2", "sign") or o.downlink == "int8"
+            or o.downlink_delta in ("int8", "int4", "int2", "sign"))
+
+
+INERT_RULES: tuple[InertRule, ...] = (
+    InertRule("data.path", _unless_python(lambda c: "data.source is 'stdlib', which reads no files" if _src("stdlib")(c) else None),
+              "set data.source=parquet (or tokens for token files), or drop data.path"),
+    InertRule("data.text_column", _unless_python(
+        lambda c: None if _src("parquet")(c) else f"only data.source=parquet has columns, and it is '{c.data.source}'"),
+              "set data.source=parquet, or drop data.text_column"),
+    InertRule("data.token_column", _unless_python(
+        lambda c: None if _src("parquet")(c) else f"only data.source=parquet has columns, and it is '{c.data.source}'"),
+              "set data.source=parquet, or drop data.token_column"),
+    InertRule("data.tokenizer", _unless_python(
+        lambda c: "token files are token ids already" if _src("tokens")(c) else
+        "data.token_column is token ids already" if c.data.token_column is not None else None),
+              "set data.tokenizer=bytes, or train on a text column (data.source=parquet, data.text_column)"),
+    InertRule("data.token_dtype", _unless_python(
+        lambda c: None if _src("tokens")(c) else f"only token files (data.source=tokens) have a width, and data.source is "
+                                                 f"'{c.data.source}'"),
+              "drop data.token_dtype, or set data.source=tokens"),
+    InertRule("data.max_bytes", _unless_python(
+        lambda c: None if _src("stdlib")(c) else f"it caps the stdlib corpus, and data.source is '{c.data.source}'"),
+              "drop data.max_bytes (a corpus at data.path trains on what it holds)"),
+    InertRule("data.unit_tokens", _unless_python(
+        lambda c: "Parquet units are its row groups, not token counts" if _src("parquet")(c) else None),
+              "drop data.unit_tokens (it cuts token files and token arrays from Python)"),
+    InertRule("data.unit_examples", _unless_python(
+        lambda c: f"only datasets of examples passed from Python are cut by it, and data.source is '{c.data.source}'"
+        if _src("parquet", "tokens")(c) else None),
+              "drop data.unit_examples"),
+    InertRule("data.vocab_size", _unless_python(
+        lambda c: "text read as bytes (data.tokenizer=bytes) has 256 ids" if c.data.tokenizer == "bytes" and (
+            _src("stdlib")(c) or (_src("parquet")(c) and c.data.text_column is not None)) else None),
+              "drop data.vocab_size, or set data.tokenizer=train to train a vocabulary of that size"),
+    InertRule("data.tokenizer_sample_bytes", _unless_python(
+        lambda c: None if c.data.tokenizer == "train" else f"only data.tokenizer=train reads a sample, and it is "
+                                                           f"'{c.data.tokenizer}'"),
+              "set data.tokenizer=train, or drop data.tokenizer_sample_bytes"),
+    InertRule("pools.data_path", _unless_python(
+        lambda c: "copies are for parquet or token-file corpora, and data.source is 'stdlib'" if _src("stdlib")(c) else None),
+              "drop data_path from the pool"),
+    InertRule("inner.lr_final_ratio", lambda c: "inner.lr_schedule is 'constant', which never decays"
+              if c.inner.lr_schedule == "constant" else None, "set inner.lr_schedule=cosine, or drop inner.lr_final_ratio"),
+    InertRule("outer.compression_block_size", lambda c: None if _blocked_formats(c) else
+              f"no wire format in use has blocks (outer.compression '{c.outer.compression}', outer.downlink "
+              f"'{c.outer.downlink}', outer.downlink_delta {c.outer.downlink_delta or 'null'})",
+              "use int8, int4, int2 or sign for one of them, or drop outer.compression_block_size"),
+    InertRule("outer.topk_density", lambda c: None if "topk" in (c.outer.compression, c.outer.downlink_delta) else
+              "neither outer.compression nor outer.downlink_delta is topk",
+              "set one of them to topk, or drop outer.topk_density"),
+    InertRule("outer.feedback_decay", lambda c: None if c.outer.compression in ("int2", "sign", "topk") else
+              f"outer.compression is '{c.outer.compression}', which owes nothing to later submissions (int2, sign and "
+              f"topk do)", "set outer.compression to int2, sign or topk, or drop outer.feedback_decay"),
+    InertRule("outer.partial_momentum", lambda c: None if c.outer.step_scale == "clock" else
+              f"only outer.step_scale=clock uses it, and it is '{c.outer.step_scale}'",
+              "set outer.step_scale=clock, or drop outer.partial_momentum"),
+    InertRule("chaos.horizon_s", lambda c: None if c.chaos.mode == "poisson" else
+              f"only chaos mode poisson draws faults over a horizon, and it is '{c.chaos.mode}' (fixed spreads its "
+              f"faults over the token budget)", "drop chaos.horizon_s, or use chaos mode poisson"),
+    InertRule("chaos.params", lambda c: "chaos.mode is 'none', which injects nothing" if c.chaos.mode == "none" else None,
+              "set chaos.mode (or pass --chaos SPEC), or drop chaos.params"),
+    InertRule("network.local_step_s", lambda c: "network.scenario is 'none', which emulates no links"
+              if c.network.scenario == "none" else None, "set network.scenario, or drop network.local_step_s"),
+    InertRule("network.step_concurrency", lambda c: "network.scenario is 'none', which times no steps"
+              if c.network.scenario == "none" else None, "set network.scenario, or drop network.step_concurrency"),
+)
+"""Settings refused where the others leave them no effect (docs/config.md, "Settings that have no effect")."""
+
+
+def _given(section: BaseModel, name: str) -> bool:
+    """Whether the config gave `section.name` a value of its own: set explicitly, and not to its default."""
+    if name not in section.model_fields_set:
+        return False
+    info = type(section).model_fields[name]
+    default = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
+    return getattr(section, name) != default
+
+
+def _overridden(only: tuple[tuple[str, ...], ...] | None, parts: tuple[str, ...]) -> bool:
+    """Whether the overrides `only` set field `parts` (or a section or list holding it); True when `only` is None."""
+    return only is None or any(parts[:len(key)] == key for key in only)
+
+
+def inert_setting(cfg: RunConfig, *, only: tuple[tuple[str, ...], ...] | None = None) -> str | None:
+    """The first setting `cfg` gives that has no effect under its other settings, in one line with the fix; else None.
+
+    `only`: check just the fields these override keys set (a pool by index or name), as for overrides applied to
+    a config already checked; None checks every field."""
+    for rule in INERT_RULES:
+        section, name = rule.field.split(".")
+        if section == "pools":
+            holders = [(f"pools.{p.name}.{name}", p, [("pools", k, name) for k in (str(i), p.name)])
+                       for i, p in enumerate(cfg.pools)]
+        else:
+            holders = [(rule.field, getattr(cfg, section), [(section, name)])]
+        for shown, holder, keys in holders:
+            if any(_overridden(only, k) for k in keys) and _given(holder, name):
+                why = rule.inert(cfg)
+                if why is not None:
+                    fix = rule.fix if section != "pools" else rule.fix.replace("the pool", f"pools.{holder.name}")
+                    return f"{shown}={getattr(holder, name)!r} has no effect: {why}; {fix}"
+    return None
+
+
+def build_config(data: dict[str, Any], *, recorded: bool = False) -> RunConfig:
+    """Validate a plain dict into a RunConfig, raising ConfigError with a one-line message.
+
+    Settings that have no effect under the others are refused (INERT_RULES). `recorded`: `data` is a config a
+    run wrote into its run directory (the engine's resolution of what it was given: datasets from Python as
+    source 'python', a measured step time) or one already checked: taken as it is, since the run was checked
+    when it started and an older version may not have known a rule. `data` from :func:`apply_overrides` (an
+    :class:`Overridden`) is checked in the fields its overrides set alone: its base is a run's config or the
+    caller's own (``diloco evaluate RUN --set data.source=parquet ...`` leaves the run's stdlib cap alone;
+    a `data.path` it adds under source stdlib is refused). :func:`load_config` checks every field.
+    """
+    only = data.overridden if isinstance(data, Overridden) else None
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context={"recorded": recorded, "only": only})
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(format_validation_error(err, RunConfig)) from None
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -627,14 +767,23 @@ def _list_entry(item: str, key: str, entries: list[Any], part: str) -> Any:
                       f"or an index 0..{len(entries) - 1}")
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+class Overridden(dict):
+    """What :func:`apply_overrides` returns: the config dict, and the keys its overrides set (`overridden`, as
+    tuples of the key's parts), which :func:`build_config` checks for settings that have no effect."""
+
+    overridden: tuple[tuple[str, ...], ...] = ()
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> Overridden:
     """Apply dotted `key=value` overrides (values parsed as YAML) to a config dict, returning a new dict.
 
     A part after a list picks one entry, by index or by its `name`: `pools.1.islands=3` or
     `pools.slow.emulated_slowdown=2`. A list the dict does not have yet starts as its default
     (RunConfig's), so this works without a config file too.
     """
-    out = yaml.safe_load(yaml.safe_dump(data))  # deep copy through plain types
+    out = Overridden(yaml.safe_load(yaml.safe_dump(dict(data))))  # deep copy through plain types
+    out.overridden = (data.overridden if isinstance(data, Overridden) else ()) + tuple(
+        tuple(_parse_override(item)[0]) for item in overrides)
     for item in overrides:
         path, value = _parse_override(item)
         node: Any = out
@@ -683,7 +832,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if also_mode is not None and data.get("mode") == also_mode:
             data = {k: v for k, v in data.items() if k != "mode"}
     if overrides:
-        data = apply_overrides(data, overrides)
+        data = dict(apply_overrides(data, overrides))  # the file and the overrides alike are the caller's: all checked
     return build_config(data)
 
 

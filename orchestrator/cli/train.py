@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -120,7 +121,7 @@ def with_model_flags(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
         return cfg
     data = cfg.model_dump(mode="json")
     data["model"].update(update)
-    return build_config(data)
+    return build_config(data, recorded=True)  # `cfg` was checked, and the model's import paths have no rules to break
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -131,19 +132,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from policies.chaos import parse_chaos_spec
 
     try:
+        overrides = list(args.set)
+        if args.chaos:  # the chaos section's mode and params, validated with the rest (a horizon fixed does not use, ...)
+            spec = parse_chaos_spec(args.chaos)
+            overrides += [f"chaos.mode={spec.pop('mode')}", f"chaos.params={json.dumps(spec)}"]
         if args.resume:
             if args.config:
                 raise ConfigError("--resume takes the run directory's own config.yaml; drop --config")
             saved = resume_config(args.resume)
-            cfg = with_model_flags(build_config(apply_overrides(saved.model_dump(mode="json"), args.set)), args)
+            cfg = with_model_flags(build_config(apply_overrides(saved.model_dump(mode="json"), overrides)), args)
             conflict = resume_conflict(saved, cfg)
             if conflict:
                 raise ConfigError(conflict)
         else:
-            cfg = with_model_flags(load_config(args.config, args.set), args)
-        if args.chaos:
-            spec = parse_chaos_spec(args.chaos)
-            cfg = cfg.model_copy(update={"chaos": type(cfg.chaos)(mode=spec.pop("mode"), horizon_s=cfg.chaos.horizon_s, params=spec)})
+            cfg = with_model_flags(load_config(args.config, overrides), args)
         run_dir = Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         preflight(cfg, run_dir, resume=bool(args.resume))  # before Ray starts and before RUN_DIR exists
     except (ConfigError, ValueError) as err:

@@ -36,7 +36,7 @@ def resume_config(run_dir: str | Path) -> RunConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no config.yaml; --resume needs the directory of an earlier run")
-    return build_config(yaml.safe_load(path.read_text()))
+    return build_config(yaml.safe_load(path.read_text()), recorded=True)
 
 
 def _check_model(cfg: RunConfig) -> int:

@@ -66,7 +66,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, run_id: str, *, resume: bool)
         raise ConfigError(f"{run_dir} already holds checkpoints; continue it with --resume or pick a new --run-dir")
     if resume:  # before anything is touched: a refused resume leaves the run directory as it was
         saved = run_dir / "config.yaml"
-        conflict = resume_conflict(build_config(yaml.safe_load(saved.read_text())), cfg) if saved.is_file() else None
+        conflict = resume_conflict(build_config(yaml.safe_load(saved.read_text()), recorded=True), cfg) if saved.is_file() else None
         if conflict:
             raise ConfigError(conflict)
     if resume and previous:

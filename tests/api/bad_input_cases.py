@@ -93,6 +93,9 @@ CASES = [
          tokens("tokens_tiny"), "train fewer islands (pools.NAME.islands)", cli=True),
     Case("path-without-source", "`data.path` with the default source (stdlib), which would not read it",
          ("--set", "data.path={tokens}"), "set data.source=parquet (or tokens for token files), or drop data.path"),
+    Case("inert-block-size", "a wire-format option with no wire format that uses it (one of a class: docs/config.md)",
+         ("--set", "outer.compression_block_size=128"), "use int8, int4, int2 or sign for one of them, or drop "
+                                                         "outer.compression_block_size"),
     Case("tokens-no-files", "`data.source=tokens` at a folder with no token files", tokens("no_token_files"),
          "point at the directory that holds them"),
     Case("tokens-odd-size", "a token file whose size is not a whole number of uint16 ids", tokens("odd_size"),

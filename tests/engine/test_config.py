@@ -138,7 +138,7 @@ def test_resume_refuses_changes_to_what_the_checkpoints_and_cursors_depend_on(ca
     same = lambda *o: load_config(None, ["pools=[{name: a, islands: 2}, {name: b, islands: 1, workers_per_island: 2}]", *o])  # noqa: E731
     # What may change: budget, evaluation, health, network, outer hyperparameters.
     assert resume_conflict(saved, same("run.token_budget=9000000", "eval.interval_s=5", "outer.lr=0.5",
-                                       "health.hang_factor=10", "network.step_concurrency=1")) is None
+                                       "health.hang_factor=10", "network.scenario=lan")) is None
     msg = resume_conflict(saved, same("model.preset=nano"))
     assert msg.startswith("--resume cannot change model.preset (the run has tiny, asked for nano)") and "\n" not in msg
     assert "data.batch_size (the run has 16, asked for 8)" in resume_conflict(saved, same("data.batch_size=8"))

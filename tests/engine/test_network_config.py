@@ -83,7 +83,7 @@ def test_the_scaling_step_is_timed_with_every_island_stepping(monkeypatch, caplo
     cfg = load_config(None, ["pools=[{name: a, islands: 2, workers_per_island: 2}, {name: b, islands: 1}]"])
     monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
     assert driver.step_concurrency(cfg) == 5
-    assert driver.step_concurrency(load_config(None, ["network.step_concurrency=1"])) == 1
+    assert driver.step_concurrency(load_config(None, ["network.scenario=wan-8-regions", POOLS, "network.step_concurrency=1"])) == 1
     # On a multi-node cluster the islands have their own machines (stand-in for ray.nodes(): one dead node).
     monkeypatch.setattr(driver.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(driver.ray, "nodes", lambda: [{"Alive": True}, {"Alive": True}, {"Alive": False}])

@@ -98,11 +98,14 @@ def test_island_specs_are_the_config_pools_outer_and_health_sections():
 
 
 def test_every_outer_and_island_setting_follows_a_changed_config():
+    # int2 up and topk differences down: formats under which block size, density and feedback decay all act
+    # (a config that gives them under formats that ignore them is refused: test_config.py).
     changed = {"outer": {"compression_block_size": 128, "adoption": "overwrite", "topk_density": 0.25,
+                         "compression": "int2", "downlink_delta": "topk",
                          "feedback_decay": 0.5, "sync_every_steps": 12, "num_fragments": 3, "publish_to": "participants"},
                "inner": {"lr": 1e-2, "precision": "bf16"}, "data": {"batch_size": 3},
                "health": {"salvage_every_steps": 0}, "run": {"seed": 4, "average_window": 0.5},
-               "pools": [{"name": "a", "workers_per_island": 2, "shard": "fsdp"}]}
+               "pools": [{"name": "a", "workers_per_island": 2}]}
     cfg = build_config(changed)
     outer = outer_settings(cfg)
     assert (outer.compression_block_size, outer.topk_density, outer.publish_to, outer.average_window) == (
@@ -113,7 +116,9 @@ def test_every_outer_and_island_setting_follows_a_changed_config():
         128, "overwrite", 0.25, 0.5)
     assert (spec.sync_every_steps, spec.seed, spec.salvage_every_steps, spec.keeper) == (12, 4, 0, None)
     assert (spec.inner.lr, spec.inner.precision, spec.inner.batch_size) == (1e-2, "bf16", 3)
-    assert (spec.workers, spec.shard) == (2, "fsdp")
+    assert spec.workers == 2
+    fsdp = build_config({"health": {"salvage_every_steps": 0}, "pools": [{"name": "a", "workers_per_island": 2, "shard": "fsdp"}]})
+    assert island_specs(fsdp, None, _tiny_plan(), run_id="r")[0].shard == "fsdp"
 
 
 def test_model_recipe_is_the_config_model_section_unless_the_api_passes_objects():
