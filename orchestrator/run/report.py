@@ -6,7 +6,10 @@ Reads `summary.json` and the Parquet event log (:mod:`orchestrator.core.eventlog
 - `loss.png`: held-out loss (nats/byte) and bits/byte over wall time and over tokens processed,
   the unigram baseline and the injected faults marked;
 - `timeline.png`: a Gantt chart of every island slot's states (:func:`policies.goodput.merge_timeline`),
-  failures and rejoins marked;
+  failures, rejoins and the injected faults marked;
+
+all on one clock, seconds since the run started (summary.json's `run_start`: goodput's and the chaos
+tape's clock, set when every island of the first placement trains; start-up shows before 0);
 - `report.md`: the numbers of summary.json in prose and tables, linking the two plots.
 
 No Ray here: a copied run directory reports anywhere. A run that predates an event kind gets its
@@ -86,15 +89,16 @@ def _fmt(value: Any, spec: str = "") -> str:
         return str(value)
 
 
-def timeline_intervals(rows: list[dict[str, Any]]) -> tuple[list[Interval], float]:
-    """Intervals (seconds since the first event) and the first event's time, from `timeline` rows.
+def timeline_intervals(rows: list[dict[str, Any]], origin: float | None = None) -> tuple[list[Interval], float]:
+    """Intervals (seconds since `origin`, default the first event) and the origin, from `timeline` rows.
 
     "stopped" (and any non-timeline state) adds no bar; every event, "stopped" included, can be the
-    last one, which closes the timeline.
+    last one, which closes the timeline. Start-up before `origin` (the run's start) has negative times.
     """
     if not rows:
-        return [], 0.0
-    t0, end = min(r["at"] for r in rows), max(r["at"] for r in rows)
+        return [], 0.0 if origin is None else origin
+    end = max(r["at"] for r in rows)
+    t0 = min(r["at"] for r in rows) if origin is None else origin
     events = [(r["at"] - t0, int(r["island"]), int(r["incarnation"]), r["state"]) for r in rows
               if r["state"] in TIMELINE_STATES]
     return merge_timeline(events, end=end - t0), t0
@@ -109,6 +113,18 @@ def _marks(intervals: list[Interval]) -> tuple[list[Interval], list[Interval]]:
         if iv.state == "training" and iv.incarnation > 1 and (iv.island, iv.incarnation) not in started:
             first.setdefault((iv.island, iv.incarnation), iv)
     return [iv for iv in intervals if iv.state == "dead"], list(first.values())
+
+
+def run_clock(summary: dict, faults: list[dict[str, Any]] | None) -> float | None:
+    """The wall time (time.time) the run's clock starts at: summary.json's `run_start`, else what a fired fault's
+    `at` minus its `run_s` gives (older runs); None when neither says. report.md's fault times, loss.png's wall
+    time and timeline.png all count from it."""
+    if summary.get("run_start") is not None:
+        return float(summary["run_start"])
+    for f in faults or []:
+        if f.get("at") is not None and f.get("run_s") is not None:
+            return float(f["at"]) - float(f["run_s"])
+    return None
 
 
 def _fault_times(faults: list[dict[str, Any]], t0: float | None) -> list[float]:
@@ -168,8 +184,11 @@ def plot_loss(evals: list[dict[str, Any]], summary: dict, fault_s: list[float], 
     _save(plt, fig, summary, path)
 
 
-def plot_timeline(intervals: list[Interval], labels: dict[int, str], summary: dict, path: Path, title: str) -> None:
-    """Gantt chart: one row per island slot, a bar per state interval, failures x, rejoins triangles."""
+def plot_timeline(intervals: list[Interval], labels: dict[int, str], summary: dict, path: Path, title: str,
+                  fault_s: list[float] | None = None, *, run_clock: bool = True) -> None:
+    """Gantt chart: one row per island slot, a bar per state interval, failures x, rejoins triangles, injected
+    faults (`fault_s`, the run's clock) dotted. `run_clock`: times count from the run's start (start-up is
+    negative), as report.md's and loss.png's do; else from the first timeline event (a run that recorded no start)."""
     plt = _pyplot()
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -185,10 +204,14 @@ def plot_timeline(intervals: list[Interval], labels: dict[int, str], summary: di
                facecolor="white", edgecolor="black", zorder=3)
     ax.set_yticks(range(len(islands)), [labels.get(i, f"island {i}") for i in islands])
     ax.invert_yaxis()
-    ax.set_xlim(0, max((iv.end for iv in intervals), default=1.0))
-    ax.set_xlabel("seconds since the first timeline event")
+    for i, x in enumerate(fault_s or []):
+        ax.axvline(x, color="tab:red", ls=":", lw=1, alpha=0.8, label="injected fault" if i == 0 else None)
+    ax.set_xlim(min(0.0, min((iv.start for iv in intervals), default=0.0)), max((iv.end for iv in intervals), default=1.0))
+    ax.set_xlabel("seconds since the run started (start-up before 0; report.md's clock)" if run_clock
+                  else "seconds since the first timeline event")
     ax.grid(axis="x", alpha=0.3)
     handles = [Patch(color=c, label=s) for s, c in STATE_COLORS.items()]
+    handles += [Line2D([], [], color="tab:red", ls=":", label="injected fault")] if fault_s else []
     handles += [Line2D([], [], ls="", marker="x", color="black", label="failure (island dead)"),
                 Line2D([], [], ls="", marker="^", markerfacecolor="white", markeredgecolor="black",
                        label="rejoin (new incarnation trains)")]
@@ -314,7 +337,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     out.mkdir(parents=True, exist_ok=True)
     evals = _events(run_dir, "evals") or summary.get("evals") or []
     timeline, faults, island_events = (_events(run_dir, k) for k in ("timeline", "faults", "islands"))
-    intervals, t0 = timeline_intervals(timeline or [])
+    # One clock for report.md's faults, loss.png and timeline.png: the run's start (summary.json's run_start).
+    origin = run_clock(summary, faults)
+    intervals, t0 = timeline_intervals(timeline or [], origin)
     pools = {r["island"]: r.get("pool") for r in (island_events or [])}
     pools.update({r["island"]: r.get("pool") for r in summary.get("islands", [])})
     labels = {i: f"island {i} ({p})" if p else f"island {i}" for i, p in pools.items()}
@@ -333,7 +358,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
         written["timeline"] = out / "timeline.png"
         fails, rejoins = _marks(intervals)
         plot_timeline(intervals, labels, summary, written["timeline"],
-                      f"Island timeline, {name}: {len(fails)} failures, {len(rejoins)} rejoins")
+                      f"Island timeline, {name}: {len(fails)} failures, {len(rejoins)} rejoins",
+                      _fault_times(faults or [], t0), run_clock=origin is not None)
     elif plots:
         missing["timeline"] = "no `timeline` events, so the timeline is missing (older runs predate them)."
     for key, why in missing.items():

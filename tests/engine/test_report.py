@@ -226,3 +226,36 @@ def test_report_module_imports_neither_ray_nor_matplotlib():
     code = "import sys, orchestrator.run.report; sys.exit(bool({'ray', 'matplotlib'} & set(sys.modules)))"
     root = Path(__file__).resolve().parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+
+
+def test_report_md_timeline_and_loss_share_the_runs_clock(tmp_path, monkeypatch):
+    """A fault shows at one time everywhere: report.md's run_s, the timeline's failure and its dotted mark.
+
+    The run started 1.5 s after the first timeline event (islands start before the run's clock does): the
+    timeline used to count from that first event, putting the failure 1.5 s before report.md's fault."""
+    import orchestrator.run.report as report
+
+    run = make_run(tmp_path)
+    s = json.loads((run / "summary.json").read_text())
+    s["run_start"] = T0 + 1.5
+    (run / "summary.json").write_text(json.dumps(s))
+    shutil.rmtree(run / "events" / "faults")
+    log = EventLog(run)  # the fault as the injector records it on that clock: killed at T0 + 8.0, 6.5 s into the run
+    log.add("faults", [{"island": 0, "incarnation": 1, "kind": "kill_island", "outcome": "fired", "at": T0 + 8.0, "run_s": 6.5}])
+    log.flush()
+    seen = {}
+    monkeypatch.setattr(report, "plot_timeline", lambda intervals, labels, summary, path, title, fault_s=None, **kw:
+                        seen.update(intervals=intervals, fault_s=fault_s, **kw))
+    monkeypatch.setattr(report, "plot_loss", lambda evals, summary, fault_s, path, title: seen.update(loss_faults=fault_s))
+    monkeypatch.setattr(report, "have_matplotlib", lambda: True)
+    md = report.write_report(run)["report"].read_text()
+    assert "- 6.5 s: kill_island on island 0 (incarnation 1): fired" in md
+    dead = next(iv for iv in seen["intervals"] if iv.state == "dead")
+    assert dead.start == pytest.approx(6.5) and seen["fault_s"] == [6.5] == seen["loss_faults"]
+    assert seen["run_clock"] is True
+    assert min(iv.start for iv in seen["intervals"]) == pytest.approx(-1.5)  # start-up, before the run's clock
+    # Without run_start (an older summary.json), a fault's `at` minus its `run_s` gives the same clock.
+    del s["run_start"]
+    (run / "summary.json").write_text(json.dumps(s))
+    report.write_report(run)
+    assert next(iv for iv in seen["intervals"] if iv.state == "dead").start == pytest.approx(6.5)
