@@ -8,18 +8,33 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from orchestrator.config import ConfigError
-from orchestrator.deploy.jobs import DEFAULT_DASHBOARD, JobError, connect, format_view, live_runs, pick_run, plan_job, run_view, submit
+from orchestrator.deploy.jobs import (
+    DEFAULT_DASHBOARD,
+    JobError,
+    RecordedRun,
+    connect,
+    format_view,
+    live_runs,
+    pick_run,
+    plan_job,
+    recorded_run,
+    run_view,
+    submit,
+)
 
 SUBMIT_EXAMPLES = """examples:
   diloco submit --address http://HEAD:8265 --config configs/default.yaml
   diloco submit --address http://127.0.0.1:8265 --set run.token_budget=1000000 --run-dir /data/runs/r1 --no-wait
 """
 STATUS_EXAMPLES = """examples:
-  diloco status                          # on a cluster node: the only live run
+  diloco status                          # the run in ./runs/latest, where it runs (else: this machine's cluster)
+  diloco status runs/20261121-070000     # a run directory's run, on the Ray it recorded
   diloco status --address HEAD:6379 --run-id r1-3fa2c1
 """
+LATEST_RUN = Path("runs") / "latest"  # `diloco train`'s link to its newest run, beside the default runs/<timestamp>
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
@@ -34,12 +49,34 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         return 2
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
+def _where(args: argparse.Namespace) -> tuple[str | None, str | None, str, RecordedRun | None]:
+    """(address, run id, how to name the place, the recorded run): --address or $RAY_ADDRESS first; else the Ray the
+    run in RUN_DIR (default ./runs/latest) recorded; else this machine's cluster (`auto`, e.g. on a cluster node)."""
     address = args.address or os.environ.get("RAY_ADDRESS")
-    where = address or "this machine's cluster (auto)"
+    if address:
+        return address, args.run_id, address, None
+    run_dir = Path(args.run_dir) if args.run_dir else LATEST_RUN
+    mine = recorded_run(run_dir)
+    if mine is not None:
+        return mine.address, args.run_id or mine.run_id, f"{mine.address} (the Ray {run_dir}'s run recorded)", mine
+    if args.run_dir:
+        raise JobError(f"{run_dir} records no Ray address (no run.json with one: not a run directory, or a run from "
+                       "before runs recorded it); pass --address HEAD:6379")
+    return None, args.run_id, "this machine's cluster (auto)", None
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
     try:
-        connect(address)
-        run_id = pick_run(live_runs(), args.run_id, where)
+        address, run_id, where, mine = _where(args)
+        try:
+            connect(address)
+        except JobError:
+            if mine is None:
+                raise
+            raise JobError(f"the run in {mine.run_dir} ({mine.run_id}) is not running: its Ray at {mine.address} does not "
+                           f"answer (a local run's Ray stops with it); `diloco report {mine.run_dir}` shows how it ended, "
+                           f"or pass --address HEAD:6379 for a run elsewhere") from None
+        run_id = pick_run(live_runs(), run_id, where)
         print(format_view(run_view(run_id)))
     except JobError as err:
         print(f"diloco status: {err}", file=sys.stderr)
@@ -75,6 +112,10 @@ def register(subparsers) -> None:
                               description="Attach to a live run's outer optimizer and health monitor and print "
                                           "where it stands.",
                               epilog=STATUS_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--address", help="cluster address HEAD:6379 (default: $RAY_ADDRESS, else this machine's cluster)")
+    t.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
+                   help="a run directory on this machine: attach to the Ray its run recorded (default: runs/latest when "
+                        "there)")
+    t.add_argument("--address", help="cluster address HEAD:6379 (default: $RAY_ADDRESS, else the Ray RUN_DIR's run "
+                                     "recorded, else this machine's cluster)")
     t.add_argument("--run-id", help="which run, when several are live (they are listed if you leave it out)")
     t.set_defaults(func=_cmd_status)

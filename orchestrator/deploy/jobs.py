@@ -220,6 +220,30 @@ def connect(address: str | None) -> None:
         raise JobError(f"cannot connect to Ray at {address or 'auto'} ({first}); pass --address HEAD:6379") from None
 
 
+@dataclass(frozen=True)
+class RecordedRun:
+    """Where a run directory's latest session ran: its run id and the GCS address of its Ray (run.json)."""
+
+    run_dir: Path
+    run_id: str
+    address: str
+
+
+def recorded_run(run_dir: str | Path) -> RecordedRun | None:
+    """The latest session `run_dir`'s run.json records with a Ray address, or None (no run.json, or one written
+    before runs recorded their address). `diloco status` attaches there, not to whichever Ray this machine
+    started last (another user's, perhaps)."""
+    path = Path(run_dir) / "run.json"
+    try:
+        sessions = json.loads(path.read_text()).get("sessions", [])
+    except (OSError, ValueError, AttributeError):
+        return None
+    latest = sessions[-1] if sessions else {}
+    if not latest.get("address") or not latest.get("run_id"):
+        return None
+    return RecordedRun(Path(run_dir), str(latest["run_id"]), str(latest["address"]))
+
+
 def live_runs() -> list[str]:
     """Run ids of every live run on the connected cluster (those whose outer optimizer actor is alive)."""
     import ray

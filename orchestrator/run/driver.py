@@ -426,7 +426,8 @@ class Run:
         """Start the session: run directory, model and network, checkpoint 0, then the outer optimizer, the
         health monitor (which starts the islands) and the chaos injector, in the order that keeps start-up short."""
         cfg = self.cfg
-        ckpt_uri = prepare_run_dir(cfg, self.run_dir, self.run_id, resume=self.resume)
+        address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+        ckpt_uri = prepare_run_dir(cfg, self.run_dir, self.run_id, resume=self.resume, address=address)
         initial, embedding_names, island_regions = self._build_world()
         if self.data.encoder is not None:  # sample, evaluate and a resume decode and encode with this very tokenizer
             self.data.encoder.save(self.run_dir / TOKENIZER_FILE)

@@ -53,9 +53,10 @@ def kill_run_actors(run_id: str) -> int:
     return n + remove_run_groups(run_id)
 
 
-def prepare_run_dir(cfg: RunConfig, run_dir: Path, run_id: str, *, resume: bool) -> str:
+def prepare_run_dir(cfg: RunConfig, run_dir: Path, run_id: str, *, resume: bool, address: str | None = None) -> str:
     """Check that `run_dir` may start (or, with `resume`, continue) this run, record the session in
-    run.json and the resolved config in config.yaml, and return the checkpoint URI.
+    run.json (with `address`, the GCS address of the Ray it runs on: `diloco status RUN_DIR` attaches
+    there) and the resolved config in config.yaml, and return the checkpoint URI.
 
     Raises ConfigError (one line) before anything is written: a fresh run over existing checkpoints,
     or a resume whose config changes what the checkpoints and data cursors depend on."""
@@ -72,7 +73,8 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, run_id: str, *, resume: bool)
     if resume and previous:
         killed = kill_run_actors(previous["run_id"])
         log.warning("resuming run %s (killed %d leftover actors)", previous["run_id"], killed)
-    sessions = (previous or {}).get("sessions", []) + [{"run_id": run_id, "started": time.time()}]
+    session = {"run_id": run_id, "started": time.time(), **({"address": address} if address else {})}
+    sessions = (previous or {}).get("sessions", []) + [session]
     meta_path.write_text(json.dumps({"run_id": run_id, "sessions": sessions}, indent=2))
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return ckpt_uri

@@ -173,8 +173,8 @@ def head(tmp_path_factory):
     assert not left, f"processes of the test cluster left after stopping it: {sorted(left)}"
 
 
-def diloco(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=ENV, text=True,
+def diloco(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env or ENV, text=True,
                           capture_output=True, timeout=timeout)
 
 
@@ -201,11 +201,13 @@ def test_submit_runs_on_the_cluster_status_attaches_and_metrics_export(head, tmp
         submit = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *submit_args], cwd=ROOT, env=ENV,
                                   stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        # While the job runs: `diloco status` attaches to the run's actors and shows both islands.
+        # While the job runs: `diloco status RUN_DIR` (no --address, no $RAY_ADDRESS) attaches to the run's actors
+        # on the Ray its run.json recorded, and shows both islands.
         seen_status, got = None, None
         deadline = time.monotonic() + 300
+        no_address = {k: v for k, v in ENV.items() if k != "RAY_ADDRESS"}
         while seen_status is None and submit.poll() is None and time.monotonic() < deadline:
-            got = diloco("status", "--address", head.gcs)
+            got = diloco("status", str(run_dir), env=no_address)
             if got.returncode == 0 and "island 1 pool a" in got.stdout:
                 seen_status = got.stdout
             else:  # each try is a new driver process: polled back to back they took CPU the job was starting with
@@ -225,8 +227,10 @@ def test_submit_runs_on_the_cluster_status_attaches_and_metrics_export(head, tmp
     assert "equivalent: ray job submit --address" in output
     assert re.search(r"^job \S+ SUCCEEDED$", output, re.M), output[-3000:]
 
-    # The job's driver wrote the run directory we asked for, on this cluster.
+    # The job's driver wrote the run directory we asked for, on this cluster, and the cluster's GCS address in it.
     summary = json.loads((run_dir / "summary.json").read_text())
+    recorded = json.loads((run_dir / "run.json").read_text())["sessions"][-1]["address"]
+    assert recorded.rsplit(":", 1)[1] == head.gcs.rsplit(":", 1)[1], (recorded, head.gcs)
     assert summary["rounds"] > 0 and summary["tokens_merged"] > 0
     assert "factory: tests.api.bad_models:tiny_lm" in (run_dir / "config.yaml").read_text()
     names = {t["name"] for m in (run_dir / "checkpoints").glob("step-*/manifest.json")
