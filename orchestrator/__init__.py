@@ -24,6 +24,13 @@ import os as _os
 # this package before `ray`. A value already set is kept.
 RAY_LOG_SKIP = "Failed to query Ray Train Controller actor state"
 _os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", RAY_LOG_SKIP)
+# Worker lines on the driver's console: Ray leads each with `(ClassName pid=N)` in ANSI colour, internal class
+# names (`(_OuterShell pid=4242)`) a user cannot place. Our actors name their role in the line itself
+# (orchestrator/actors/runtime.py, RoleFormatter: "health monitor: island 0 incarnation 1 dead: ..."), so the
+# driver prints worker lines bare (RAY_DISABLE_WORKER_LOG_PREFIX, read when Ray is first imported) and without
+# colour (RAY_COLOR_PREFIX, read at each line). Values already set are kept.
+_os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
+_os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 __all__ = ["DilocoTrainer", "Result", "init_ray", "RunConfig", "load_config", "Progress", "ProgressPrinter",

@@ -36,6 +36,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.actors.drains import drain_node
+from orchestrator.actors.runtime import quiet_worker
 from policies.chaos import JOINED_NODE_DEADLINE_S, KILL_KINDS, Fault, FaultTape
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,10 @@ class NodeEnder:
 
     def end_at(self, deadline: float) -> None:
         """Kill this node's raylet at `deadline` (wall time), from a timer thread; returns at once."""
+        quiet_worker("chaos")
         def end() -> None:
             time.sleep(max(deadline - time.time(), 0.0))
-            log.warning("chaos: the drained node's deadline passed: ending it")
+            log.warning("the drained node's deadline passed: ending it")
             os.kill(os.getppid(), signal.SIGKILL)  # a worker's parent process is its node's raylet
 
         threading.Thread(target=end, daemon=True).start()
@@ -67,6 +69,7 @@ class ChaosInjector:
                  join_nodes: dict[int, dict] | None = None) -> None:
         """`ender_cls`: the NodeEnder actor class (drain_node); `join_nodes`: island -> what a node_joins node of its
         pool offers: {"labels": {...}, "num_cpus": float, "resources": {...}}."""
+        quiet_worker("chaos")
         self.ender_cls, self.join_nodes = ender_cls, join_nodes or {}
         self.joined: list[subprocess.Popen] = []  # node_joins nodes started on this machine, stopped by `stop`
         self.pending: list[Fault] = list(tape.faults)
@@ -158,7 +161,7 @@ class ChaosInjector:
         else:
             await handle.inject.remote(fault.kind, duration_s=fault.duration_s, factor=fault.factor)
         self._record(fault, inc, "fired", at=now)
-        log.warning("chaos: %s on island %d incarnation %d", fault.kind, fault.island, inc)
+        log.info("%s on island %d incarnation %d", fault.kind, fault.island, inc)  # the monitor's line says it, once
         return True
 
     async def _drain(self, node: str, deadline_s: float, message: str) -> None:
@@ -168,7 +171,7 @@ class ChaosInjector:
             ender = self.ender_cls.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
             await ender.remote().end_at.remote(deadline)
         await asyncio.get_running_loop().run_in_executor(None, drain_node, node, deadline_s, message)
-        log.warning("chaos: drained node %s with a %.0f s deadline", node, deadline_s)
+        log.warning("drained node %s with a %.0f s deadline", node, deadline_s)
 
     async def _join(self, fault: Fault) -> bool:
         """EMULATION: start a Ray node for `fault.island`'s pool on this machine (module docstring)."""
@@ -189,7 +192,7 @@ class ChaosInjector:
             self.joined.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
         now = time.time()
         self._record(fault, 0, "fired", at=now)
-        log.warning("chaos: a node joins for island %d's pool (EMULATION: on this machine, labels %s; log %s)",
+        log.warning("a node joins for island %d's pool (EMULATION: on this machine, labels %s; log %s)",
                     fault.island, labels, out)
         # One node starts at a time: four raylets started at once on a small machine timed out in their start-up.
         proc, waited = self.joined[-1], time.monotonic()
@@ -198,7 +201,7 @@ class ChaosInjector:
                 break
             await asyncio.sleep(0.5)
         else:
-            log.error("chaos: the node_joins node did not join (ray start %s); see %s",
+            log.error("the node_joins node did not join (ray start %s); see %s",
                       "exited" if proc.poll() is not None else f"not up after {JOIN_WAIT_S:.0f} s", out)
         if fault.duration_s > 0:
             asyncio.get_running_loop().create_task(self._drain_joined(before, fault))

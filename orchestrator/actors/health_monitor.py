@@ -43,6 +43,7 @@ from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds,
 from orchestrator.actors.outer_link import OuterLink
 from orchestrator.actors.placement import no_room
 from orchestrator.actors.recovery_record import RecoveryRecord, parked_state, restore_parked
+from orchestrator.actors.runtime import quiet_worker
 from orchestrator.actors.slots import SlotState, has_submitted, islands_stepped
 from orchestrator.config import PoolConfig
 from policies.health import assess_island
@@ -76,6 +77,7 @@ class HealthMonitor:
     def __init__(self, *, run: RunAddress, pools: list[PoolConfig], specs: list[IslandSpec], actors: ActorClasses,
                  timeouts: MonitorTimeouts, health: HealthThresholds | None = None,
                  restart: RestartBudget | None = None, warm_spares: int = 0, data: list[Any] | None = None) -> None:
+        quiet_worker("health monitor")
         self.run, self.timeouts, self.data = run, timeouts, data
         self.pools = {p.name: p for p in pools}
         self.specs = {s.island: s for s in specs}
@@ -304,7 +306,10 @@ class HealthMonitor:
     async def _fail_once(self, slot: SlotState, kind: str, reason: str) -> None:
         died_at, recovery_delay_s = self.record.detect(slot, kind, reason)
         slot.failures += 1
-        log.warning("island %d incarnation %d %s: %s", slot.island, slot.incarnation, kind, reason)
+        # One line per failure, an injected one included (the injector and the outer optimizer keep theirs quiet).
+        fault = self.record.faults.get((slot.island, slot.incarnation))
+        cause = f" (injected: {fault['kind']})" if fault else ""
+        log.warning("island %d incarnation %d %s%s: %s", slot.island, slot.incarnation, kind, cause, reason)
         self.record.mark(slot, "dead", at=died_at)
         if slot.status is not None:
             slot.finals.append(slot.status)

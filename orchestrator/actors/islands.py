@@ -95,7 +95,7 @@ class _IslandShell:
                  cursor: Any = 0, pending: list[Any] | None = None) -> None:
         """`pending`: [ref to the outer optimizer's `latest()`, ref to its `resume_cursor()` or None],
         asked for while this process started; they replace `initial` (and `cursor` when not None)."""
-        quiet_worker()
+        quiet_worker("warm spare" if spec is None else f"island {spec.island}")
         import islands.island  # noqa: F401 - a spare is warm: torch and the island code load now, not at activation
 
         self._data = ray.get(data[0])  # fetched once, zero-copy, before any slot needs it
@@ -115,6 +115,7 @@ class _IslandShell:
         """Become island `spec.island`, incarnation `spec.incarnation`, and start training."""
         if self._island is not None:
             raise RuntimeError(f"this process already is island {self._island.spec.island}; it cannot be activated twice")
+        quiet_worker(f"island {spec.island}")  # its console lines now say which island, not "warm spare"
         import torch
 
         from islands.distributed import WorkerGroup, backend_for
@@ -191,7 +192,7 @@ class _IslandWorker:
     """
 
     def __init__(self, spec: IslandSpec, data: list[Any], rank: int, addr: str, port: int) -> None:
-        quiet_worker()
+        quiet_worker(f"island {spec.island} worker {rank}")
         import torch
 
         from islands.distributed import WorkerGroup, backend_for

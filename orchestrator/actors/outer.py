@@ -53,7 +53,7 @@ class _OuterShell:
                  checkpoint_uri: str, checkpoint_every_s: float = 30.0, checkpoint_keep: int = 3,
                  network: NetworkModel | None = None, island_regions: dict[int, str] | None = None,
                  buffer_names: frozenset[str] = frozenset()) -> None:
-        quiet_worker()
+        quiet_worker("outer optimizer")
         import torch
 
         from orchestrator.actors.published import PublishedFragments
@@ -201,7 +201,7 @@ class _OuterShell:
                 sub: Submission | None = await handle.next_submission.remote(1.0)
             except (RayActorError, RayTaskError) as err:
                 reason = str(err).strip().splitlines()[-1][:300]
-                log.warning("island %d incarnation %d lost: %s", island, incarnation, reason)
+                log.info("island %d incarnation %d lost: %s", island, incarnation, reason)  # the monitor says it
                 if self._islands.get(island, (None,))[0] == incarnation:
                     await self.unregister(island)
                 return

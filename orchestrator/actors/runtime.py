@@ -41,9 +41,34 @@ def placement_group_id() -> str | None:
     return pg or None
 
 
-def quiet_worker() -> None:
-    """Log set-up of an actor process: warnings only, Ray's zero-copy notices silenced."""
+class RoleFormatter(logging.Formatter):
+    """An actor's console line: its role in words, then the message (`health monitor: island 0 ... dead: ...`);
+    errors say so (`health monitor: error: ...`). No time, module or class name: Ray forwards these lines to the
+    driver's console without its `(ClassName pid=...)` prefix (orchestrator/__init__.py), so the role is the
+    line's only source, and the user reads it."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__("%(message)s")
+        self.role = role
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return f"{self.role}: {'error: ' if record.levelno >= logging.ERROR else ''}{text}"
+
+
+def quiet_worker(role: str = "diloco") -> None:
+    """Log set-up of an actor process: warnings only, each line led by the actor's `role` (RoleFormatter), Ray's
+    zero-copy notices silenced. Called again (a warm spare that becomes an island), it renames the role."""
     # Actor INFO lines would be forwarded to the driver's console and break its progress line;
     # warnings still reach it.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if isinstance(h.formatter, RoleFormatter)]
+    if ours:
+        for h in ours:
+            h.setFormatter(RoleFormatter(role))
+    elif not root.handlers:  # an actor process: nothing configured it (in a test or a notebook, leave theirs alone)
+        handler = logging.StreamHandler()
+        handler.setFormatter(RoleFormatter(role))
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
     ignore_zero_copy_warnings()

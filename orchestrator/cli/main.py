@@ -72,16 +72,48 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `diloco` console script."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=[_stderr_handler()])
+    quiet_ray_notices()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     return args.func(args)
+
+
+class _Console(logging.Formatter):
+    """The console's warning lines: `diloco: <message>` (`diloco: error: ...`), no time or module name."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"diloco: {'error: ' if record.levelno >= logging.ERROR else ''}{super().format(record)}"
 
 
 def _stderr_handler() -> logging.Handler:
     # The console shows warnings only (the progress bar owns the line); driver.log gets everything.
     h = logging.StreamHandler(sys.stderr)
     h.setLevel(logging.WARNING)
+    h.setFormatter(_Console("%(message)s"))
     return h
+
+
+# Ray's notice that the local Ray it starts has token authentication on (RAY_AUTH_MODE unset) lands in the
+# middle of the start-up lines; docs/jobs.md says what token authentication means for other clients. Its
+# warning that authentication is *off* (a security notice) is kept.
+RAY_NOTICES = {"ray._private.authentication.authentication_token_setup": "Token authentication is enabled for this Ray cluster"}
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def quiet_ray_notices() -> None:
+    """Keep Ray's start-up notices listed in RAY_NOTICES off the console (filters on Ray's own loggers)."""
+    for name, prefix in RAY_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) for f in logger.filters):
+            logger.addFilter(_DropNotice(prefix))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -43,12 +44,13 @@ class ProgressBar:
         states = {}
         for s in p.islands.values():
             states[s] = states.get(s, 0) + 1
+        # Both losses in one unit, the final table's held-out bits (the islands report nats): one unit per line.
         # Before the first loss (and the first evaluation) there is no number to show: "-", not "nan".
-        loss = "-" if p.train_loss is None else f"{p.train_loss:.3f}"
+        loss = "-" if p.train_loss is None else f"{p.train_loss / math.log(2):.3f}"
         bpb = "-" if p.eval_bpb is None else f"{p.eval_bpb:.3f}"
         line = (f"[{bar}] {frac:4.0%} {p.tokens / 1e6:6.2f}M/{p.budget / 1e6:.2f}M tokens | versions {p.versions}"
-                f" | rounds {p.rounds} | train loss {loss}"
-                f" | eval {bpb} bits/byte | {p.elapsed_s:5.0f}s"
+                f" | rounds {p.rounds} | bits/{getattr(p, 'unit', 'token')}: train {loss}, held-out {bpb}"
+                f" | {p.elapsed_s:5.0f}s"
                 f" | islands {', '.join(f'{n} {k}' for k, n in sorted(states.items()))}")
         self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
         self.stream.flush()

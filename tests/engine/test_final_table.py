@@ -84,7 +84,7 @@ def test_the_summary_rows_of_an_island_sum_its_dead_incarnations():
 
 def _progress(**kw) -> SimpleNamespace:
     p = dict(tokens=0, budget=1_000_000, versions=[0], rounds=0, train_loss=None, eval_bpb=None, elapsed_s=3.0,
-             islands={"fast/0": "starting", "fast/1": "starting", "slow/2": "training"})
+             islands={"fast/0": "starting", "fast/1": "starting", "slow/2": "training"}, unit="byte")
     return SimpleNamespace(**{**p, **kw})
 
 
@@ -94,8 +94,17 @@ def test_the_progress_line_shows_a_dash_not_nan_before_the_first_loss():
     bar(_progress())
     line = out.getvalue().strip()
     assert "nan" not in line
-    assert "train loss - |" in line and "eval - bits/byte" in line
+    assert "| bits/byte: train -, held-out - |" in line
     assert line.endswith("islands 2 starting, 1 training")
     out2 = io.StringIO()
     ProgressBar(out2, emulation=None)(_progress(tokens=1_000_000, train_loss=2.5, eval_bpb=0.0))
-    assert "train loss 2.500" in out2.getvalue() and "eval 0.000 bits/byte" in out2.getvalue()
+    assert "| bits/byte: train 3.607, held-out 0.000 |" in out2.getvalue()  # 2.5 nats = 3.607 bits
+
+
+def test_the_progress_line_carries_one_unit_and_no_escape_codes_off_a_terminal():
+    # The islands' train loss is in nats, the evaluation in bits: shown side by side they read as one scale.
+    out = io.StringIO()
+    ProgressBar(out, emulation=None)(_progress(tokens=1_000_000, train_loss=2.0, eval_bpb=3.0, unit="token"))
+    line = out.getvalue().strip()
+    assert "nats" not in line and line.count("bits/") == 1 and "bits/token: train 2.885, held-out 3.000" in line
+    assert "\x1b" not in line
