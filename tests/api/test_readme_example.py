@@ -1,9 +1,12 @@
-"""The README's "Train your own model" example runs as written.
+"""The README's "Train your own model" example runs as written, and so do `diloco sample`, `evaluate`, `export` on its run.
 
 The example is the first ```python block under the heading "## Train your own model" of README.md. It
 runs in a fresh Python process, in an empty directory, with no DILOCO_RAY_ADDRESS: like a user's
-script, it starts its own local Ray inside fit() and stops it. The test asserts it exits 0 and prints
-its held-out loss falling from the starting point, to below a uniform guess over bytes (ln 256 = 5.55 nats).
+script, it starts its own local Ray inside fit() and stops it. The test asserts it exits 0, shows its
+start-up and progress (fit()'s default), and prints its held-out loss falling from the starting point, to
+below a uniform guess over bytes (ln 256 = 5.55 nats). Then, from the same directory, as a user would,
+`diloco sample`, `diloco evaluate` and `diloco export` (as `python -m orchestrator.cli`) read its run
+directory: its model is the script's `make_model`, which config.yaml records by the script's module.
 """
 
 from __future__ import annotations
@@ -104,3 +107,34 @@ def test_the_example_runs_as_written(tmp_path):
     first, last = map(float, found[-1])
     assert last < first - 0.5 and last < math.log(256) - 0.5, f"the example's Llama barely learned: {first} -> {last}"
     assert (tmp_path / "runs").is_dir(), "its run directory is relative to where it runs"
+    assert re.search(r"^start-up .*starting a local Ray$", done.stderr, re.MULTILINE), done.stderr[-2000:]
+    assert re.search(r"^progress 100% .* \| train loss \d+\.\d+ nats/byte \| held-out loss \d+\.\d+ nats/byte \|",
+                     done.stderr, re.MULTILINE), f"fit() shows its progress by default:\n{done.stderr[-2000:]}"
+    the_cli_reads_its_run_directory(tmp_path, env, last)
+
+
+def the_cli_reads_its_run_directory(cwd: Path, env: dict[str, str], final_loss: float) -> None:
+    """`diloco sample`, `evaluate` and `export` on the example's run directory, side by side, from its directory."""
+    import torch
+    import yaml
+
+    run = "runs/my-llama"
+    assert yaml.safe_load((cwd / run / "config.yaml").read_text())["model"]["factory"] == "example:make_model"
+    commands = {"sample": ["sample", run, "--prompt", "def ", "--bytes", "40"], "evaluate": ["evaluate", run],
+                "export": ["export", run, "--out", "model.pt"]}
+    start = time.monotonic()
+    running = {name: subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for name, args in commands.items()}
+    out = {}
+    for name, proc in running.items():
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        assert proc.returncode == 0, f"diloco {name} {run} failed:\n{stderr[-2000:]}"
+        out[name] = stdout
+    print(f"diloco sample, evaluate and export ran in {time.monotonic() - start:.1f} s")
+    assert out["sample"].startswith("def ") and len(out["sample"]) > len("def \n")
+    # The last checkpoint is the model the run's final evaluation scored, on the same held-out windows.
+    scored = re.search(r"^held-out loss (\d+\.\d+) nats/byte", out["evaluate"], re.MULTILINE)
+    assert scored and float(scored.group(1)) == pytest.approx(final_loss, abs=2e-3), out["evaluate"]
+    payload = torch.load(cwd / "model.pt", weights_only=True)
+    assert payload["factory"] == "example:make_model" and payload["state_dict"], sorted(payload)
