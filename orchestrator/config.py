@@ -774,6 +774,11 @@ class Overridden(dict):
     overridden: tuple[tuple[str, ...], ...] = ()
 
 
+# A caller may write the dict out as YAML (a config file for a test or a benchmark): it is a plain mapping there.
+for _dumper in (yaml.SafeDumper, yaml.Dumper):
+    yaml.add_representer(Overridden, yaml.representer.SafeRepresenter.represent_dict, Dumper=_dumper)
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> Overridden:
     """Apply dotted `key=value` overrides (values parsed as YAML) to a config dict, returning a new dict.
 

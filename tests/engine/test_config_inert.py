@@ -166,3 +166,10 @@ def test_an_unknown_key_in_a_file_gets_the_nearest_field_and_a_far_one_none(tmp_
 
 def test_the_default_config_is_untouched_by_the_rules():
     assert RunConfig() == build_config({})
+
+
+def test_overrides_still_write_out_as_plain_yaml(tmp_path):
+    data = apply_overrides({}, ["run.seed=3", "pools.fast.islands=1"])
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_config(path).run.seed == 3
