@@ -4,12 +4,12 @@ The driver (orchestrator/run/driver.py) calls a progress callable with a `Progre
 twice a second) and a stages callable with each start-up `Stage` (orchestrator/run/startup.py).
 :class:`ProgressPrinter` is both: it writes one line per start-up stage, then one progress line every
 `every_s` seconds and one when the token budget is reached, as plain lines (a notebook or a log keeps
-each), to stderr unless given a stream. Each number carries its own unit: losses in nats per byte for
-byte-level text (a token is a byte), else per token, the held-out loss in the same unit as the training
-loss. `fit(progress=False)` silences it; a callable of one's own replaces it.
+each), to stderr unless given a stream. Both losses are in one unit, as on `diloco train`'s bar and in its
+final table: bits per byte for byte-level text (a token is a byte), else bits per token (the islands'
+nats converted). `fit(progress=False)` silences it; a callable of one's own replaces it.
 
     start-up   1.4s  starting a local Ray
-    progress  37%  1.11M/3.00M tokens | versions [21, 20] | rounds 41 | train loss 1.452 nats/byte | held-out loss 1.497 nats/byte | 31s | islands 4 training
+    progress  37%  1.11M/3.00M tokens | versions [21, 20] | rounds 41 | bits/byte: train 2.095, held-out 2.160 | 31s | islands 4 training
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ def progress_line(p: Any) -> str:
     for s in p.islands.values():
         states[s] = states.get(s, 0) + 1
     # Before the first loss (and the first evaluation) there is no number to show: "-", not "nan".
-    train = "-" if p.train_loss is None else f"{p.train_loss:.3f} nats/{unit}"
-    held = "-" if p.eval_bpb is None else f"{p.eval_bpb * math.log(2):.3f} nats/{unit}"  # bits -> the train loss's unit
+    train = "-" if p.train_loss is None else f"{p.train_loss / math.log(2):.3f}"  # the islands' nats, in bits
+    held = "-" if p.eval_bpb is None else f"{p.eval_bpb:.3f}"
     islands = ", ".join(f"{n} {k}" for k, n in sorted(states.items())) or "-"
     return (f"progress {frac:4.0%}  {p.tokens / 1e6:.2f}M/{p.budget / 1e6:.2f}M tokens | versions {p.versions} | "
-            f"rounds {p.rounds} | train loss {train} | held-out loss {held} | {p.elapsed_s:.0f}s | islands {islands}")
+            f"rounds {p.rounds} | bits/{unit}: train {train}, held-out {held} | {p.elapsed_s:.0f}s | islands {islands}")
 
 
 class ProgressPrinter:

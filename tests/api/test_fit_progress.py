@@ -73,15 +73,15 @@ def test_a_progress_line_gives_each_loss_its_unit_and_comes_every_few_seconds():
         now[0] = 100.0 + t
         printer(tick(400_000, t, train_loss=1.7))
     now[0] = 112.0
-    printer(tick(1_110_000, 12.0, train_loss=1.452, eval_bpb=1.497 / math.log(2)))
+    printer(tick(1_110_000, 12.0, train_loss=2.095 * math.log(2), eval_bpb=2.16))
     now[0] = 113.0
-    printer(tick(3_000_000, 13.0, train_loss=1.2, eval_bpb=1.3 / math.log(2), unit="token"))  # the budget: at once
+    printer(tick(3_000_000, 13.0, train_loss=1.2 * math.log(2), eval_bpb=1.3, unit="token"))  # the budget: at once
     first, second, last = out.getvalue().splitlines()
-    assert first == ("progress   0%  0.00M/3.00M tokens | versions [3, 2] | rounds 5 | train loss - | held-out loss - | "
+    assert first == ("progress   0%  0.00M/3.00M tokens | versions [3, 2] | rounds 5 | bits/byte: train -, held-out - | "
                      "0s | islands 1 starting, 2 training")
-    # Both losses in nats per byte: the held-out bits are converted, not shown beside nats.
-    assert "| train loss 1.452 nats/byte | held-out loss 1.497 nats/byte | 12s |" in second
-    assert second.startswith("progress  37%  1.11M/3.00M tokens") and "bits" not in second
-    assert "train loss 1.200 nats/token | held-out loss 1.300 nats/token" in last
+    # Both losses in bits per byte: the islands' nats are converted, not shown beside bits.
+    assert "| bits/byte: train 2.095, held-out 2.160 | 12s |" in second
+    assert second.startswith("progress  37%  1.11M/3.00M tokens") and "nats" not in second
+    assert "| bits/token: train 1.200, held-out 1.300 |" in last
     with pytest.raises(ValueError, match="every_s=-1 is negative"):
         ProgressPrinter(every_s=-1)

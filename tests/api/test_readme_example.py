@@ -108,7 +108,7 @@ def test_the_example_runs_as_written(tmp_path):
     assert last < first - 0.5 and last < math.log(256) - 0.5, f"the example's Llama barely learned: {first} -> {last}"
     assert (tmp_path / "runs").is_dir(), "its run directory is relative to where it runs"
     assert re.search(r"^start-up .*starting a local Ray$", done.stderr, re.MULTILINE), done.stderr[-2000:]
-    assert re.search(r"^progress 100% .* \| train loss \d+\.\d+ nats/byte \| held-out loss \d+\.\d+ nats/byte \|",
+    assert re.search(r"^progress 100% .* \| bits/byte: train \d+\.\d+, held-out \d+\.\d+ \|",
                      done.stderr, re.MULTILINE), f"fit() shows its progress by default:\n{done.stderr[-2000:]}"
     the_cli_reads_its_run_directory(tmp_path, env, last)
 
