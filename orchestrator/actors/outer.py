@@ -278,7 +278,8 @@ class _OuterShell:
     # ------------------------------------------------------------ control plane
 
     async def status(self) -> dict:
-        """Versions, live islands, round and refusal counts, token ledger, bytes, the checkpoint restored from."""
+        """Versions, live islands, round and refusal counts, token ledger and tokens received per incarnation, bytes,
+        the checkpoint restored from."""
         out = await self._core(_status_of, self.core)
         out.update(self.transport.status())  # bytes and transfers per link (refused and in flight incl.), delays
         out["restored_from"] = dict(self.restored_from)  # {"step", "versions"} this incarnation loaded
@@ -394,10 +395,12 @@ class _OuterShell:
 
 
 def _status_of(core: OuterOptimizer) -> dict:
-    """The core's part of `status()` (run on the core's thread)."""
+    """The core's part of `status()` (run on the core's thread). The ledger and the per-incarnation tokens
+    received come from one moment, so that the token fates computed from them add up (core/accounting.py)."""
     return {
         "versions": list(core.versions), "islands": dict(core.islands), "rounds": len(core.rounds),
         "refusals": len(core.refusals), "ledger": core.ledger(), "bytes_up": core.bytes_received,
+        "received": [[i, inc, list(toks)] for (i, inc), toks in core.received.items()],
         "step_time_s": core.step_time.value, "sync_time_s": core.sync_time.value,
     }
 

@@ -1,20 +1,27 @@
 """Every token has a fate, and goodput is useful time over allocated time (docs/architecture.md section 6).
 
-Per fragment p (each inner step's tokens count once for every fragment), from independent sources:
+The run's token ledger, per fragment p (each inner step's tokens count once for every fragment):
 
   processed_p = merged_p + refused_p + in_flight_p + lost_p + overwritten_p
 
-- merged, refused: the outer optimizer's ledger (since this driver session began);
-- in flight at stop: pending in the outer optimizer, taken after stop began, in live islands' outboxes,
-  and not yet cut into a submission;
-- lost: for a live incarnation, submitted tokens the outer optimizer never received (dropped on the
-  way, or received by an outer optimizer that then restored an older checkpoint) plus unsubmitted
-  progress thrown away by a resync; for a dead incarnation, everything it processed that the outer
-  optimizer never received;
+exactly, and processed_p is one number for every p. Every count a user sees (the final table, summary.json,
+the events, the metrics, report.md, `diloco status`) is read from it. From independent sources:
+
+- merged, refused: the outer optimizer's ledger (the checkpoint's counts when a session resumed);
+- processed: per incarnation, the larger of its last reported token count and the most the outer optimizer
+  received from it in any one fragment (a step's tokens count in every fragment; work after the incarnation's
+  last report is seen only through what it sent). That count is the incarnation's tokens in every fragment;
+- in flight at stop: pending in the outer optimizer, taken after stop began, in live islands' outboxes, and
+  not yet cut into a submission;
 - overwritten: progress an `overwrite` adoption replaced before it was cut (the island's own or another
   island's round published fragment p over it), as the islands count it;
-- processed: live incarnations' token counts, and for dead ones the larger of their last reported
-  count and what the outer optimizer received from them (work after the last heartbeat is unseen).
+- lost: the rest of each incarnation's count in fragment p: submitted tokens the outer optimizer never
+  received (dropped on the way, or received by an outer optimizer that then restored an older checkpoint),
+  progress a resync threw away, and everything a dead incarnation never sent.
+
+An island's claims (in flight, overwritten) are capped at what its count leaves after what was received, so a
+status older than the ledger (a live read) never counts a token twice. A resumed run adds the earlier sessions'
+ledger as of the checkpoint it restored (`resumed_ledger`).
 """
 
 from __future__ import annotations
@@ -24,52 +31,128 @@ from typing import Any
 
 from policies.goodput import goodput_report, merge_timeline, pipeline_full_at, uptime_window_from_rounds
 
+FATES = ("merged", "refused", "in_flight", "lost", "overwritten")  # every processed token has exactly one
+LEDGER_KEYS = ("processed", *FATES)
+
+
+def no_tokens(fragments: int) -> dict[str, list[int]]:
+    """A ledger of nothing: every fate 0 in each of `fragments` fragments."""
+    return {k: [0] * fragments for k in LEDGER_KEYS}
+
+
+def add_ledgers(a: Mapping[str, Sequence[int]], b: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+    """Two ledgers' counts added, fate by fate and fragment by fragment."""
+    return {k: [x + y for x, y in zip(a[k], b[k], strict=True)] for k in LEDGER_KEYS}
+
+
+def session_received(rows: Iterable[Sequence[Any]], first_inc: Mapping[int, int]) -> dict[tuple[int, int], list[int]]:
+    """The outer optimizer's received rows ([island, incarnation, per-fragment tokens]) of this driver session's
+    incarnations: those at or above `first_inc[island]` (1 for a slot it lacks). An earlier session's are in the
+    ledger it left (`resumed_ledger`)."""
+    return {(int(i), int(inc)): list(toks) for i, inc, toks in rows if inc >= first_inc.get(int(i), 1)}
+
+
+def incarnation_tokens(live: Iterable[Any], dead: Iterable[Any],
+                       received: Mapping[tuple[int, int], Sequence[int]]) -> dict[tuple[int, int], int]:
+    """Tokens each (island, incarnation) processed, as the ledger counts them: the larger of its last reported
+    count and the most the outer optimizer received from it in one fragment. An incarnation the outer optimizer
+    heard from but whose status never came (e.g. salvaged before its first report) counts what it sent."""
+    out = {(st.island, st.incarnation): st.tokens for st in [*live, *dead]}
+    for key, got in received.items():
+        out[key] = max(out.get(key, 0), max(got, default=0))
+    return out
+
 
 def token_fates(
     *,
     fragments: int,
     ledger: dict[str, list[int]],
-    baseline: dict[str, list[int]] | None,
     received: dict[tuple[int, int], list[int]],
     live: Iterable[Any],
     dead: Iterable[Any],
+    before: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, list[int]]:
-    """Per-fragment processed / merged / refused / in_flight / lost / overwritten token counts.
+    """The run's ledger: per-fragment processed / merged / refused / in_flight / lost / overwritten token counts.
 
-    `live` and `dead` are island statuses (islands.island.IslandStatus) of live and dead incarnations;
-    `received` maps (island, incarnation) to per-fragment tokens the outer optimizer received;
-    `baseline` is the ledger at the start of this driver session (after a resume), subtracted.
+    `ledger`: the outer optimizer's (merged, refused, pending, late per fragment; merged and refused count the
+    whole run, a resumed one's included); `live` and `dead`: island statuses (islands.spec.IslandStatus) of this
+    session's live and dead incarnations; `received`: (island, incarnation) -> per-fragment tokens the outer
+    optimizer received from this session's incarnations (`session_received`); `before`: the earlier sessions'
+    ledger (`resumed_ledger`), None for a fresh run. processed = the sum of the fates, exactly, in every fragment.
     """
     P = fragments
-    base = baseline or {"merged": [0] * P, "refused": [0] * P}
-    merged = [ledger["merged"][p] - base["merged"][p] for p in range(P)]
-    refused = [ledger["refused"][p] - base["refused"][p] for p in range(P)]
+    prior = before or no_tokens(P)
+    merged = [ledger["merged"][p] - prior["merged"][p] for p in range(P)]
+    refused = [ledger["refused"][p] - prior["refused"][p] for p in range(P)]
     in_flight = [ledger["pending"][p] + ledger["late"][p] for p in range(P)]
-    lost = [0] * P
-    overwritten = [0] * P
-    processed = [0] * P
+    lost, overwritten, processed = [0] * P, [0] * P, [0] * P
+    statuses = {(st.island, st.incarnation): (st, True) for st in live}
+    statuses.update({(st.island, st.incarnation): (st, False) for st in dead})
     zero = [0] * P
-    for st in live:
-        got = received.get((st.island, st.incarnation), zero)
+    for key, seen in incarnation_tokens([], [s for s, _ in statuses.values()], received).items():
+        st, alive = statuses.get(key, (None, False))
+        got = received.get(key, zero)
         for p in range(P):
-            # The status is older than the ledger: what the outer optimizer already received cannot still
-            # be in the outbox (seen with fast steps: a stale outbox figure counted 128 tokens twice).
-            outbox = min(st.outbox_tokens[p], max(0, st.submitted_tokens[p] - got[p]))
-            in_flight[p] += outbox + st.unsubmitted_tokens[p]
-            lost[p] += st.submitted_tokens[p] - outbox - got[p] + st.discarded_tokens[p]
-            overwritten[p] += _at(st.overwritten_tokens, p)
-            processed[p] += st.tokens
-    for st in dead:
-        got = received.get((st.island, st.incarnation), zero)
-        for p in range(P):
-            seen = max(st.tokens, got[p])
             processed[p] += seen
-            # What it overwrote by its last report was never going to be received; the rest is lost.
-            gone = min(_at(st.overwritten_tokens, p), seen - got[p])
+            room = seen - got[p]  # what it processed that the outer optimizer did not receive
+            waiting = 0
+            if alive:
+                # What the outer optimizer already received cannot still be in the outbox (a status older than
+                # the ledger: seen with fast steps, a stale outbox figure counted 128 tokens twice).
+                outbox = min(_at(st.outbox_tokens, p), max(0, _at(st.submitted_tokens, p) - got[p]))
+                waiting = min(outbox + _at(st.unsubmitted_tokens, p), room)
+            gone = min(_at(st.overwritten_tokens, p) if st is not None else 0, room - waiting)
+            in_flight[p] += waiting
             overwritten[p] += gone
-            lost[p] += seen - got[p] - gone
-    return {"processed": processed, "merged": merged, "refused": refused, "in_flight": in_flight, "lost": lost,
-            "overwritten": overwritten}
+            lost[p] += room - waiting - gone
+    session = {"processed": processed, "merged": merged, "refused": refused, "in_flight": in_flight, "lost": lost,
+               "overwritten": overwritten}
+    return add_ledgers(prior, session)
+
+
+def resumed_ledger(*, fragments: int, restored: Mapping[str, Sequence[int]], extra: Mapping[str, Any]) -> dict[str, list[int]]:
+    """The ledger of a run's earlier driver sessions, as of the checkpoint a resume restored (docs/architecture.md
+    section 6, "Across a resume").
+
+    `restored`: the restored outer optimizer's ledger (merged and refused per fragment, the checkpoint's);
+    `extra`: the driver metadata saved with that checkpoint (its `token_ledger` and `token_ledger_before`, as the
+    session that wrote it noted them). That session's tokens keep the fates they had at the checkpoint: merged
+    and refused as the checkpoint counts them, overwritten as its driver last noted; it processed what its driver
+    last noted (or more: at least what the checkpoint merged and refused plus what was overwritten, in every
+    fragment), and everything else it processed is lost to the interruption: what was in flight, since the
+    restore discards pending submissions and the islands restart from the checkpoint's versions. Work after the
+    checkpoint is not counted: the run goes on from the checkpoint. A checkpoint from before these records (only
+    `tokens_processed`) counts the whole run before it as one session.
+    """
+    P = fragments
+    before = extra.get("token_ledger_before") or no_tokens(P)
+    noted = extra.get("token_ledger")
+    if noted is None or any(restored[k][p] < before[k][p] for k in ("merged", "refused") for p in range(P)):
+        before, processed, overwritten = no_tokens(P), int(extra.get("tokens_processed", 0)), [0] * P
+    else:
+        processed = noted["processed"][0] - before["processed"][0]
+        overwritten = [max(0, noted["overwritten"][p] - before["overwritten"][p]) for p in range(P)]
+    merged = [restored["merged"][p] - before["merged"][p] for p in range(P)]
+    refused = [restored["refused"][p] - before["refused"][p] for p in range(P)]
+    processed = max([processed] + [merged[p] + refused[p] + overwritten[p] for p in range(P)])
+    session = {"processed": [processed] * P, "merged": merged, "refused": refused, "in_flight": [0] * P,
+               "lost": [processed - merged[p] - refused[p] - overwritten[p] for p in range(P)],
+               "overwritten": overwritten}
+    return add_ledgers(before, session)
+
+
+def shown_fates(ledger: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """The ledger as one row per fate, as the tables print it: each fate's fragment mean, rounded so that the
+    rows add up to processed exactly (largest remainders get the rounding up), and processed itself."""
+    P = len(ledger["processed"])
+    processed = round(sum(ledger["processed"]) / P)
+    totals = {k: sum(ledger.get(k) or []) for k in FATES}  # a summary from before a fate existed lacks it
+    if sum(totals.values()) != P * processed:  # a ledger that does not add up (an old summary.json): plain means
+        return {"processed": processed, **{k: round(t / P) for k, t in totals.items()}}
+    shown = {k: t // P for k, t in totals.items()}
+    for k in sorted(FATES, key=lambda k: -(totals[k] % P))[:processed - sum(shown.values())]:
+        shown[k] += 1
+    return {"processed": processed, **shown}
 
 
 def _at(counts: Sequence[int], p: int) -> int:

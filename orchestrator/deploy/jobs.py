@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from orchestrator.config import load_config
+from orchestrator.core.accounting import incarnation_tokens, shown_fates
 
 log = logging.getLogger(__name__)
 
@@ -273,16 +274,20 @@ def run_view(run_id: str, *, timeout_s: float = 60.0) -> dict:
     import ray
 
     from orchestrator.actors.runtime import NAMESPACE
-    from orchestrator.run.metrics import estimated_run_start, goodput_so_far
+    from orchestrator.run.metrics import estimated_run_start, goodput_so_far, live_ledger
 
     outer = ray.get_actor(f"outer-{run_id}", namespace=NAMESPACE)
     monitor = ray.get_actor(f"monitor-{run_id}", namespace=NAMESPACE)
-    status, accounting, extra, snapshot = ray.get(
-        [outer.status.remote(), outer.accounting.remote(), outer.restored_extra.remote(), monitor.snapshot.remote()],
-        timeout=timeout_s)
+    snapshot = ray.get(monitor.snapshot.remote(), timeout=timeout_s)  # first: the islands' statuses never newer than the ledger
+    status, accounting, extra = ray.get([outer.status.remote(), outer.accounting.remote(), outer.restored_extra.remote()],
+                                        timeout=timeout_s)
     now = time.time()
     run_start = estimated_run_start(snapshot["timeline"])
-    so_far = goodput_so_far(status=status, accounting=accounting, snapshot=snapshot, run_start=run_start, now=now)
+    # The driver's token ledger, as it noted it at its last tick (every half second): the count its final table will
+    # show. A driver from before it noted one: computed here from the actors.
+    ledger = extra.get("token_ledger") or live_ledger(status=status, snapshot=snapshot)
+    so_far = goodput_so_far(ledger=ledger, accounting=accounting, snapshot=snapshot, run_start=run_start, now=now,
+                            useful_before=extra.get("useful_s_before", 0.0))
     return {"run_id": run_id, "status": status, "extra": extra, "snapshot": snapshot, "so_far": so_far,
             "run_start": run_start, "now": now}
 
@@ -290,10 +295,9 @@ def run_view(run_id: str, *, timeout_s: float = 60.0) -> dict:
 def format_view(view: dict) -> str:
     """The status report of one run, as printed by `diloco status`."""
     st, snap, so_far = view["status"], view["snapshot"], view["so_far"]
-    fates = so_far["fates"]
+    shown = shown_fates(so_far["fates"])  # fragment means that add up to processed, as the final table shows them
     P = max(1, len(st["versions"]))
     mean = lambda xs: sum(xs) / P  # noqa: E731 - tokens count once per fragment; show the fragment mean
-    processed = view["extra"].get("tokens_processed", so_far["tokens_processed"])
     elapsed = f"{view['now'] - view['run_start']:.0f} s" if view["run_start"] else "not yet training"
     good = "n/a (islands not all training yet)" if so_far["goodput"] is None else (
         f"{so_far['goodput']:.3f}, uptime {so_far['uptime']:.3f} "
@@ -302,10 +306,8 @@ def format_view(view: dict) -> str:
         f"run {view['run_id']} ({elapsed})",
         f"fragment versions   {st['versions']}",
         f"rounds (refusals)   {st['rounds']} ({st['refusals']})",
-        f"tokens processed    {processed:,}",
-        f"tokens merged       {mean(fates['merged']):,.0f} (refused {mean(fates['refused']):,.0f}, "
-        f"in flight {mean(fates['in_flight']):,.0f}, lost {mean(fates['lost']):,.0f}, overwritten "
-        f"{mean(fates.get('overwritten', [0])):,.0f}; per fragment, mean)",
+        f"tokens processed    {shown['processed']:,}, of which merged {shown['merged']:,}, refused {shown['refused']:,}, "
+        f"in flight {shown['in_flight']:,}, lost {shown['lost']:,}, overwritten {shown['overwritten']:,} (per fragment, mean)",
         f"salvaged            {sum(mean(s.get('tokens') or [0]) for s in snap.get('salvages', [])):,.0f} tokens of dead "
         f"islands' unsubmitted progress ({sum(1 for s in snap.get('salvages', []) if any(s.get('tokens') or [])):d} salvages; "
         f"progress keepers replaced {sum(snap.get('keeper_restarts', {}).values()):d} times)",
@@ -313,9 +315,11 @@ def format_view(view: dict) -> str:
         f"goodput so far      {good}",
         "islands:",
     ]
+    # An island's tokens as the ledger counts them (its status's, or more when the outer optimizer received more).
+    counted = incarnation_tokens([], [], {(int(i), int(inc)): t for i, inc, t in st.get("received", [])})
     for island, slot in sorted(snap["slots"].items(), key=lambda kv: int(kv[0])):
         s = slot["status"]
-        steps, tokens = (s.steps, s.tokens) if s is not None else (0, 0)
+        steps, tokens = (s.steps, max(s.tokens, counted.get((s.island, s.incarnation), 0))) if s is not None else (0, 0)
         lines.append(f"  island {island} pool {slot['pool']}: {slot['state']}, incarnation {slot['incarnation']}, "
                      f"{steps} steps, {tokens:,} tokens, {slot['failures']} failures, {slot['restarts']} restarts")
     return "\n".join(lines)

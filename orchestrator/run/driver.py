@@ -41,7 +41,14 @@ from orchestrator.actors.remote import (
     ignore_zero_copy_warnings,
 )
 from orchestrator.config import ConfigError, RunConfig
-from orchestrator.core.accounting import run_goodput, token_fates
+from orchestrator.core.accounting import (
+    incarnation_tokens,
+    no_tokens,
+    resumed_ledger,
+    run_goodput,
+    session_received,
+    token_fates,
+)
 from orchestrator.core.evaluation import Evaluator
 from orchestrator.core.eventlog import EventLog
 from orchestrator.run.metrics import RunMetrics
@@ -405,7 +412,11 @@ class Run:
         # the start-up's critical path, where the driver's scoring took CPU from the island processes starting.
         self._start_point: tuple[dict, list[int], float] | None = None
         self._first_step_seen = False
-        self.tokens_before = 0
+        # The token ledger (orchestrator/core/accounting.py): the earlier sessions' part as of the checkpoint a
+        # resume restored (a fresh run: nothing), and the run's as of the last tick, every count shown read from it.
+        self.before: dict[str, list[int]] | None = None
+        self.ledger: dict[str, list[int]] | None = None
+        self.useful_before = 0.0  # useful island seconds the restored checkpoint holds (earlier sessions')
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self._stop_requested = False
         self.training_began = False  # set once every island of the first placement trains
@@ -481,21 +492,34 @@ class Run:
         return initial, prepared.embedding_names, island_regions
 
     def _restore(self) -> dict[int, int]:
-        """A resumed run's starting point from the restored outer optimizer (token count, ledger baseline) and
-        each island's last incarnation, which new incarnations continue above; a fresh run's: nothing."""
+        """A resumed run's starting point from the restored outer optimizer (the earlier sessions' token ledger as
+        of its checkpoint, `resumed_ledger`) and each island's last incarnation, which new incarnations continue
+        above; a fresh run's: nothing."""
+        P = self.plan.num_fragments
         if self.resume:
             extra = self._get(self.outer.restored_extra.remote(), timeout=self._start_timeout_s())  # starts, restores
             acct = self._get(self.outer.accounting.remote())
-            self.baseline = self._get(self.outer.status.remote())["ledger"]
+            restored = self._get(self.outer.status.remote())["ledger"]  # the checkpoint's merged and refused
+            self.before = resumed_ledger(fragments=P, restored=restored, extra=extra)
+            self.useful_before = acct["useful_s"]
             last_inc = {int(i): inc for i, inc in extra.get("incarnations", {}).items()}
             for island, inc, _ in acct["received"]:
                 last_inc[island] = max(last_inc.get(island, 0), inc)
+            log.info("resumed: %d tokens processed before, as of the checkpoint (of them %d merged, %d lost)",
+                     self.before["processed"][0], sum(self.before["merged"]) // P, sum(self.before["lost"]) // P)
         else:
             # A fresh run has nothing to ask the outer optimizer first: the monitor (and through it the
             # islands) starts while the outer's process is still importing, not after it (~5 s per run).
-            extra, last_inc, self.baseline = {}, {}, None
-        self.tokens_before = int(extra.get("tokens_processed", 0))
+            last_inc, self.before = {}, None
+        self.ledger = self.before or no_tokens(P)
+        if self.resume:  # before any checkpoint of this session: each one carries this session's records
+            self._get(self.outer.note.remote(**self._note_ledger()))
         return last_inc
+
+    def _note_ledger(self) -> dict:
+        """The ledger as the outer optimizer keeps it with its next checkpoint (what a resume from it reads)."""
+        return {"tokens_processed": self._tokens(), "token_ledger": self.ledger,
+                "token_ledger_before": self.before, "useful_s_before": self.useful_before}
 
     def _start_islands(self, initial: dict[str, torch.Tensor]) -> None:
         """Have the monitor start the islands and wait for them (and a fresh run's outer optimizer), reporting
@@ -567,7 +591,7 @@ class Run:
             return
         params, versions, at = self._start_point
         self._start_point = None
-        self._evaluate(self._t0, start=(params, versions), read=(self._t0, at, self.tokens_before))
+        self._evaluate(self._t0, start=(params, versions), read=(self._t0, at, self._tokens()))
         self.unigram_bpb = self._unigram()
         if self.unigram_bpb is not None:
             log.info("unigram baseline %.3f bits/byte", self.unigram_bpb)
@@ -593,9 +617,18 @@ class Run:
             dead.extend(slot["finals"])
         return live, dead
 
-    def _tokens(self) -> int:
+    def _account(self, status: dict) -> dict[str, list[int]]:
+        """The run's token ledger now, from the outer optimizer's `status` (its ledger and tokens received, of one
+        moment) and the monitor's last snapshot; kept as `self.ledger`, which every count shown is read from."""
         live, dead = self._statuses()
-        return self.tokens_before + sum(s.tokens for s in live) + sum(s.tokens for s in dead)
+        self.ledger = token_fates(fragments=self.plan.num_fragments, ledger=status["ledger"], before=self.before,
+                                  received=session_received(status["received"], self.first_inc), live=live, dead=dead)
+        return self.ledger
+
+    def _tokens(self) -> int:
+        """Tokens processed so far, the ledger's (the same in every fragment)."""
+        assert self.ledger is not None, "the ledger starts in _restore"
+        return self.ledger["processed"][0]
 
     def _evaluate(self, t0: float, start: tuple[dict, list[int]] | None = None,
                   read: tuple[float, float, int] | None = None) -> dict:
@@ -606,11 +639,14 @@ class Run:
         The point's `wall_s`/`at` are when the parameters were read, not when scoring them ended: the
         first evaluation in a process is slow (seconds under load), and the starting point must sort first.
         """
-        read_mono, read_at, tokens = read or (time.monotonic(), time.time(), self._tokens())
+        read_mono, read_at, tokens = read or (time.monotonic(), time.time(), 0)
         if start is None:
             params = self._get(self.outer.served_parameters.remote())
             status = self._get(self.outer.status.remote())
-            versions, merged = list(status["versions"]), sum(status["ledger"]["merged"]) / len(status["ledger"]["merged"])
+            fates = self._account(status)  # the point's token counts are the ledger's at this read
+            versions, merged = list(status["versions"]), sum(fates["merged"]) / len(fates["merged"])
+            if read is None:
+                tokens = self._tokens()
         else:
             (params, versions), merged = start, 0.0
         loss, bpb = self.evaluator.evaluate(params)
@@ -651,9 +687,9 @@ class Run:
             try:
                 self._refresh()
                 status = self._get(self.outer.status.remote())
+                self._account(status)
                 incarnations = {str(i): s["incarnation"] for i, s in self.snapshot["slots"].items()}
-                self._get(self.outer.note.remote(tokens_processed=self._tokens(), run_id=self.run_id,
-                                                 incarnations=incarnations,
+                self._get(self.outer.note.remote(**self._note_ledger(), run_id=self.run_id, incarnations=incarnations,
                                                  progress=self._tokens() / self.cfg.run.token_budget))
                 if self.injector is not None:  # a fixed tape's faults trigger on the run's progress: no reply awaited
                     self.injector.note_progress.remote(self._tokens() / self.cfg.run.token_budget)
@@ -663,7 +699,7 @@ class Run:
                 continue
             self._note_first_step()
             self._report(t0, status)
-            self.metrics.record_status(status, self.snapshot, tokens_processed=self._tokens())
+            self.metrics.record_status(status, self.snapshot, ledger=self.ledger)
             now = time.monotonic()
             if self._start_point is not None and (self._first_step_seen or now >= next_eval):
                 self._score_start()  # before any periodic evaluation: the starting point comes first
@@ -707,8 +743,9 @@ class Run:
                 self._drain_events()
                 self.events.flush()
                 next_flush = now + 5.0
-                self.metrics.record_goodput_so_far(lambda: self._get(self.outer.accounting.remote()), status=status,
-                                                   snapshot=self.snapshot, run_start=self.run_start, baseline=self.baseline)
+                self.metrics.record_goodput_so_far(lambda: self._get(self.outer.accounting.remote()), ledger=self.ledger,
+                                                   snapshot=self.snapshot, run_start=self.run_start,
+                                                   useful_before=self.useful_before)
         except _TRANSIENT as err:
             _warn_transient(err)
         return next_eval, next_flush, False
@@ -733,11 +770,13 @@ class Run:
             log.info("final flush: %d rounds closed with the islands' last progress (%.1fs after stop began)",
                      closed, time.monotonic() - t_stop)
             self.snapshot = self._get(self.monitor.refresh_statuses.remote(), timeout=self.cfg.run.call_timeout_s + 30)
-        ledger = self._get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
+        self._get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
         acct = self._get(self.outer.accounting.remote())
-        status = self._get(self.outer.status.remote())
-        # The last checkpoint holds the final model (orchestrator.run.trained reads it) and the final token count.
-        self._get(self.outer.note.remote(tokens_processed=self._tokens()))
+        status = self._get(self.outer.status.remote())  # stopped: its ledger is final
+        fates = self._account(status)
+        live, dead = self._statuses()
+        # The last checkpoint holds the final model (orchestrator.run.trained reads it) and the final ledger.
+        self._get(self.outer.note.remote(**self._note_ledger()))
         self._get(self.outer.checkpoint.remote())
         faults = self._get(self.injector.report.remote()) if self.injector is not None else []
         self._drain_events()
@@ -745,18 +784,16 @@ class Run:
         if self.cfg.run.average_window is not None:  # the raw global model on the same batches: what averaging gave
             self.raw_loss, _ = self.evaluator.evaluate(self._get(self.outer.global_parameters.remote()))
         self._report(t0, status)
-        live, dead = self._statuses()
-        received = {(i, inc): toks for i, inc, toks in acct["received"] if inc >= self.first_inc.get(i, 1)}
-        fates = token_fates(fragments=self.plan.num_fragments, ledger=ledger, baseline=self.baseline,
-                            received=received, live=live, dead=dead)
-        good = run_goodput(timeline=self.snapshot["timeline"], useful_s=acct["useful_s"], run_start=self.run_start,
-                           run_end=run_end, islands=self.cfg.num_islands, advances=acct["advances"], fates=fates,
-                           stop_began=stop_began, first_merged=acct["first_merged"])
-        self.metrics.record_status(status, self.snapshot, tokens_processed=self._tokens())
+        counted = incarnation_tokens(live, dead, session_received(status["received"], self.first_inc))
+        # Goodput is this session's: the useful time the restored checkpoint held was an earlier session's.
+        good = run_goodput(timeline=self.snapshot["timeline"], useful_s=max(0.0, acct["useful_s"] - self.useful_before),
+                           run_start=self.run_start, run_end=run_end, islands=self.cfg.num_islands,
+                           advances=acct["advances"], fates=fates, stop_began=stop_began, first_merged=acct["first_merged"])
+        self.metrics.record_status(status, self.snapshot, ledger=fates)
         self.metrics.record_goodput(good["goodput"], good["uptime"])
-        record_stop_events(self.events, self.snapshot, live, dead, faults)
+        record_stop_events(self.events, self.snapshot, live, dead, faults, counted)
         self.events.flush()
-        summary = run_summary(self, tokens=self._tokens(), live=live, dead=dead, fates=fates, good=good, status=status,
+        summary = run_summary(self, live=live, dead=dead, fates=fates, counted=counted, good=good, status=status,
                               final_eval=final_eval, wall=wall, faults=faults)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary

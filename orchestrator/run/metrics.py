@@ -19,7 +19,7 @@ from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from orchestrator.core.accounting import run_goodput, token_fates
+from orchestrator.core.accounting import FATES, run_goodput, session_received, shown_fates, token_fates
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,10 @@ class RunMetrics:
                               tag_keys=pool_tags + ("island",))
         self.restarts = Gauge("diloco_island_restarts", description="Restarts of an island slot so far.",
                               tag_keys=pool_tags + ("island",))
-        self.tokens_processed = Gauge("diloco_tokens_processed", description="Tokens processed by all islands so far.",
-                                      tag_keys=run)
+        self.tokens_processed = Gauge("diloco_tokens_processed", description="Tokens processed by all islands so far "
+                                      "(the token ledger's).", tag_keys=run)
+        self.tokens = Gauge("diloco_tokens", description="The run's token ledger so far: tokens of each fate (fragment "
+                            "mean); the fates add up to diloco_tokens_processed.", tag_keys=run + ("fate",))
         self.bytes = Counter("diloco_bytes", description="Bytes of submissions received (up) and versions sent to "
                              "islands (down).", tag_keys=run + ("direction",))
         self.goodput = Gauge("diloco_goodput", description="Useful island time over allocated island time so far.",
@@ -106,8 +108,9 @@ class RunMetrics:
             self.refusals.inc(1.0, tags={**tags, "kind": refusal_kind(f.reason)})
             self.tokens_refused.inc(float(f.tokens), tags=tags)
 
-    def record_status(self, status: dict, snapshot: dict, *, tokens_processed: int) -> None:
-        """One driver tick: the outer optimizer's status() and the health monitor's snapshot()."""
+    def record_status(self, status: dict, snapshot: dict, *, ledger: dict[str, list[int]]) -> None:
+        """One driver tick: the outer optimizer's status(), the health monitor's snapshot() and the run's token
+        ledger computed from them (orchestrator/core/accounting.py token_fates)."""
         for p, v in enumerate(status.get("versions", [])):
             self.version.set(float(v), tags=self._tags(fragment=p))
         for direction, total in (("up", status.get("bytes_up", 0)), ("down", status.get("bytes_down", 0))):
@@ -117,7 +120,10 @@ class RunMetrics:
             if delta > 0:
                 self.bytes.inc(float(delta), tags=self._tags(direction=direction))
             self._bytes_seen[direction] = total
-        self.tokens_processed.set(float(tokens_processed), tags=self._tags())
+        shown = shown_fates(ledger)  # whole tokens that add up, as the final table shows them
+        self.tokens_processed.set(float(shown["processed"]), tags=self._tags())
+        for fate in FATES:
+            self.tokens.set(float(shown[fate]), tags=self._tags(fate=fate))
         counts: dict[tuple[str, str], int] = {}
         for island, slot in snapshot.get("slots", {}).items():
             counts[(slot["pool"], slot["state"])] = counts.get((slot["pool"], slot["state"]), 0) + 1
@@ -128,15 +134,16 @@ class RunMetrics:
             for state in sorted(set(ISLAND_STATES) | {s for p, s in counts if p == pool}):
                 self.islands.set(float(counts.get((pool, state), 0)), tags=self._tags(pool=pool, state=state))
 
-    def record_goodput_so_far(self, accounting: Callable[[], dict], *, status: dict, snapshot: dict,
-                              run_start: float | None, baseline: dict | None = None) -> None:
-        """Goodput so far, at a driver flush. `accounting` fetches the outer optimizer's accounting().
+    def record_goodput_so_far(self, accounting: Callable[[], dict], *, ledger: dict[str, list[int]], snapshot: dict,
+                              run_start: float | None, useful_before: float = 0.0) -> None:
+        """Goodput so far, at a driver flush. `accounting` fetches the outer optimizer's accounting(); `ledger` is
+        the run's token ledger (the driver's); `useful_before`: useful seconds of earlier sessions (a resume's).
 
         A failed read (an actor restarting) is logged and skipped: a metric never stops a run.
         """
         try:
-            so_far = goodput_so_far(status=status, accounting=accounting(), snapshot=snapshot, run_start=run_start,
-                                    baseline=baseline)
+            so_far = goodput_so_far(ledger=ledger, accounting=accounting(), snapshot=snapshot, run_start=run_start,
+                                    useful_before=useful_before)
         except Exception as err:  # noqa: BLE001 - any failure here is the metric's, not the run's
             reason = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
             log.warning("goodput metric skipped this flush: %s", reason)
@@ -165,37 +172,35 @@ def estimated_run_start(timeline: list) -> float | None:
     return max(first.values()) if first and len(first) == len(slots) else None
 
 
-def goodput_so_far(*, status: dict, accounting: dict, snapshot: dict, run_start: float | None,
-                   now: float | None = None, baseline: dict | None = None) -> dict:
-    """Goodput, uptime and token fates of a live run, by the same formulas as the final summary.
-
-    `status` and `accounting` come from the outer optimizer, `snapshot` from the health monitor;
-    `run_start` is the wall-clock start of goodput's clock (the driver's, or `estimated_run_start`).
-    Returns {"goodput", "uptime", "fates", "tokens_processed"}; goodput and uptime are None before
-    the run started training.
-    """
+def live_ledger(*, status: dict, snapshot: dict) -> dict[str, list[int]]:
+    """The token ledger of a live run computed from its actors alone, for a client that has no driver's ledger
+    (`diloco status` of a run whose driver predates the ledger it notes). It counts every incarnation the outer
+    optimizer knows, so a resumed run's earlier sessions are not told apart."""
     live, dead = [], []
     for slot in snapshot.get("slots", {}).values():
         if slot["status"] is not None:
             live.append(slot["status"])
         dead.extend(slot["finals"])
-    fragments = len(status["versions"])
-    received = {(i, inc): toks for i, inc, toks in accounting["received"]}
-    fates = token_fates(fragments=fragments, ledger=status["ledger"], baseline=baseline, received=received,
-                        live=live, dead=dead)
-    # The ledger, the accounting and the islands' statuses are read at slightly different moments of a
-    # live run (a submission can be taken from an outbox and not yet counted as received), so `lost`
-    # and `in_flight` can dip below zero for an instant; the live view clamps them. Final numbers come
-    # from the driver after everything stopped, where they are exact.
-    for key in ("lost", "in_flight"):
-        fates[key] = [max(0, x) for x in fates[key]]
-    out = {"goodput": None, "uptime": None, "fates": fates,
-           "tokens_processed": sum(s.tokens for s in live) + sum(s.tokens for s in dead)}
+    return token_fates(fragments=len(status["versions"]), ledger=status["ledger"], live=live, dead=dead,
+                       received=session_received(status.get("received", []), {}))
+
+
+def goodput_so_far(*, ledger: dict[str, list[int]], accounting: dict, snapshot: dict, run_start: float | None,
+                   now: float | None = None, useful_before: float = 0.0) -> dict:
+    """Goodput and uptime of a live run, by the same formulas as the final summary, with its token ledger.
+
+    `ledger`: the run's token ledger (the driver's, orchestrator/core/accounting.py token_fates); `accounting`
+    comes from the outer optimizer, `snapshot` from the health monitor; `run_start` is the wall-clock start of
+    goodput's clock (the driver's, or `estimated_run_start`); `useful_before`: the useful seconds an earlier
+    session left in the checkpoint a resume restored (goodput is this session's). Returns {"goodput", "uptime",
+    "fates", "tokens_processed"}; goodput and uptime are None before the run started training.
+    """
+    out = {"goodput": None, "uptime": None, "fates": ledger, "tokens_processed": ledger["processed"][0]}
     now = time.time() if now is None else now
     if run_start is None or now <= run_start or not snapshot.get("slots"):
         return out
-    good = run_goodput(timeline=snapshot["timeline"], useful_s=accounting["useful_s"], run_start=run_start,
-                       run_end=now, islands=len(snapshot["slots"]), advances=accounting["advances"], fates=fates,
-                       first_merged=accounting.get("first_merged"))
+    good = run_goodput(timeline=snapshot["timeline"], useful_s=max(0.0, accounting["useful_s"] - useful_before),
+                       run_start=run_start, run_end=now, islands=len(snapshot["slots"]), advances=accounting["advances"],
+                       fates=ledger, first_merged=accounting.get("first_merged"))
     out.update(goodput=good["goodput"], uptime=good["uptime"])
     return out

@@ -27,6 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from orchestrator.core.accounting import shown_fates
 from orchestrator.core.eventlog import read_events
 from orchestrator.run.summary import faults_cell
 from policies.goodput import TIMELINE_STATES, Interval, merge_timeline
@@ -245,14 +246,18 @@ def _summary_rows(summary: dict) -> tuple[list[tuple[str, str]], set[str]]:
     pct = lambda v: f" ({v:.1%})" if isinstance(v, (int, float)) else ""  # noqa: E731
     mb = lambda v: f"{v / 1e6:,.1f} MB" if isinstance(v, (int, float)) else "n/a"  # noqa: E731
     states, fired = s("time_by_state_s"), faults_cell(summary)
+    shown = shown_fates(summary["token_ledger"]) if summary.get("token_ledger") else None  # rows that add up
     rows = [
         ("mode", _fmt(s("mode"))),
         ("held-out loss (nats/byte)", _fmt(s("eval_loss"), ".4f")),
         ("held-out bits/byte", f"{_fmt(bpb, '.3f')} (unigram baseline {_fmt(unigram, '.3f')}{below})"),
         ("tokens processed", _fmt(s("tokens_processed"), ",")),
-        ("tokens merged / refused / lost / in flight / overwritten",
+        ("tokens merged / refused / lost / in flight / overwritten (they add up to processed)",
+         " / ".join(_fmt(shown[k], ",") for k in ("merged", "refused", "lost", "in_flight", "overwritten")) if shown else
          " / ".join(_fmt(s(k), ",.0f") for k in ("tokens_merged", "tokens_refused", "tokens_lost", "tokens_in_flight",
                                                   "tokens_overwritten"))),
+        *([("of them, in earlier driver sessions (to the checkpoint the last one resumed from)",
+            _fmt(summary["token_ledger_before"]["processed"][0], ","))] if summary.get("token_ledger_before") else []),
         ("goodput", _fmt(s("goodput"), ".3f") + pct(s("goodput"))),
         ("uptime (from the first version advance after every island was merged)", _fmt(s("uptime"), ".3f") + pct(s("uptime"))
          + (f"; pipeline fill {s('fill_s'):.1f} s before it" if s("fill_s") is not None else "")),

@@ -8,7 +8,7 @@ The summary's keys and order are what `diloco train`, the benchmarks and the not
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -29,10 +29,15 @@ def emulation_note(cfg: RunConfig) -> str | None:
 
 
 def record_stop_events(events: EventLog, snapshot: dict, live: list[IslandStatus], dead: list[IslandStatus],
-                       faults: list) -> None:
-    """Add the islands, timeline, faults, detections and salvages tables of a stopped run to `events`."""
+                       faults: list, counted: Mapping[tuple[int, int], int] | None = None) -> None:
+    """Add the islands, timeline, faults, detections and salvages tables of a stopped run to `events`.
+
+    `counted`: (island, incarnation) -> tokens processed as the ledger counts them (accounting.incarnation_tokens),
+    each island row's `tokens_processed` (its status's `tokens` when not given)."""
+    counted = counted or {}
     events.add("islands", [{**asdict(s), "cursor": list(s.cursor), "skipped_units": json.dumps(s.skipped_units),
-                            "alive_at_stop": s in live} for s in live + dead])
+                            "alive_at_stop": s in live, "tokens_processed": counted.get((s.island, s.incarnation), s.tokens)}
+                           for s in live + dead])
     events.add("timeline", [{"at": t, "island": i, "incarnation": inc, "state": st}
                             for t, i, inc, st in snapshot["timeline"]])
     events.add("faults", faults)
@@ -43,14 +48,18 @@ def record_stop_events(events: EventLog, snapshot: dict, live: list[IslandStatus
                             for s in snapshot.get("salvages", [])])
 
 
-def run_summary(run: Run, *, tokens: int, live: list[IslandStatus], dead: list[IslandStatus], fates: dict,
-                good: dict, status: dict, final_eval: dict, wall: float, faults: list) -> dict:
+def run_summary(run: Run, *, live: list[IslandStatus], dead: list[IslandStatus], fates: dict,
+                counted: Mapping[tuple[int, int], int], good: dict, status: dict, final_eval: dict, wall: float,
+                faults: list) -> dict:
     """The summary of a finished session of `run`: losses, token fates, goodput, recovery, traffic, islands.
 
-    `tokens`: tokens processed; `live`, `dead`: the islands' last statuses. Token fates count once per
-    fragment: the fragment mean is reported."""
+    `fates`: the run's token ledger (orchestrator/core/accounting.py token_fates), which every token count here
+    is read from: tokens_processed is its processed (one number in every fragment) and the tokens_* fates its
+    fragment means, which add up to it; `counted`: each incarnation's tokens processed, as it counts them (the
+    islands' rows); `live`, `dead`: the islands' last statuses."""
     P = run.plan.num_fragments
     mean = lambda xs: sum(xs) / P  # noqa: E731 - tokens count once per fragment; report the fragment mean
+    assert len(set(fates["processed"])) == 1, f"processed differs between fragments: {fates['processed']}"
     return {
         "mode": run.cfg.mode,
         "emulation": emulation_note(run.cfg),
@@ -59,13 +68,16 @@ def run_summary(run: Run, *, tokens: int, live: list[IslandStatus], dead: list[I
         "eval_loss_raw": run.raw_loss,  # the raw global model's; None without run.average_window
         "eval_bits_per_byte": final_eval["eval_bits_per_byte"],
         "unigram_bits_per_byte": run.unigram_bpb,
-        "tokens_processed": tokens,
+        "tokens_processed": fates["processed"][0],
         "tokens_merged": mean(fates["merged"]),
         "tokens_refused": mean(fates["refused"]),
         "tokens_lost": mean(fates["lost"]),
         "tokens_in_flight": mean(fates["in_flight"]),
         "tokens_overwritten": mean(fates["overwritten"]),  # replaced by an overwrite adoption before a cut
-        "token_ledger": fates,
+        "token_ledger": fates,  # per fragment; processed = merged + refused + in_flight + lost + overwritten in each
+        # A resumed run: the earlier driver sessions' part of token_ledger, as of the checkpoint it resumed from
+        # (docs/architecture.md section 6); None for a run of one session.
+        "token_ledger_before": run.before,
         **_unreadable(live + dead),
         "goodput": good["goodput"],
         "uptime": good["uptime"],  # from the first advance after every island was merged (policies/goodput.py)
@@ -82,7 +94,7 @@ def run_summary(run: Run, *, tokens: int, live: list[IslandStatus], dead: list[I
         "run_end": good["run_end"],  # wall clock when the islands had stopped: goodput's allocation ends here
         "resumed": run.resume,
         "corpus": run.data.source,
-        "islands": _island_rows(run),
+        "islands": _island_rows(run, counted),
         "evals": run.eval_points,
     }
 
@@ -144,10 +156,17 @@ def _traffic(run: Run, status: dict) -> dict:
     }
 
 
-def _island_rows(run: Run) -> list[dict]:
+def _island_rows(run: Run, counted: Mapping[tuple[int, int], int] | None = None) -> list[dict]:
     """One row per island slot: where and how it trained, its failures, and its steps and tokens over every
-    incarnation of this session (the dead ones' as they last reported them)."""
+    incarnation of this session. `counted`: tokens per (island, incarnation) of this session as the ledger counts
+    them (accounting.incarnation_tokens: the rows add up to the session's processed); without it, the statuses'."""
     precision = {p.name: run.cfg.precision_of(p) for p in run.cfg.pools}
+
+    def tokens(s: dict) -> int:
+        if counted is not None:
+            return sum(n for (island, _), n in counted.items() if island == s["island"])
+        return (s["status"].tokens if s["status"] else 0) + sum(f.tokens for f in s["finals"])
+
     return [{"island": s["island"], "pool": s["pool"], "node": s["node"], "incarnation": s["incarnation"],
              # incarnations started this session, failed starts included (each one is a new process)
              "incarnations": s["incarnation"] - run.first_inc.get(s["island"], 1) + 1,
@@ -156,5 +175,5 @@ def _island_rows(run: Run) -> list[dict]:
              "device": s["status"].device if s["status"] else None,  # where it trained: cpu, cuda:0 (card)
              "precision": precision[s["pool"]],  # its inner steps' arithmetic (pool's, else inner.precision)
              "steps": (s["status"].steps if s["status"] else 0) + sum(f.steps for f in s["finals"]),
-             "tokens": (s["status"].tokens if s["status"] else 0) + sum(f.tokens for f in s["finals"])}
+             "tokens": tokens(s)}
             for s in run.snapshot["slots"].values()]

@@ -3,6 +3,8 @@ table shares (`diloco train` and `diloco baseline-dp`). Plain dicts in, text out
 
 from __future__ import annotations
 
+from orchestrator.core.accounting import shown_fates
+
 
 def held_out_loss_cell(summary: dict) -> str:
     """The final held-out loss as the summary tables print it: under run.average_window it is the served
@@ -18,15 +20,23 @@ _ENDED_BY = {"token_budget": "the token budget ran out first", "max_wall_s": "ru
 
 def _token_rows(summary: dict) -> list[tuple[str, str]]:
     """Tokens processed and, below it, where they went: merged always, every other fate only when it is not 0,
-    so that "processed" against "merged" is explained where they differ."""
+    so that "processed" against "merged" is explained where they differ. The rows add up to processed exactly
+    (fragment means of the ledger, rounded together: accounting.shown_fates)."""
     s = summary.get
-    fates = [("merged", s("tokens_merged"), ""),
-             ("lost", s("tokens_lost"), " (never received: failed islands' unsent progress, resyncs)"),
-             ("refused", s("tokens_refused"), " (stale or malformed submissions)"),
-             ("in flight at stop", s("tokens_in_flight"), ""),
-             ("overwritten", s("tokens_overwritten"), " (replaced by an adopted version before they were sent)")]
+    shown = shown_fates(s("token_ledger")) if s("token_ledger") else {
+        "merged": s("tokens_merged"), "lost": s("tokens_lost"), "refused": s("tokens_refused"),
+        "in_flight": s("tokens_in_flight"), "overwritten": s("tokens_overwritten")}  # a summary from before the ledger
+    fates = [("merged", shown["merged"], ""),
+             ("lost", shown["lost"], " (never received: failed islands' unsent progress, resyncs, a resume)"),
+             ("refused", shown["refused"], " (stale or malformed submissions)"),
+             ("in flight at stop", shown["in_flight"], ""),
+             ("overwritten", shown["overwritten"], " (replaced by an adopted version before they were sent)")]
     rows = [("tokens processed", f"{summary['tokens_processed']:,}, of which")]
-    rows += [(f"  {name}", f"{n:,.0f}{why}") for name, n, why in fates if name == "merged" or n]
+    rows += [(f"  {name}", f"{n or 0:,.0f}{why}") for name, n, why in fates if name == "merged" or n]
+    before = s("token_ledger_before")
+    if before:  # a resumed run: how much of the above its earlier driver sessions processed
+        rows.append(("  of earlier sessions", f"{before['processed'][0]:,} processed, to the checkpoint this session "
+                                              f"resumed from (their fates are counted above)"))
     if s("tokens_unreadable"):  # never read, so not processed: a row of its own below the fates
         units = s("units_unreadable") or []
         rows.append(("unreadable (skipped units)", f"{s('tokens_unreadable'):,} tokens, estimated from metadata, in "

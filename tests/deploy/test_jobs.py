@@ -349,27 +349,31 @@ def _status(island, tokens, submitted, outbox):
                         inflight=0, cursor=0, submitted_tokens=[submitted], discarded_tokens=[0])
 
 
-def test_goodput_so_far_uses_the_summary_formula_and_clamps_a_torn_read():
-    from orchestrator.run.metrics import estimated_run_start, goodput_so_far
+def test_goodput_so_far_uses_the_summary_formula_and_a_stale_status_adds_up():
+    from orchestrator.run.metrics import estimated_run_start, goodput_so_far, live_ledger
 
     # Two islands trained from t=100 and t=102 (the clock starts at 102), one fragment.
     timeline = [(99.0, 0, 1, "restarting"), (99.5, 1, 1, "restarting"), (100.0, 0, 1, "training"), (102.0, 1, 1, "training")]
     assert estimated_run_start(timeline) == 102.0
     assert estimated_run_start(timeline[:3]) is None  # island 1 never trained yet
     slots = {0: {"status": _status(0, 4096, 4096, 0), "finals": []}, 1: {"status": _status(1, 2048, 2048, 0), "finals": []}}
-    status = {"versions": [3], "ledger": {"merged": [4096], "refused": [0], "pending": [0], "late": [0]}}
-    # A torn read of a live run: the outer optimizer already counts 6144 tokens received from island 0, whose last
-    # status says it submitted 4096. The formula gives lost = 4096 - 0 - 6144 = -2048, which made goodput_report
-    # raise mid-run (seen live); the live view clamps it to 0.
-    accounting = {"useful_s": 10.0, "advances": [103.0, 104.0, 110.0],
-                  "received": [[0, 1, [6144]], [1, 1, [2048]]]}
-    got = goodput_so_far(status=status, accounting=accounting, snapshot={"slots": slots, "timeline": timeline},
+    # A live read: island 0's last status says it submitted 4096 tokens, but the outer optimizer (its ledger and
+    # tokens received, of one moment) already merged 6144 of its: the status is older than the ledger. The old
+    # formula gave lost = 4096 - 6144 = -2048 (goodput_report raised mid-run, then a clamp broke the sum); island 0
+    # processed at least what it sent, and every count adds up.
+    status = {"versions": [3], "ledger": {"merged": [8192], "refused": [0], "pending": [0], "late": [0]},
+              "received": [[0, 1, [6144]], [1, 1, [2048]]]}
+    ledger = live_ledger(status=status, snapshot={"slots": slots})
+    assert ledger == {"processed": [8192], "merged": [8192], "refused": [0], "in_flight": [0], "lost": [0], "overwritten": [0]}
+    accounting = {"useful_s": 10.0, "advances": [103.0, 104.0, 110.0]}
+    got = goodput_so_far(ledger=ledger, accounting=accounting, snapshot={"slots": slots, "timeline": timeline},
                          run_start=102.0, now=112.0)
-    # Hand-computed: allocated = 2 islands x (112 - 102) s = 20 s; useful 10 s -> 0.5.
-    assert got["goodput"] == pytest.approx(0.5)
-    assert got["fates"]["lost"] == [0] and got["fates"]["merged"] == [4096]
-    assert got["tokens_processed"] == 6144
-    assert goodput_so_far(status=status, accounting=accounting, snapshot={"slots": slots, "timeline": timeline},
+    # Hand-computed: allocated = 2 islands x (112 - 102) s = 20 s; useful 10 s -> 0.5; a resumed session's
+    # goodput counts only its own useful time (4 s of the 10 were the restored checkpoint's).
+    assert got["goodput"] == pytest.approx(0.5) and got["tokens_processed"] == 8192 and got["fates"] is ledger
+    assert goodput_so_far(ledger=ledger, accounting=accounting, snapshot={"slots": slots, "timeline": timeline},
+                          run_start=102.0, now=112.0, useful_before=4.0)["goodput"] == pytest.approx(0.3)
+    assert goodput_so_far(ledger=ledger, accounting=accounting, snapshot={"slots": slots, "timeline": timeline},
                           run_start=None)["goodput"] is None
 
 
@@ -380,3 +384,19 @@ def test_refusal_kinds_are_a_small_set():
     assert refusal_kind("stale incarnation 1 of island 2 (live: 3)") == "stale"
     assert refusal_kind("unknown or dead island 7") == "unknown_island"
     assert refusal_kind("tensor 1: shape (2, 3) != (3, 2)") == "malformed"
+
+
+def test_diloco_status_shows_the_drivers_ledger_and_its_fates_add_up():
+    """`diloco status` prints the token ledger the driver noted at its last tick (the count its final table will
+    show), as whole fragment means that add up to processed (three fragments: thirds of a token)."""
+    from orchestrator.deploy.jobs import format_view
+
+    ledger = {"processed": [2560] * 3, "merged": [2048, 1536, 1536], "refused": [0] * 3, "in_flight": [512, 0, 0],
+              "lost": [0, 1024, 1024], "overwritten": [0] * 3}
+    view = {"run_id": "run-1", "now": 10.0, "run_start": None, "extra": {"token_ledger": ledger, "tokens_processed": 2560},
+            "status": {"versions": [1, 1, 1], "rounds": 3, "refusals": 0, "bytes_up": 0, "bytes_down": 0},
+            "snapshot": {"slots": {}, "salvages": [], "keeper_restarts": {}},
+            "so_far": {"goodput": None, "uptime": None, "fates": ledger, "tokens_processed": 2560}}
+    line = next(x for x in format_view(view).splitlines() if x.startswith("tokens processed"))
+    numbers = [int(n.replace(",", "")) for n in re.findall(r"\d[\d,]*", line)]
+    assert numbers[0] == 2560 == sum(numbers[1:]), line

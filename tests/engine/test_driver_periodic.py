@@ -29,7 +29,8 @@ def _run(fail_evals: int, fail_drains: int = 0) -> Run:
     run = Run.__new__(Run)  # no set-up: only what _periodic touches
     run.cfg = build_config({"eval": {"interval_s": 10.0}})
     run.eval_points, run.events, run.metrics = [], _Recorder(), _Recorder()
-    run.outer = run.snapshot = run.run_start = run.baseline = None
+    run.outer = run.snapshot = run.run_start = run.ledger = None
+    run.useful_before = 0.0
     run.stopped_by = None
     left = {"eval": fail_evals, "drain": fail_drains}
 
