@@ -123,7 +123,7 @@ def read_run_config(run_dir: str | Path) -> tuple[RunConfig, str]:
         mode = data.get("mode", "decoupled")
         if mode == DATA_PARALLEL_MODE:  # not an engine mode: the rest of the config is the engine's
             data = {k: v for k, v in data.items() if k != "mode"}
-        cfg = build_config(data)
+        cfg = build_config(data, recorded=True)  # a run records what it resolved; no-effect rules are for input
     except (ConfigError, yaml.YAMLError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise TrainedModelError(f"{path} is not a valid run config ({first}); was it edited by hand?") from None

@@ -243,3 +243,18 @@ def test_evaluate_scores_the_run_held_out_windows_or_another_corpus(tmp_path, ca
     assert f"unigram model of the same data: {got['unigram_bits_per_token']:.3f} bits/byte" in out
     assert diloco(["evaluate", str(tmp_path / "run"), "--set", "run.seed=3"]) == 2
     assert capsys.readouterr().err.startswith("diloco evaluate: --set 'run.seed=3': evaluation takes")
+
+
+def test_a_run_directory_loads_though_its_config_holds_a_setting_without_effect(tmp_path):
+    """config.yaml records what a run resolved, or what an older version of the engine accepted: the rules that
+    refuse a setting with no effect (config.INERT_RULES) are for what a user types, not for a run to read back."""
+    saved = write_run(tmp_path / "run")
+    path = tmp_path / "run" / "config.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["network"]["local_step_s"] = 0.5  # no effect under network scenario none: refused as input
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(Exception, match="has no effect"):
+        build_config({k: v for k, v in data.items() if k != "mode"})
+    trained = load_trained(tmp_path / "run")
+    got = dict(trained.model.named_parameters())
+    assert all(torch.equal(got[n], t) for n, t in saved[4].items())
