@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import TextIO
 
+from orchestrator.cli.model import import_from_cwd
 from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config, load_config, resume_conflict
+from orchestrator.run.progress import progress_fields
 from orchestrator.run.startup import Stage
 from orchestrator.run.summary import format_summary
 
@@ -39,19 +40,10 @@ class ProgressBar:
         if not self.tty and now - self._last < 10.0 and p.tokens < p.budget:
             return
         self._last = now
-        frac = min(1.0, p.tokens / p.budget)
+        frac, middle, islands = progress_fields(p)  # the same fields as fit()'s lines (orchestrator/run/progress.py)
         bar = "#" * int(frac * 24) + "." * (24 - int(frac * 24))
-        states = {}
-        for s in p.islands.values():
-            states[s] = states.get(s, 0) + 1
-        # Both losses in one unit, the final table's held-out bits (the islands report nats): one unit per line.
-        # Before the first loss (and the first evaluation) there is no number to show: "-", not "nan".
-        loss = "-" if p.train_loss is None else f"{p.train_loss / math.log(2):.3f}"
-        bpb = "-" if p.eval_bpb is None else f"{p.eval_bpb:.3f}"
-        line = (f"[{bar}] {frac:4.0%} {p.tokens / 1e6:6.2f}M/{p.budget / 1e6:.2f}M tokens | versions {p.versions}"
-                f" | rounds {p.rounds} | bits/{getattr(p, 'unit', 'token')}: train {loss}, held-out {bpb}"
-                f" | {p.elapsed_s:5.0f}s"
-                f" | islands {', '.join(f'{n} {k}' for k, n in sorted(states.items()))}")
+        line = (f"[{bar}] {frac:4.0%} {p.tokens / 1e6:6.2f}M/{p.budget / 1e6:.2f}M tokens | {middle}"
+                f" | {p.elapsed_s:5.0f}s | islands {islands}")
         self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
         self.stream.flush()
 
@@ -161,10 +153,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from orchestrator.run.workload import prepare
 
     # A --model in a file beside the user resolves as it does under `python -m` and in the islands (a local
-    # Ray puts the driver's working directory on its workers' path); the console script's path lacks it.
-    # Appended, so a local file never shadows an installed package.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    # Ray puts the driver's working directory on its workers' path), and as sample/evaluate/export resolve it.
+    import_from_cwd()
     try:
         prepared = prepare(cfg, run_dir=run_dir)  # a resume reads the tokenizer RUN_DIR saved, if any
     except ConfigError as err:

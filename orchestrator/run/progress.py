@@ -20,22 +20,30 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["ProgressPrinter", "progress_line"]
+__all__ = ["ProgressPrinter", "progress_fields", "progress_line"]
 
 
-def progress_line(p: Any) -> str:
-    """One line for a `Progress` `p` (orchestrator.run.driver.Progress): tokens, versions, rounds, losses, islands."""
+def progress_fields(p: Any) -> tuple[float, str, str]:
+    """What every progress line shows of a `Progress` `p` (orchestrator.run.driver.Progress), `fit()`'s and
+    `diloco train`'s bar alike: (fraction of the token budget, "versions ... | rounds ... | bits/UNIT: train X,
+    held-out Y", "N training, ..." island states). Both losses in one unit: the islands' nats in bits."""
     unit = getattr(p, "unit", "token")
     frac = min(1.0, p.tokens / p.budget) if p.budget else 0.0
     states: dict[str, int] = {}
     for s in p.islands.values():
         states[s] = states.get(s, 0) + 1
     # Before the first loss (and the first evaluation) there is no number to show: "-", not "nan".
-    train = "-" if p.train_loss is None else f"{p.train_loss / math.log(2):.3f}"  # the islands' nats, in bits
+    train = "-" if p.train_loss is None else f"{p.train_loss / math.log(2):.3f}"
     held = "-" if p.eval_bpb is None else f"{p.eval_bpb:.3f}"
     islands = ", ".join(f"{n} {k}" for k, n in sorted(states.items())) or "-"
-    return (f"progress {frac:4.0%}  {p.tokens / 1e6:.2f}M/{p.budget / 1e6:.2f}M tokens | versions {p.versions} | "
-            f"rounds {p.rounds} | bits/{unit}: train {train}, held-out {held} | {p.elapsed_s:.0f}s | islands {islands}")
+    return frac, f"versions {p.versions} | rounds {p.rounds} | bits/{unit}: train {train}, held-out {held}", islands
+
+
+def progress_line(p: Any) -> str:
+    """One line for a `Progress` `p` (orchestrator.run.driver.Progress): tokens, versions, rounds, losses, islands."""
+    frac, middle, islands = progress_fields(p)
+    return (f"progress {frac:4.0%}  {p.tokens / 1e6:.2f}M/{p.budget / 1e6:.2f}M tokens | {middle} | "
+            f"{p.elapsed_s:.0f}s | islands {islands}")
 
 
 class ProgressPrinter:
