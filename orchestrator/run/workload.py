@@ -37,8 +37,8 @@ from orchestrator.settings import model_recipe
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TRAINED_VOCAB", "TOKENIZER_FILE", "Prepared", "TrainingData", "Workload", "load_corpus", "prepare",
-           "recorded_config", "run_recipe", "training_data"]
+__all__ = ["CORPUS_FIELDS", "DEFAULT_TRAINED_VOCAB", "TOKENIZER_FILE", "Prepared", "TrainingData", "Workload", "load_corpus", "prepare",
+           "corpus_settings_replaced", "recorded_config", "run_recipe", "training_data"]
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,22 @@ def recorded_config(cfg: RunConfig, workload: Workload | None) -> RunConfig:
     return cfg
 
 
+# The corpus's own settings: datasets from Python replace the corpus, so these do nothing beside them.
+CORPUS_FIELDS = ("source", "path", "text_column", "token_column", "token_dtype", "tokenizer", "max_bytes",
+                 "tokenizer_sample_bytes")
+
+
+def corpus_settings_replaced(cfg: RunConfig) -> list[str]:
+    """One line per corpus setting (CORPUS_FIELDS) that `cfg` gives a value of its own, for a run on datasets from
+    Python, which replace the corpus: those settings do nothing. Warned, not refused: one config file may well
+    serve `diloco train` on a corpus and a script on its own datasets."""
+    defaults = type(cfg.data)()
+    given = [f for f in CORPUS_FIELDS if f in cfg.data.model_fields_set and getattr(cfg.data, f) != getattr(defaults, f)]
+    return [f"data.{f}={getattr(cfg.data, f)!r} has no effect: datasets= from Python replace the corpus it configures; "
+            f"drop it from the run config (or train without datasets= to use it)" for f in given if cfg.data.source != "python"
+            or f != "source"]
+
+
 @dataclass
 class Prepared:
     """A workload checked before Ray work starts: its data, recipe, a built model and its state tensors' roles."""
@@ -273,6 +289,9 @@ def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | No
     if cfg.data.source == "python" and (workload is None or workload.train is None):
         raise DataError("this run trained on datasets passed from Python (data.source 'python'); resume it from "
                         "Python with DilocoTrainer(..., datasets=..., resume=True)")
+    if workload is not None and workload.train is not None:
+        for line in corpus_settings_replaced(cfg):
+            log.warning("%s", line)
     data = training_data(cfg, workload, run_dir)
     recipe = run_recipe(cfg, data, workload)
     model = instantiate(recipe.model, recipe.seed)
