@@ -28,6 +28,7 @@ from orchestrator.run.streams import corpus_stream
 from orchestrator.run.summary import format_summary
 from orchestrator.run.workload import Workload
 from policies.chaos import Fault, FaultTape
+from tests.engine.test_token_ledger import assert_shown_everywhere
 from tests.integration.test_self_healing import actor, wait_for
 from tests.integration.test_stream_resume import BATCH, SEED, SEQ, VOCAB, WindowLog, unique_ids_model
 
@@ -142,6 +143,7 @@ def test_an_elastic_pool_waits_for_its_minimum_fills_on_join_and_loses_nothing_o
     assert summary["drained_tokens_lost"] == 0 and all(leave["tokens"] > 0 for leave in leaves), leaves
     assert summary["failures"] == 2  # S2's two islands; the drain was no failure
     assert "joins / leaves" in format_summary(summary)
+    assert_shown_everywhere(summary)  # leaves, joins and failures: every token counted once, and the tables add up
     # Goodput is over the capacity the run had: the spot slots' vacant time is not allocated.
     vacant = summary["time_by_state_s"]["vacant"]
     assert vacant > 0 and summary["allocated_s"] == pytest.approx(3 * (summary["run_end"] - summary["run_start"])
@@ -216,5 +218,6 @@ def test_chaos_tape_joins_a_node_and_drains_it_and_the_island_leaves_with_its_pr
     summary = out["summary"]
     assert summary["faults_injected"] == 2 and summary["joins"] == 1 and summary["leaves"] == 1, summary
     assert summary["leaves_merged"] == 1 and summary["drained_tokens_lost"] == 0 and summary["failures"] == 0, summary
+    assert_shown_everywhere(summary)
     labels = [n.get("Labels", {}).get("pool") for n in ray.nodes() if n["Alive"]]
     assert "scavenged" not in labels, "the node the tape started must not outlive the run"

@@ -18,6 +18,7 @@ from orchestrator.config import apply_overrides, build_config
 from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.run.driver import Run, resume_config, train
 from tests.conftest import add_pool_node
+from tests.engine.test_token_ledger import assert_shown_everywhere
 from tests.integration.test_self_healing import actor, finish, held, start, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -80,6 +81,7 @@ def test_losing_a_node_rebuilds_the_island_on_its_pool_never_another(ray_cluster
         if name not in nodes:  # give the session's cluster its node back for the tests that follow
             add_back(cluster, nodes, name)
     assert summary["failures"] == 1 and summary["restarts"] == 1 and summary["salvages"] == 1
+    assert_shown_everywhere(summary)
     assert summary["keeper_restarts"] == 0, "the keeper was neither on the lost node nor lost when it moved"
 
 
@@ -134,8 +136,14 @@ def test_resume_after_the_driver_dies_skipping_a_corrupt_checkpoint(ray_cluster,
     assert summary["resumed"] is True
     # The corrupt newest checkpoint was skipped: the resumed run started from the previous one.
     assert summary["evals"][0]["versions"] == previous.meta["outer"]["versions"]
-    assert summary["evals"][0]["tokens_processed"] == previous.meta["extra"]["tokens_processed"] > 0
+    # The earlier session's ledger as of that checkpoint: its merged and refused tokens as it counts them, its
+    # processed count as the dead driver last noted it (or more, where the checkpoint merged after the note), the
+    # rest lost to the interruption. The resumed run counts on from there, and the whole run adds up.
+    before, meta = summary["token_ledger_before"], previous.meta
+    assert before["merged"] == meta["outer"]["tokens_merged"] and before["refused"] == meta["outer"]["tokens_refused"]
+    assert summary["evals"][0]["tokens_processed"] == before["processed"][0] >= meta["extra"]["tokens_processed"] > 0
     assert summary["tokens_processed"] > summary["evals"][0]["tokens_processed"]
+    assert_shown_everywhere(summary)
     assert summary["versions"] > previous.meta["outer"]["versions"] or sum(summary["versions"]) > sum(previous.meta["outer"]["versions"])
     # New incarnations continue above the dead driver's, and nothing of the old run is left behind.
     assert all(isl["incarnation"] >= 2 for isl in summary["islands"])

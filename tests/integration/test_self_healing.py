@@ -18,6 +18,7 @@ from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.core.eventlog import read_events
 from orchestrator.run.driver import Run
 from policies.chaos import Fault, FaultTape
+from tests.engine.test_token_ledger import assert_shown_everywhere
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -176,11 +177,11 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
     finally:
         summary = finish(run, th, out)
 
-    # The run finished with every token accounted for.
-    ledger = summary["token_ledger"]
-    for p in range(2):
-        assert ledger["processed"][p] == (ledger["merged"][p] + ledger["refused"][p] + ledger["in_flight"][p]
-                                          + ledger["lost"][p] + ledger["overwritten"][p])
+    # The run finished with every token accounted for: processed = the sum of its fates in each fragment, one
+    # count in summary.json, the final table, report.md, the islands' rows and events, and the last evaluation.
+    assert_shown_everywhere(summary)
+    rows = read_events(tmp_path / "run", "islands").to_pylist()
+    assert sum(r["tokens_processed"] for r in rows) == summary["tokens_processed"], rows
     assert summary["tokens_lost"] > 0 and summary["tokens_refused"] > 0
     assert summary["failures"] == 3 and summary["restarts"] == 3 and summary["faults_injected"] == 3
     assert math.isfinite(summary["eval_loss"]) and summary["eval_loss"] < summary["evals"][0]["eval_loss"]

@@ -24,6 +24,7 @@ from orchestrator.config import build_config
 from orchestrator.core.eventlog import read_events
 from orchestrator.run.streams import corpus_stream
 from policies.chaos import Fault, FaultTape
+from tests.engine.test_token_ledger import FATES, assert_shown_everywhere
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -89,12 +90,22 @@ def test_streamed_islands_resume_exactly_across_kills_and_a_resumed_run(ray_clus
     run_dir = tmp_path / "run"
     first = DilocoTrainer(unique_ids_model, loss_fn=WindowLog(str(ids_dir)), run_config=cfg, run_dir=run_dir).fit()
     assert first.metrics["restarts"] >= 2, "both kills happened and were healed"
+    assert_shown_everywhere(first.metrics)  # two kills: their tokens counted once, in every fragment
     logs_first = set(ids_dir.glob("ids-*.log"))
     rounds = read_events(run_dir, "rounds").to_pylist()  # the first session's: the resume's start is checked against them
     refusals = read_events(run_dir, "refusals").to_pylist()
     again = DilocoTrainer(unique_ids_model, loss_fn=WindowLog(str(ids_dir)), run_dir=run_dir, resume=True,
                           run_config=build_config(config(corpus, None, budget=4_800))).fit()
     assert again.metrics["resumed"]
+    # One ledger across the resume: the first session's tokens keep their fates as of its final checkpoint (the
+    # one resumed from), and what was in flight when it stopped is lost; the whole run adds up.
+    assert_shown_everywhere(again.metrics)
+    before, ended = again.metrics["token_ledger_before"], first.metrics["token_ledger"]
+    assert {k: before[k] for k in ("processed", "merged", "refused", "overwritten")} == {
+        k: ended[k] for k in ("processed", "merged", "refused", "overwritten")}, (before, ended)
+    assert before["lost"] == [ended["lost"][p] + ended["in_flight"][p] for p in range(2)] and not any(before["in_flight"])
+    assert again.metrics["evals"][0]["tokens_processed"] == first.metrics["tokens_processed"]
+    assert all(again.metrics["token_ledger"][f][p] >= before[f][p] for f in FATES for p in range(2))
 
     streams = {i: replay(cfg, i, 400) for i in range(2)}
     where: dict[tuple, tuple[int, int]] = {}
