@@ -218,6 +218,12 @@ def test_submit_runs_on_the_cluster_status_attaches_and_metrics_export(head, tmp
         assert "island 0 pool a: " in seen_status and "goodput so far" in seen_status
         salvaged = r"^salvaged +0 tokens of dead islands' unsubmitted progress \(0 salvages; progress keepers replaced 0 times\)$"
         assert re.search(salvaged, seen_status, re.M), seen_status
+        # The driver's token ledger, as it noted it: the fates add up to processed.
+        tokens = re.search(r"^tokens processed +([\d,]+), of which merged ([\d,]+), refused ([\d,]+), in flight ([\d,]+), "
+                           r"lost ([\d,]+), overwritten ([\d,]+) \(per fragment, mean\)$", seen_status, re.M)
+        assert tokens, seen_status
+        counts = [int(n.replace(",", "")) for n in tokens.groups()]
+        assert counts[0] == sum(counts[1:]), seen_status
         submit.wait(timeout=300)
     finally:
         if submit.poll() is None:
@@ -245,13 +251,17 @@ def test_submit_runs_on_the_cluster_status_attaches_and_metrics_export(head, tmp
         text = scrape(head.metrics_port)
         rounds = metric_total(text, "ray_diloco_rounds_total")
         goodput = metric_total(text, "ray_diloco_goodput")
-        if (rounds == summary["rounds"] and goodput == pytest.approx(summary["goodput"])) or time.monotonic() > deadline:
+        processed = metric_total(text, "ray_diloco_tokens_processed")
+        if (rounds == summary["rounds"] and goodput == pytest.approx(summary["goodput"])
+                and processed == summary["tokens_processed"]) or time.monotonic() > deadline:
             break
         time.sleep(1)
     (tmp_path / "metrics.txt").write_text(text)  # to read when this fails
     assert rounds > 0, "ray_diloco_rounds_total never appeared on the metrics export port"
     assert rounds == summary["rounds"] and goodput == pytest.approx(summary["goodput"]), (rounds, goodput)
     assert metric_total(text, "ray_diloco_tokens_merged_total") > 0 and "ray_diloco_islands{" in text
+    # The token ledger's gauges: the final table's numbers, whose fates add up to processed.
+    assert processed == summary["tokens_processed"] == metric_total(text, "ray_diloco_tokens"), processed
 
     # After the run, nothing is live: one line that says so, and how to start one.
     after = diloco("status", "--address", head.gcs)
