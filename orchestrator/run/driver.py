@@ -591,7 +591,8 @@ class Run:
             return
         params, versions, at = self._start_point
         self._start_point = None
-        self._evaluate(self._t0, start=(params, versions), read=(self._t0, at, self._tokens()))
+        # 0 tokens: a fresh run's seeded parameters (a resume scores its restored start at once, _start_islands).
+        self._evaluate(self._t0, start=(params, versions), read=(self._t0, at, 0))
         self.unigram_bpb = self._unigram()
         if self.unigram_bpb is not None:
             log.info("unigram baseline %.3f bits/byte", self.unigram_bpb)
