@@ -5,7 +5,7 @@ runs in a fresh Python process, in an empty directory, with no DILOCO_RAY_ADDRES
 script, it starts its own local Ray inside fit() and stops it. The test asserts it exits 0, shows its
 start-up and progress (fit()'s default), and prints its held-out loss falling from the starting point, to
 below a uniform guess over bytes (ln 256 = 5.55 nats). Then, from the same directory, as a user would,
-`diloco sample`, `diloco evaluate` and `diloco export` (as `python -m orchestrator.cli`) read its run
+`diloco sample`, `diloco evaluate` and `diloco export` (the CLI's `main`, in this process) read its run
 directory: its model is the script's `make_model`, which config.yaml records by the script's module.
 """
 
@@ -88,7 +88,7 @@ def test_the_example_is_short_and_compiles():
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_the_example_runs_as_written(tmp_path):
+def test_the_example_runs_as_written(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
     code, doc = example()
     script = tmp_path / "example.py"
@@ -110,27 +110,37 @@ def test_the_example_runs_as_written(tmp_path):
     assert re.search(r"^start-up .*starting a local Ray$", done.stderr, re.MULTILINE), done.stderr[-2000:]
     assert re.search(r"^progress 100% .* \| bits/byte: train \d+\.\d+, held-out \d+\.\d+ \|",
                      done.stderr, re.MULTILINE), f"fit() shows its progress by default:\n{done.stderr[-2000:]}"
-    the_cli_reads_its_run_directory(tmp_path, env, last)
+    the_cli_reads_its_run_directory(tmp_path, last, monkeypatch, capsys)
 
 
-def the_cli_reads_its_run_directory(cwd: Path, env: dict[str, str], final_loss: float) -> None:
-    """`diloco sample`, `evaluate` and `export` on the example's run directory, side by side, from its directory."""
+def the_cli_reads_its_run_directory(cwd: Path, final_loss: float, monkeypatch, capsys) -> None:
+    """`diloco sample`, `evaluate` and `export` on the example's run directory, from its directory.
+
+    In this process, through the CLI's own `main` (what the `diloco` console script calls), one after the other:
+    three fresh interpreters importing torch and transformers cost about 50 s of CI's serial Ray group, and what
+    the test is after is how the commands find the model the run recorded (`example:make_model`), which the
+    console script resolves the same way: from the working directory (orchestrator.cli.model.import_from_cwd)."""
     import torch
     import yaml
+
+    from orchestrator.cli.main import main as diloco
 
     run = "runs/my-llama"
     assert yaml.safe_load((cwd / run / "config.yaml").read_text())["model"]["factory"] == "example:make_model"
     commands = {"sample": ["sample", run, "--prompt", "def ", "--bytes", "40"], "evaluate": ["evaluate", run],
                 "export": ["export", run, "--out", "model.pt"]}
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(cwd))])  # as the console script's
+    monkeypatch.delitem(sys.modules, "example", raising=False)
     start = time.monotonic()
-    running = {name: subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for name, args in commands.items()}
     out = {}
-    for name, proc in running.items():
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-        assert proc.returncode == 0, f"diloco {name} {run} failed:\n{stderr[-2000:]}"
-        out[name] = stdout
+    capsys.readouterr()
+    for name, args in commands.items():
+        code = diloco(args)
+        got = capsys.readouterr()
+        assert code == 0, f"diloco {name} {run} failed:\n{got.err[-2000:]}"
+        out[name] = got.out
+    sys.modules.pop("example", None)  # the example's module, imported from tmp_path by the commands
     print(f"diloco sample, evaluate and export ran in {time.monotonic() - start:.1f} s")
     assert out["sample"].startswith("def ") and len(out["sample"]) > len("def \n")
     # The last checkpoint is the model the run's final evaluation scored, on the same held-out windows.

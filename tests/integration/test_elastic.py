@@ -180,6 +180,10 @@ def test_an_elastic_pool_waits_for_its_minimum_fills_on_join_and_loses_nothing_o
         assert ends[slot, 1] == steps1, f"slot {slot}: the island that left merged up to batch {ends[slot, 1]} of {steps1}"
 
 
+# Extended (about 22 s of CI's serial Ray group): benchmarks/elastic.py runs both capacity kinds from a tape on every
+# run of it, the tapes and Poisson draws of them are pure tests (tests/policies/test_chaos_capacity.py), and the test
+# above drains and adds nodes directly; this one checks the injector's own `ray start` node and GCS drain end to end.
+@pytest.mark.extended
 def test_chaos_tape_joins_a_node_and_drains_it_and_the_island_leaves_with_its_progress(ray_cluster, tmp_path):
     """The chaos kinds for capacity: `node_joins` starts a labelled node (EMULATION: `ray start` on this machine)
     whose island joins; `drain_node` drains it through the GCS with a deadline, its island leaves with every
