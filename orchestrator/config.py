@@ -8,16 +8,18 @@ The reference, with the reasoning and measurements behind the settings, is docs/
 from __future__ import annotations
 
 import math
+import re
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from islands.spec import ModelConfig, model_config
-from orchestrator.config_errors import format_validation_error
+from orchestrator.config_errors import format_validation_error, printable
 from policies.network import SCENARIOS as NETWORK_SCENARIOS
 from policies.sync_schedule import check_schedule_pairs, check_sync_every
 
@@ -59,8 +61,50 @@ class ConfigError(ValueError):
     """A configuration problem, stated in one line with the field and the fix."""
 
 
+INT64 = 1 << 63
+"""Whole numbers of the config are below this in size: they reach numpy, torch and Ray as 64-bit integers."""
+
+
+def _boolean_number(annotation: Any, v: Any) -> bool:
+    """Whether `v` is a bool where `annotation` takes a number (int or float, alone or in a union), at any depth
+    of its dicts, lists and tuples (pool resources, sync_every_schedule's pairs)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _boolean_number(args[0], v)
+    if isinstance(v, bool):
+        members = args if origin in (Union, types.UnionType) else (annotation,)
+        return bool({int, float} & set(members)) and bool not in members
+    if origin is dict and len(args) == 2 and isinstance(v, dict):
+        return any(_boolean_number(args[1], x) for x in v.values())
+    if origin is list and len(args) == 1 and isinstance(v, (list, tuple)):
+        return any(_boolean_number(args[0], x) for x in v)
+    if origin is tuple and isinstance(v, (list, tuple)) and len(args) == len(v):
+        return any(_boolean_number(a, x) for a, x in zip(args, v))
+    return False
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Numbers are finite (a field that takes inf says so: allow_inf_nan=True), never booleans, and whole
+    # numbers fit in 64 bits; the fuzz test (tests/engine/test_config_fuzz.py) holds every field to it.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic reads True as 1: `--set outer.num_fragments=yes` would train with one fragment.
+        if isinstance(v, (bool, dict, list, tuple)) and info.field_name is not None and _boolean_number(
+                cls.model_fields[info.field_name].annotation, v):
+            got = v if isinstance(v, bool) else f"a boolean in {v!r}"
+            raise ValueError(f"Input should be a number, got {got} (YAML reads true, yes and on as a boolean); write "
+                             f"the number itself")
+        return v
+
+    @field_validator("*")
+    @classmethod
+    def _within_int64(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool) and not -INT64 <= v < INT64:
+            raise ValueError(f"Input should be less than 2**63 in size (a 64-bit integer), got {v}; write a smaller number")
+        return v
 
 
 class ModelSection(_Section):
@@ -174,9 +218,9 @@ class OuterSection(_Section):
     num_fragments: int = Field(2, ge=1, description="P: fragments the parameters are split into (size-balanced).")
     sync_every_steps: int = Field(40, ge=1, description="H: inner steps between two submissions of the same fragment.")
     min_quorum: int | Literal["all"] = Field(1, description="K: submissions a round waits for; 'all' = every island.")
-    grace_gamma: float = Field(0.5, ge=0, description="gamma in grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, cap); "
+    grace_gamma: float = Field(0.5, ge=0, allow_inf_nan=True, description="gamma in grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, cap); "
                                "inf = wait for all live islands.")
-    grace_cap_s: float = Field(2.0, ge=0, description="Upper bound of the grace window, seconds (inf allowed).")
+    grace_cap_s: float = Field(2.0, ge=0, allow_inf_nan=True, description="Upper bound of the grace window, seconds (inf allowed).")
     tau_steps: float | None = Field(None, gt=0, description="tau: inner steps a submission may be in flight; "
                                       "None = H/P (H as sync_every_schedule has it at the time).")
     weighting: Literal["tokens", "uniform"] = Field("tokens", description="'tokens': w = tokens*tokens/steps; 'uniform'.")
@@ -292,7 +336,7 @@ class PoolConfig(_Section):
     min_islands: int | None = Field(None, ge=0, description="Elastic pool: islands that must be placed before the run starts "
                                     "(the 'min' of islands: {min, max}); None = a fixed pool of `islands`.")
     labels: dict[str, str] = Field(default_factory=dict, description="Node labels every bundle must match (bundle_label_selector), e.g. {pool: a}.")
-    resources: dict[str, float] = Field(default_factory=dict, description="Custom resources every bundle asks for, e.g. {pool_a: 1}.")
+    resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict, description="Custom resources every bundle asks for, e.g. {pool_a: 1}.")
     cpus_per_island: float = Field(1.0, gt=0, description="Logical CPUs reserved per island worker bundle.")
     region: str = Field("local", description="Region name for reports and the network model (network.scenario).")
     accelerator: str = Field("cpu", description="Hardware kind of this pool's nodes, e.g. 'cpu', 'H100', 'v5p'; islands use CUDA when it is not 'cpu'.")
@@ -322,10 +366,10 @@ class PoolConfig(_Section):
                              f"e.g. islands: {{min: 2, max: 6}}")
         lo, hi = rng["min"], rng["max"]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo <= hi or hi < 1:
-            raise ValueError(f"pool {name!r}: islands {{min: {lo}, max: {hi}}} needs whole numbers 0 <= min <= max, "
+            raise ValueError(f"pool {name!r}: islands {{min: {lo!r}, max: {hi!r}}} needs whole numbers 0 <= min <= max, "
                              f"max >= 1; e.g. islands: {{min: 2, max: 6}}")
         if data.get("min_islands") is not None and data["min_islands"] != lo:
-            raise ValueError(f"pool {name!r}: islands.min {lo} conflicts with min_islands {data['min_islands']}; give one")
+            raise ValueError(f"pool {name!r}: islands.min {lo} conflicts with min_islands {data['min_islands']!r}; give one")
         return {**data, "islands": hi, "min_islands": lo}
 
     @model_validator(mode="after")
@@ -456,7 +500,7 @@ class RunSection(_Section):
     max_wall_s: float | None = Field(None, gt=0, description="Hard wall-clock stop in seconds (None = only the token budget).")
     stop_at_eval_loss: float | None = Field(None, gt=0, description="Stop early once the held-out loss (nats/byte) is at or below this at 2 "
                                              "evaluations in a row (None = never); for timing a run to a target loss.")
-    seed: int = Field(0, description="Seed for model init, data order and emulation jitter.")
+    seed: int = Field(0, ge=0, description="Seed for model init, data order and emulation jitter.")
     final_flush: bool = Field(True, description="At stop, cut every island's unsubmitted progress into submissions and merge them "
                               "whatever the quorum (else that work is lost), as one step to their weighted mean (no RDA, no momentum).")
     placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for an island's placement group.")
@@ -498,7 +542,10 @@ class RunConfig(_Section):
     @classmethod
     def _apply_mode(cls, data: Any) -> Any:
         # A mode is a preset of outer settings; an explicit conflicting value is an error, not a silent override.
-        if not isinstance(data, dict) or not MODE_PRESETS.get(data.get("mode")):
+        # A mode that is not a word, or an outer that is not a section, is left to the fields' own checks.
+        if not isinstance(data, dict) or not isinstance(data.get("mode"), str) or not MODE_PRESETS.get(data["mode"]):
+            return data
+        if not isinstance(data.get("outer") or {}, (dict, BaseModel)):
             return data
         mode = data["mode"]
         outer = dict(data.get("outer") or {})
@@ -655,7 +702,7 @@ INERT_RULES: tuple[InertRule, ...] = (
               "drop data.vocab_size, or set data.tokenizer=train to train a vocabulary of that size"),
     InertRule("data.tokenizer_sample_bytes", _unless_python(
         lambda c: None if c.data.tokenizer == "train" else f"only data.tokenizer=train reads a sample, and it is "
-                                                           f"'{c.data.tokenizer}'"),
+                                                           f"{c.data.tokenizer!r}"),
               "set data.tokenizer=train, or drop data.tokenizer_sample_bytes"),
     InertRule("pools.data_path", _unless_python(
         lambda c: "copies are for parquet or token-file corpora, and data.source is 'stdlib'" if _src("stdlib")(c) else None),
@@ -710,7 +757,7 @@ def inert_setting(cfg: RunConfig, *, only: tuple[tuple[str, ...], ...] | None = 
     for rule in INERT_RULES:
         section, name = rule.field.split(".")
         if section == "pools":
-            holders = [(f"pools.{p.name}.{name}", p, [("pools", k, name) for k in (str(i), p.name)])
+            holders = [(f"pools.{printable(p.name)}.{name}", p, [("pools", k, name) for k in (str(i), p.name)])
                        for i, p in enumerate(cfg.pools)]
         else:
             holders = [(rule.field, getattr(cfg, section), [(section, name)])]
@@ -718,7 +765,7 @@ def inert_setting(cfg: RunConfig, *, only: tuple[tuple[str, ...], ...] | None = 
             if any(_overridden(only, k) for k in keys) and _given(holder, name):
                 why = rule.inert(cfg)
                 if why is not None:
-                    fix = rule.fix if section != "pools" else rule.fix.replace("the pool", f"pools.{holder.name}")
+                    fix = rule.fix if section != "pools" else rule.fix.replace("the pool", f"pools.{printable(holder.name)}")
                     return f"{shown}={getattr(holder, name)!r} has no effect: {why}; {fix}"
     return None
 
@@ -748,23 +795,34 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     path = [p for p in key.strip().split(".") if p]
     if not path:
         raise ConfigError(f"--set {item!r} has an empty key; write e.g. --set run.token_budget=100000")
-    return path, yaml.safe_load(raw) if raw.strip() else None
+    if not raw.strip():
+        return path, None
+    try:
+        return path, yaml.safe_load(raw)
+    except yaml.YAMLError as err:  # an unclosed bracket or quote, a tab or control character, an unknown tag
+        why, name = printable(getattr(err, "problem", None) or str(err).splitlines()[0]), printable(".".join(path))
+        raise ConfigError(f"--set {item!r}: the value of {name} is not valid YAML ({why}); close its brackets and "
+                          f"quotes, or quote it whole as a string: --set \"{name}='...'\"") from None
 
 
 def _list_entry(item: str, key: str, entries: list[Any], part: str) -> Any:
     """The entry of list `key` that `part` names: an index, or the `name` of a dict entry (pools by name)."""
-    names = [e.get("name") for e in entries if isinstance(e, dict)]
-    if part.lstrip("-").isdigit():
+    key = printable(key)
+    names = [printable(str(e.get("name"))) for e in entries if isinstance(e, dict)]
+    if not entries:
+        raise ConfigError(f"--set {item!r}: {key} is empty, so it has no entry '{printable(part)}'; set the whole list "
+                          f"instead, e.g. --set '{key}=[...]'")
+    if re.fullmatch(r"-?[0-9]+", part):  # ASCII digits: '²'.isdigit() holds, int('²') does not
         i = int(part)
         if not 0 <= i < len(entries):
             raise ConfigError(f"--set {item!r}: {key} has {len(entries)} entries, so index {i} does not exist; "
-                              f"use 0..{len(entries) - 1}" + (f" or a name ({', '.join(map(str, names))})" if names else ""))
+                              f"use 0..{len(entries) - 1}" + (f" or a name ({', '.join(names)})" if names else ""))
         return entries[i]
     for e in entries:
         if isinstance(e, dict) and e.get("name") == part:
             return e
-    raise ConfigError(f"--set {item!r}: {key} has no entry named {part!r}; use one of {', '.join(map(str, names))} "
-                      f"or an index 0..{len(entries) - 1}")
+    raise ConfigError(f"--set {item!r}: {key} has no entry named '{printable(part)}'; use "
+                      + (f"one of {', '.join(names)} or " if names else "") + f"an index 0..{len(entries) - 1}")
 
 
 class Overridden(dict):
@@ -801,11 +859,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> Overridden:
                     default = _default_lists().get(part) if depth == 0 else None
                     child = node[part] = default if default is not None else {}
             if not isinstance(child, (dict, list)):
-                raise ConfigError(f"--set {item!r}: '{part}' is not a section")
+                raise ConfigError(f"--set {item!r}: '{printable(part)}' is not a section")
             node = child
         if isinstance(node, list):
-            raise ConfigError(f"--set {item!r}: {'.'.join(path)} is a whole entry of a list; set one of its "
-                              f"fields, e.g. --set {'.'.join(path)}.islands=2")
+            raise ConfigError(f"--set {item!r}: {printable('.'.join(path))} is a whole entry of a list; set one of its "
+                              f"fields, e.g. --set {printable('.'.join(path))}.islands=2")
         node[path[-1]] = value
     return out
 
@@ -831,6 +889,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); "
+                              f"save it as UTF-8") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level, got {type(loaded).__name__}")
         data = loaded or {}

@@ -18,6 +18,12 @@ from pydantic import BaseModel, ValidationError
 SPELLING_HINT = "see configs/default.yaml"
 
 
+def printable(text: str) -> str:
+    """`text` with its unprintable characters (a newline, a tab, a bell) escaped, so that a user's key or name
+    shown in a message keeps it one line: 'a\\nb' for 'a', newline, 'b'."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _model(annotation: Any) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
@@ -64,11 +70,11 @@ def format_validation_error(err: ValidationError, root: type[BaseModel]) -> str:
     errors = err.errors()
     first = errors[0]
     parts, tagged, holder = field_path(root, tuple(first["loc"]))
-    where = ".".join(parts) or "config"
+    where = printable(".".join(parts)) or "config"
     if first["type"] == "extra_forbidden":
         known = list(holder.model_fields) if holder is not None else []
         close = difflib.get_close_matches(parts[-1], known, n=1, cutoff=0.6)
-        near = "".join(f"'{'.'.join([*parts[:-1], c])}'" for c in close)
+        near = "".join(f"'{printable('.'.join([*parts[:-1], c]))}'" for c in close)
         return (f"unknown config field '{where}'; remove it or check the spelling"
                 + (f": did you mean {near}?" if near else "") + f" ({SPELLING_HINT})")
     cause = first.get("ctx", {}).get("error")
