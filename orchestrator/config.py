@@ -845,10 +845,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> Overridden:
     (RunConfig's), so this works without a config file too.
     """
     out = Overridden(yaml.safe_load(yaml.safe_dump(dict(data))))  # deep copy through plain types
-    out.overridden = (data.overridden if isinstance(data, Overridden) else ()) + tuple(
-        tuple(_parse_override(item)[0]) for item in overrides)
-    for item in overrides:
-        path, value = _parse_override(item)
+    parsed = [(item, *_parse_override(item)) for item in overrides]  # every item's key and value checked first
+    out.overridden = (data.overridden if isinstance(data, Overridden) else ()) + tuple(tuple(path) for _, path, _ in parsed)
+    for item, path, value in parsed:
         node: Any = out
         for depth, part in enumerate(path[:-1]):
             if isinstance(node, list):
@@ -856,7 +855,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> Overridden:
             else:
                 child = node.get(part)
                 if child is None:
-                    default = _default_lists().get(part) if depth == 0 else None
+                    listed = depth == 0 and get_origin(getattr(RunConfig.model_fields.get(part), "annotation", None)) is list
+                    default = _default_lists().get(part) if listed else None  # a section starts empty: no defaults to build
                     child = node[part] = default if default is not None else {}
             if not isinstance(child, (dict, list)):
                 raise ConfigError(f"--set {item!r}: '{printable(part)}' is not a section")
