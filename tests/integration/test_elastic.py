@@ -46,7 +46,9 @@ def config(corpus) -> dict:
                  "unit_tokens": 1024, "batch_size": BATCH, "block_batches": 4},
         "outer": {"sync_every_steps": 8, "num_fragments": 2},
         "eval": {"interval_s": 5.0, "batches": 2, "batch_size": 8},
-        "health": {"warm_spares": 0, "salvage_every_steps": 0, "backoff_base_s": 0.2, "tick_s": 0.2},
+        # A node start on two loaded cores can starve island 0 for seconds: a hang (5 s floor) would be a third
+        # failure this test does not mean to count; hang detection has tests of its own (test_self_healing).
+        "health": {"warm_spares": 0, "salvage_every_steps": 0, "backoff_base_s": 0.2, "tick_s": 0.2, "hang_floor_s": 60.0},
         "pools": [  # EMULATION: throttled steps, so the 2 cores keep up with the process starts under test
             {"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "emulated_slowdown": 20.0},
             {"name": "spot", "islands": {"min": 1, "max": 2}, "labels": {"pool": "spot"}, "cpus_per_island": 0.5,
@@ -196,7 +198,7 @@ def test_chaos_tape_joins_a_node_and_drains_it_and_the_island_leaves_with_its_pr
         "model": {"preset": "nano"},
         "data": {"max_bytes": 1_000_000},
         "eval": {"interval_s": 5.0, "batches": 2},
-        "health": {"warm_spares": 0, "salvage_every_steps": 0, "tick_s": 0.2},
+        "health": {"warm_spares": 0, "salvage_every_steps": 0, "tick_s": 0.2, "hang_floor_s": 60.0},
         "chaos": {"mode": "tape", "params": {"path": str(tape)}},
         "pools": [
             {"name": "a", "islands": 1, "labels": {"pool": "a"}, "cpus_per_island": 0.5, "emulated_slowdown": 3.0},
