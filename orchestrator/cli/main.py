@@ -21,6 +21,8 @@ import argparse
 import logging
 import sys
 
+from orchestrator.run.notices import quiet_ray_notices
+
 # Command -> the module of orchestrator.cli that registers it, in `diloco --help` order.
 COMMANDS = {
     "train": "train",
@@ -91,29 +93,6 @@ def _stderr_handler() -> logging.Handler:
     h.setLevel(logging.WARNING)
     h.setFormatter(_Console("%(message)s"))
     return h
-
-
-# Ray's notice that the local Ray it starts has token authentication on (RAY_AUTH_MODE unset) lands in the
-# middle of the start-up lines; docs/jobs.md says what token authentication means for other clients. Its
-# warning that authentication is *off* (a security notice) is kept.
-RAY_NOTICES = {"ray._private.authentication.authentication_token_setup": "Token authentication is enabled for this Ray cluster"}
-
-
-class _DropNotice(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
-
-
-def quiet_ray_notices() -> None:
-    """Keep Ray's start-up notices listed in RAY_NOTICES off the console (filters on Ray's own loggers)."""
-    for name, prefix in RAY_NOTICES.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropNotice) for f in logger.filters):
-            logger.addFilter(_DropNotice(prefix))
 
 
 if __name__ == "__main__":

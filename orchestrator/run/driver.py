@@ -52,6 +52,7 @@ from orchestrator.core.accounting import (
 from orchestrator.core.evaluation import Evaluator
 from orchestrator.core.eventlog import EventLog
 from orchestrator.run.metrics import RunMetrics
+from orchestrator.run.notices import quiet_ray_notices
 from orchestrator.run.preflight import preflight, resume_config
 from orchestrator.run.results import emulation_note, record_stop_events, run_summary
 from orchestrator.run.setup import (
@@ -268,6 +269,7 @@ def ensure_ray(cfg: RunConfig, address: str | None, *, init: Callable[..., Any] 
     # address="local": never join some other cluster running on this machine by accident. No job runtime env:
     # WORKER_ENV reaches the workers through the environment Ray's processes inherit, so that the run's first
     # actors (empty runtime env) can take the workers Ray prestarts (local_system_config).
+    quiet_ray_notices()  # fit() as diloco train: no token-auth notice between the start-up lines
     with _environment(local_worker_env()):
         start_local_ray(init, address="local", num_cpus=num_cpus, include_dashboard=False,
                         logging_level=logging.WARNING,

@@ -51,7 +51,7 @@ def test_the_cli_console_leaves_out_rays_token_notice_and_module_names():
     done = _python(
         "import ray\n"
         "from ray._private.authentication import authentication_token_setup as auth\n"
-        "from orchestrator.cli.main import quiet_ray_notices\n"
+        "from orchestrator.run.notices import quiet_ray_notices\n"
         "quiet_ray_notices()\n"
         "auth._warn_token_auth_enabled()  # ray.init starting a local Ray with RAY_AUTH_MODE unset\n"
         "auth._warn_token_auth_disabled()  # a security notice: kept\n")
@@ -61,3 +61,15 @@ def test_the_cli_console_leaves_out_rays_token_notice_and_module_names():
 
     record = logging.LogRecord("orchestrator.run.driver", logging.WARNING, __file__, 1, "stopping on %s", ("max_wall_s",), None)
     assert _stderr_handler().format(record) == "diloco: stopping on max_wall_s"
+
+
+def test_fit_starts_its_local_ray_with_rays_token_notice_left_out():
+    # DilocoTrainer.fit() and init_ray start a local Ray through ensure_ray, not the CLI: the same filter must be on
+    # Ray's logger by the time ray.init runs (the stand-in init below emits the notice as Ray's start does).
+    done = _python(
+        "from ray._private.authentication import authentication_token_setup as auth\n"
+        "from orchestrator.config import RunConfig\n"
+        "from orchestrator.run.driver import ensure_ray\n"
+        "ensure_ray(RunConfig(), None, init=lambda **kw: auth._warn_token_auth_enabled())\n")
+    assert done.returncode == 0, done.stderr
+    assert "Token authentication is enabled" not in done.stderr, done.stderr
