@@ -1,7 +1,7 @@
 """`diloco`: the command line. Environment variables are read here and nowhere else.
 
 Examples:
-  diloco train                                   # the default: 4 islands, 2 pools, 3M tokens, 72 s of training on 2 cores
+  diloco train                                   # the default: 4 islands, 2 pools, 3M tokens, 109 s of training on 2 cores
   diloco train --run-dir runs/sync --set mode=sync-diloco
   diloco train --config configs/default.yaml --set run.token_budget=2000000 --set outer.min_quorum=2
   diloco train --model mypkg.models:build --loss mypkg.models:loss   # your own torch.nn.Module (docs/models.md)
