@@ -64,7 +64,7 @@ from orchestrator.run.setup import (
     start_monitor,
 )
 from orchestrator.run.startup import Stage, islands_ready, placing_text, stepped_islands
-from orchestrator.run.streams import heldout_unigram_bits
+from orchestrator.run.streams import heldout_unigram_bits, loss_unit
 from orchestrator.run.workload import (
     TOKENIZER_FILE,
     Prepared,
@@ -677,7 +677,7 @@ class Run:
             eval_bpb=self.eval_points[-1]["eval_bits_per_byte"] if self.eval_points else None,
             elapsed_s=time.monotonic() - t0,
             islands={f"{s['pool']}/{i}": s["state"] for i, s in self.snapshot["slots"].items()},
-            unit="byte" if self.data.is_tokens and str(getattr(self.data.heldout, "dtype", "")) == "uint8" else "token",
+            unit=loss_unit(self.data.heldout) if self.data.is_tokens else "token",
         ))
 
     def train(self) -> dict:

@@ -206,6 +206,12 @@ def sample_texts(index: CorpusIndex, *, max_bytes: int) -> list[str]:
     return texts
 
 
+def loss_unit(heldout: Any) -> str:
+    """What a run's losses are per: "byte" where the held-out tokens are text read as bytes (uint8 ids, a token IS
+    a byte: islands.corpus), else "token"."""
+    return "byte" if isinstance(heldout, np.ndarray) and heldout.dtype == np.uint8 else "token"
+
+
 def heldout_unigram_bits(heldout: np.ndarray, vocab_size: int) -> float:
     """The unigram baseline of a streamed corpus, whose training tokens the driver never reads: an add-one unigram
     fitted on the first half of the held-out sample, scored on the second (islands.data.unigram_bits_per_byte)."""

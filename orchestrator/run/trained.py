@@ -269,7 +269,7 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None, 
     from islands.data import DataError
     from islands.sampling import vocab_size
     from orchestrator.core.evaluation import Evaluator
-    from orchestrator.run.streams import corpus_stream, heldout_unigram_bits
+    from orchestrator.run.streams import corpus_stream, heldout_unigram_bits, loss_unit
 
     overrides = list(overrides or [])
     for item in overrides:
@@ -313,7 +313,7 @@ def evaluate_trained(trained: TrainedModel, overrides: list[str] | None = None, 
     return {"eval_loss": value, "eval_bits_per_token": bits,
             "unigram_bits_per_token": heldout_unigram_bits(corpus.heldout, corpus.vocab_size),
             "tokens": sum(x.numel() for x, _ in evaluator.batches), "source": corpus.source,
-            "unit": "byte" if corpus.heldout.dtype.itemsize == 1 else "token"}  # uint8 = byte text (islands.corpus)
+            "unit": loss_unit(corpus.heldout)}
 
 
 def export_model(trained: TrainedModel, path: str | Path, *, format: str = "torch", overwrite: bool = False) -> Path:
