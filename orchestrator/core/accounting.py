@@ -86,10 +86,11 @@ def token_fates(
     refused = [ledger["refused"][p] - prior["refused"][p] for p in range(P)]
     in_flight = [ledger["pending"][p] + ledger["late"][p] for p in range(P)]
     lost, overwritten, processed = [0] * P, [0] * P, [0] * P
+    live, dead = list(live), list(dead)
     statuses = {(st.island, st.incarnation): (st, True) for st in live}
-    statuses.update({(st.island, st.incarnation): (st, False) for st in dead})
+    statuses.update({(st.island, st.incarnation): (st, False) for st in dead})  # a dead status is the later one
     zero = [0] * P
-    for key, seen in incarnation_tokens([], [s for s, _ in statuses.values()], received).items():
+    for key, seen in incarnation_tokens(live, dead, received).items():
         st, alive = statuses.get(key, (None, False))
         got = received.get(key, zero)
         for p in range(P):
