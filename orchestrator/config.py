@@ -735,7 +735,7 @@ INERT_RULES: tuple[InertRule, ...] = (
 """Settings refused where the others leave them no effect (docs/config.md, "Settings that have no effect")."""
 
 
-def _given(section: BaseModel, name: str) -> bool:
+def given_setting(section: BaseModel, name: str) -> bool:
     """Whether the config gave `section.name` a value of its own: set explicitly, and not to its default."""
     if name not in section.model_fields_set:
         return False
@@ -762,7 +762,7 @@ def inert_setting(cfg: RunConfig, *, only: tuple[tuple[str, ...], ...] | None = 
         else:
             holders = [(rule.field, getattr(cfg, section), [(section, name)])]
         for shown, holder, keys in holders:
-            if any(_overridden(only, k) for k in keys) and _given(holder, name):
+            if any(_overridden(only, k) for k in keys) and given_setting(holder, name):
                 why = rule.inert(cfg)
                 if why is not None:
                     fix = rule.fix if section != "pools" else rule.fix.replace("the pool", f"pools.{printable(holder.name)}")

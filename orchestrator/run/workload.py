@@ -22,7 +22,7 @@ from islands.data import Corpus, DataError
 from islands.model_api import ModelError, check_loss, first_line
 from islands.spec import ModelRecipe
 from islands.stream import TokenStream
-from orchestrator.config import RunConfig
+from orchestrator.config import RunConfig, given_setting
 from orchestrator.run.import_paths import import_path_of
 from orchestrator.run.streams import (
     DEFAULT_TRAINED_VOCAB,
@@ -234,11 +234,10 @@ def corpus_settings_replaced(cfg: RunConfig) -> list[str]:
     """One line per corpus setting (CORPUS_FIELDS) that `cfg` gives a value of its own, for a run on datasets from
     Python, which replace the corpus: those settings do nothing. Warned, not refused: one config file may well
     serve `diloco train` on a corpus and a script on its own datasets."""
-    defaults = type(cfg.data)()
-    given = [f for f in CORPUS_FIELDS if f in cfg.data.model_fields_set and getattr(cfg.data, f) != getattr(defaults, f)]
+    skip = ("source",) if cfg.data.source == "python" else ()  # what a resumed run on datasets records, not a corpus
     return [f"data.{f}={getattr(cfg.data, f)!r} has no effect: datasets= from Python replace the corpus it configures; "
-            f"drop it from the run config (or train without datasets= to use it)" for f in given if cfg.data.source != "python"
-            or f != "source"]
+            f"drop it from the run config (or train without datasets= to use it)"
+            for f in CORPUS_FIELDS if f not in skip and given_setting(cfg.data, f)]
 
 
 @dataclass
