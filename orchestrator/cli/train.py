@@ -13,7 +13,7 @@ from typing import TextIO
 
 from orchestrator.cli.model import import_from_cwd
 from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config, load_config, resume_conflict
-from orchestrator.run.progress import progress_fields
+from orchestrator.run.progress import progress_fields, stage_line
 from orchestrator.run.startup import Stage
 from orchestrator.run.summary import format_summary
 
@@ -32,7 +32,7 @@ class ProgressBar:
 
     def stage(self, s: Stage) -> None:
         """One line per start-up stage as it happens, e.g. `start-up   3.1s  islands ready 2 of 4`."""
-        self.stream.write(f"start-up {time.monotonic() - self._started:5.1f}s  {s.text}\n")
+        self.stream.write(stage_line(time.monotonic() - self._started, s) + "\n")
         self.stream.flush()
 
     def __call__(self, p) -> None:  # p: orchestrator.run.driver.Progress

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["ProgressPrinter", "progress_fields", "progress_line"]
+__all__ = ["ProgressPrinter", "progress_fields", "progress_line", "stage_line"]
 
 
 def progress_fields(p: Any) -> tuple[float, str, str]:
@@ -37,6 +37,12 @@ def progress_fields(p: Any) -> tuple[float, str, str]:
     held = "-" if p.eval_bpb is None else f"{p.eval_bpb:.3f}"
     islands = ", ".join(f"{n} {k}" for k, n in sorted(states.items())) or "-"
     return frac, f"versions {p.versions} | rounds {p.rounds} | bits/{unit}: train {train}, held-out {held}", islands
+
+
+def stage_line(elapsed_s: float, s: Any) -> str:
+    """One start-up stage (an orchestrator.run.startup.Stage) `elapsed_s` into the start, as `fit()` and `diloco
+    train` print it, e.g. `start-up   3.1s  islands ready 2 of 4`."""
+    return f"start-up {elapsed_s:5.1f}s  {s.text}"
 
 
 def progress_line(p: Any) -> str:
@@ -72,7 +78,7 @@ class ProgressPrinter:
 
     def stage(self, s: Any) -> None:
         """One line per start-up stage (an orchestrator.run.startup.Stage), e.g. `start-up   3.1s  islands ready 2 of 4`."""
-        self._write(f"start-up {self.clock() - self._started:5.1f}s  {s.text}")
+        self._write(stage_line(self.clock() - self._started, s))
 
     def __call__(self, p: Any) -> None:
         """The progress line of `p` when `every_s` have passed since the last one, or the budget is reached."""
