@@ -23,6 +23,12 @@ Meaning of ``Fault.duration_s`` by kind:
 - ``node_joins``: a node for the island's pool joins the cluster (``island`` names a slot of that pool: an
   elastic pool's vacant slots fill from it); ``duration_s`` 0 = it stays, else it is drained with deadline
   :data:`JOINED_NODE_DEADLINE_S` after that many seconds.
+- ``scaled_submission`` / ``flipped_submission`` / ``stale_submission`` / ``noise_submission``
+  (:data:`POISON_KINDS`): seconds the island stays poisoned, sending finite, well-shaped but wrong outer
+  gradients (scaled, sign-flipped, stale, noise); 0 = until the incarnation ends. ``factor`` is unused (1.0).
+- ``kill_outer`` / ``kill_monitor`` (:data:`RUN_KINDS`): the run's outer optimizer / health monitor actor is
+  killed and Ray restarts it (the outer optimizer from its newest checkpoint, the monitor re-adopting the
+  islands). They name no island: ``island`` must be 0, and ``duration_s`` is unused (0).
 """
 
 from __future__ import annotations
@@ -39,15 +45,22 @@ import numpy as np
 import yaml
 
 __all__ = [
-    "CAPACITY_KINDS", "FAULT_KINDS", "KILL_KINDS", "Fault", "FaultTape", "poisson_tape", "fixed_tape", "fixed_budget_tape",
+    "CAPACITY_KINDS", "FAULT_KINDS", "KILL_KINDS", "POISON_KINDS", "RUN_KINDS", "Fault", "FaultTape", "poisson_tape",
+    "fixed_tape", "fixed_budget_tape",
     "parse_chaos_spec",
     "tape_from_config",
 ]
 
+# Appended only: a kind's index orders faults of equal time (Fault.sort_key), so old tapes sort as before.
 FAULT_KINDS = ("kill_island", "kill_node", "hang", "slow", "drop_submission", "corrupt_submission", "drain_node",
-               "node_joins")
+               "node_joins", "scaled_submission", "flipped_submission", "stale_submission", "noise_submission",
+               "kill_outer", "kill_monitor")
 KILL_KINDS = ("kill_island", "kill_node")
+# Finite, well-shaped but wrong submissions (islands/faults.py makes them; the poison guard must refuse them).
+POISON_KINDS = ("scaled_submission", "flipped_submission", "stale_submission", "noise_submission")
+RUN_KINDS = ("kill_outer", "kill_monitor")  # the run's control-plane actors, not an island: `island` is 0
 CAPACITY_KINDS = ("drain_node", "node_joins")  # capacity that comes and goes (elastic pools), not island failures
+_RUN_STREAM = 2**32 - 1  # the run's Poisson stream's seed word, beside the islands' 0, 1, ... (poisson_tape)
 JOINED_NODE_DEADLINE_S = 20.0  # the deadline a node_joins node is drained with when its duration_s runs out
 DRAIN_DEADLINE_S = 20.0  # drain_node's deadline in Poisson and fixed tapes (drain_deadline_s)
 
@@ -78,7 +91,7 @@ class Fault:
     incarnation ``incarnation`` of the island; never fires if that incarnation does not reach the step).
 
     Attributes:
-        island: island slot index, ``>= 0``.
+        island: island slot index, ``>= 0``; 0 for the run kinds (:data:`RUN_KINDS`), which name no island.
         kind: one of :data:`FAULT_KINDS`.
         at_s: trigger time in seconds since run start, ``>= 0``.
         at_step: trigger inner step of incarnation ``incarnation``, ``>= 0``.
@@ -131,6 +144,11 @@ class Fault:
                  f"{self.duration_s}; use e.g. duration_s=20")
         _require(self.kind == "slow" or self.factor == 1.0,
                  f"Fault.factor only applies to kind 'slow', got factor={self.factor} for {self.kind!r}; leave it 1.0")
+        # A run kind hits the run's one outer optimizer or monitor: an island number would read as a target it is not.
+        _require(self.kind not in RUN_KINDS or self.island == 0,
+                 f"Fault.island of a {self.kind} fault must be 0 (it names no island: the run has one), got {self.island}")
+        _require(self.kind not in RUN_KINDS or self.duration_s == 0,
+                 f"Fault.duration_s of a {self.kind} fault must be 0 (Ray restarts the actor at once), got {self.duration_s}")
         for name, cast in (("island", int), ("incarnation", int), ("duration_s", float), ("factor", float)):
             object.__setattr__(self, name, cast(getattr(self, name)))
 
@@ -299,10 +317,19 @@ def poisson_tape(
     Per-island streams make the tape reproducible (same seed, same tape) and make island ``m``'s
     faults independent of how many islands there are.
 
+    Run kinds (:data:`RUN_KINDS`: the outer optimizer's and the monitor's kills) hit the run once, not once per
+    island: they come from one more stream, the run's (``default_rng([seed, _RUN_STREAM])``), drawn the same way.
+    A draw of a kind that does not apply to a stream (a run kind on an island's, an island kind on the run's) is
+    no fault (thinning), so with kinds of weights ``w`` (summing to 1) each island's faults are a Poisson process of
+    rate ``sum(w of island kinds) / mtbf_s`` and the run's of rate ``sum(w of run kinds) / mtbf_s``: the expected
+    count of all faults is ``(islands * w_island + w_run) * (horizon_s - start_s) / mtbf_s`` (``min_gap_s = 0``).
+    Without run kinds nothing is thinned and the tape is what it always was.
+
     Args:
         islands: island slots, ``>= 1``.
         horizon_s: end of the window in seconds since run start, ``> start_s``.
-        mtbf_s: mean time between failures of one island while at risk, ``> 0``.
+        mtbf_s: mean time between draws of one island (and of the run) while at risk, ``> 0``: without run kinds,
+            the mean time between failures of one island.
         seed: ``>= 0``.
         kinds: fault kinds to draw from.
         kind_weights: relative probability per kind, or ``None`` for uniform.
@@ -325,8 +352,13 @@ def poisson_tape(
     cum = np.cumsum(_check_kinds(kinds, kind_weights))  # kind k is drawn when u in [cum[k-1], cum[k])
     lo, hi = (float(x) for x in recovery_delay_s)
     faults = []
-    for m in range(islands):
-        rng = np.random.default_rng([seed, m])
+    # Each island's stream, then the run's (its own seed word, so island streams do not depend on it), when any
+    # run kind is drawn at all.
+    streams: list[tuple[int | None, list[int]]] = [(m, [seed, m]) for m in range(islands)]
+    if any(k in RUN_KINDS for k in kinds):
+        streams.append((None, [seed, _RUN_STREAM]))
+    for m, entropy in streams:
+        rng = np.random.default_rng(entropy)
         t = float(start_s)
         gap = 0.0
         while True:
@@ -337,7 +369,12 @@ def poisson_tape(
                 break
             if t <= start_s:  # an exponential draw of exactly 0; keep the window open
                 t = math.nextafter(start_s, math.inf)
-            if kind in KILL_KINDS:
+            if (kind in RUN_KINDS) != (m is None):  # thinning: this kind does not apply to this stream
+                gap = 0.0  # no fault, so no dead time after it
+                continue
+            if m is None:
+                faults.append(Fault(island=0, kind=kind, at_s=t))
+            elif kind in KILL_KINDS:
                 faults.append(Fault(island=m, kind=kind, at_s=t, duration_s=delay))
             elif kind == "slow":
                 faults.append(Fault(island=m, kind=kind, at_s=t, duration_s=slow_duration_s, factor=slow_factor))
@@ -393,6 +430,8 @@ def fixed_tape(
 
     Kill faults get ``duration_s = 0`` (restart at once), ``slow`` faults ``factor=slow_factor``
     until the incarnation dies.
+    A run kind (:data:`RUN_KINDS`) gets ``failures_per_island`` faults in all (island 0's times): the run is one
+    target, not one per island.
     """
     _check_common(islands=islands, horizon_s=horizon_s, start_s=start_s)
     _check_seed(seed)
@@ -407,8 +446,9 @@ def fixed_tape(
     period = (horizon_s - start_s) / failures_per_island
     factor = float(slow_factor) if kind == "slow" else 1.0
     duration = DRAIN_DEADLINE_S if kind == "drain_node" else 0.0
+    targets = 1 if kind in RUN_KINDS else islands  # a run kind hits the run, one target, not each island
     faults = []
-    for m in range(islands):
+    for m in range(targets):
         u = (int(rank[m]) + 0.5 + phase) / islands
         for j in range(failures_per_island):
             faults.append(Fault(island=m, kind=kind, at_s=start_s + (j + u) * period, factor=factor, duration_s=duration))

@@ -7,6 +7,8 @@ import pytest
 
 from policies.chaos import (
     FAULT_KINDS,
+    POISON_KINDS,
+    RUN_KINDS,
     Fault,
     FaultTape,
     fixed_budget_tape,
@@ -382,3 +384,73 @@ def test_every_kind_is_usable():
     for kind in FAULT_KINDS:
         tape = fixed_tape(islands=1, failures_per_island=1, horizon_s=1.0, kind=kind)
         assert tape.faults[0].kind == kind
+
+
+# --- run kinds (the outer optimizer's and the monitor's kills) and poisoned submissions ------------------
+
+
+def test_run_kinds_name_no_island_and_take_no_duration():
+    for kind in RUN_KINDS:
+        assert Fault(island=0, kind=kind, at_s=3.0).island == 0
+        with pytest.raises(ValueError, match=f"island of a {kind} fault must be 0") as info:
+            Fault(island=2, kind=kind, at_s=3.0)
+        assert "\n" not in str(info.value)
+        with pytest.raises(ValueError, match=f"duration_s of a {kind} fault must be 0"):
+            Fault(island=0, kind=kind, at_s=3.0, duration_s=5.0)
+        with pytest.raises(ValueError, match="factor only applies to kind 'slow'"):
+            Fault(island=0, kind=kind, at_s=3.0, factor=2.0)
+
+
+def test_poison_kinds_take_a_duration_and_no_factor():
+    assert set(POISON_KINDS) <= set(FAULT_KINDS)
+    for kind in POISON_KINDS:
+        assert Fault(island=3, kind=kind, at_s=1.0, duration_s=30.0).duration_s == 30.0
+        assert Fault(island=3, kind=kind, at_step=4).duration_s == 0.0  # until the incarnation ends
+        with pytest.raises(ValueError, match="factor only applies to kind 'slow'"):
+            Fault(island=0, kind=kind, at_s=1.0, factor=100.0)
+
+
+def test_new_kinds_keep_old_tapes_order():
+    # Appended kinds: the index that orders faults of equal time is unchanged for the first eight.
+    assert FAULT_KINDS[:8] == ("kill_island", "kill_node", "hang", "slow", "drop_submission", "corrupt_submission",
+                               "drain_node", "node_joins")
+
+
+def test_poisson_run_kinds_hit_the_run_once_not_once_per_island():
+    # Weights 3:1 island:run kinds; 8 islands. Islands' faults: rate 0.75 / mtbf each; the run's: 0.25 / mtbf.
+    kinds = ("kill_island", "hang", "kill_outer", "kill_monitor")
+    tape = poisson_tape(islands=8, horizon_s=200_000.0, mtbf_s=100.0, seed=1, kinds=kinds, kind_weights=(2, 1, 0.5, 0.5))
+    run = [f for f in tape if f.kind in RUN_KINDS]
+    assert all(f.island == 0 and f.duration_s == 0.0 for f in run)
+    # 500 expected run faults (std ~22) and 1500 per island (std ~39): 15% is > 3 sigma for both.
+    assert abs(len(run) - 500) < 75, len(run)
+    assert abs(tape.count("kill_outer") - tape.count("kill_monitor")) < 100
+    for m in range(8):
+        own = [f for f in tape.for_island(m) if f.kind not in RUN_KINDS]
+        assert abs(len(own) - 1500) < 225, (m, len(own))
+    gaps = np.diff([f.at_s for f in run])
+    assert abs(gaps.mean() - 400.0) < 60.0  # a Poisson process of rate 0.25 / mtbf: thinned, not per island
+
+
+def test_poisson_run_stream_does_not_depend_on_island_count_and_min_gap_holds():
+    kw = dict(horizon_s=50_000.0, mtbf_s=20.0, seed=7, kinds=("kill_island", "kill_outer", "kill_monitor"), min_gap_s=60.0)
+    small, big = poisson_tape(islands=1, **kw), poisson_tape(islands=6, **kw)
+    run = lambda tape: [f for f in tape if f.kind in RUN_KINDS]  # noqa: E731
+    assert run(small) == run(big) and len(run(small)) > 100
+    assert np.diff([f.at_s for f in run(small)]).min() >= 60.0
+
+
+def test_poisson_without_run_kinds_has_no_run_stream():
+    # Island 0's draws are its own stream's, as before run kinds existed: the first fault's time is its first
+    # exponential draw.
+    tape = poisson_tape(islands=3, horizon_s=5000.0, mtbf_s=50.0, seed=2)
+    first = float(np.random.default_rng([2, 0]).exponential(50.0))
+    assert tape.for_island(0)[0].at_s == first
+    assert all(f.kind == "kill_island" for f in tape) and len({f.island for f in tape}) == 3
+
+
+def test_fixed_tape_of_a_run_kind_is_one_target():
+    tape = fixed_tape(islands=4, failures_per_island=3, horizon_s=30.0, kind="kill_outer")
+    assert len(tape) == 3 and all(f.island == 0 for f in tape)
+    budget = fixed_budget_tape(islands=4, failures_per_island=2, kind="kill_monitor")
+    assert len(budget) == 2 and all(f.island == 0 and f.at_progress is not None for f in budget)
