@@ -45,7 +45,7 @@ import numpy as np
 import yaml
 
 __all__ = [
-    "CAPACITY_KINDS", "FAULT_KINDS", "KILL_KINDS", "POISON_KINDS", "RUN_KINDS", "Fault", "FaultTape", "poisson_tape",
+    "CAPACITY_KINDS", "FAILURE_KINDS", "FAULT_KINDS", "KILL_KINDS", "POISON_KINDS", "RUN_KINDS", "Fault", "FaultTape", "poisson_tape",
     "fixed_tape", "fixed_budget_tape",
     "parse_chaos_spec",
     "tape_from_config",
@@ -56,6 +56,9 @@ FAULT_KINDS = ("kill_island", "kill_node", "hang", "slow", "drop_submission", "c
                "node_joins", "scaled_submission", "flipped_submission", "stale_submission", "noise_submission",
                "kill_outer", "kill_monitor")
 KILL_KINDS = ("kill_island", "kill_node")
+# Faults that end the island's incarnation (killed, hung until killed, refused as diverged): the monitor dates such a
+# failure at the fault. A slow island or a dropped submission goes on training, so a later failure of it is not theirs.
+FAILURE_KINDS = ("kill_island", "kill_node", "hang", "corrupt_submission")
 # Finite, well-shaped but wrong submissions (islands/faults.py makes them; the poison guard must refuse them).
 POISON_KINDS = ("scaled_submission", "flipped_submission", "stale_submission", "noise_submission")
 RUN_KINDS = ("kill_outer", "kill_monitor")  # the run's control-plane actors, not an island: `island` is 0

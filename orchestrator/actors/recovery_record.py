@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from orchestrator.actors.slots import SlotState
+from policies.chaos import FAILURE_KINDS
 
 if TYPE_CHECKING:
     from orchestrator.actors.keepers import ProgressKeepers
@@ -67,8 +68,11 @@ class RecoveryRecord:
                 log.warning("island %d incarnation %d found dead after a monitor restart", slot.island, slot.incarnation)
 
     def note_fault(self, island: int, incarnation: int, kind: str, at: float, recovery_delay_s: float) -> None:
-        """Remember a fault the chaos injector caused (for time-to-detect and the recovery delay)."""
-        self.faults[(island, incarnation)] = {"kind": kind, "at": at, "recovery_delay_s": recovery_delay_s}
+        """Remember a fault the chaos injector caused (for time-to-detect and the recovery delay). Only a fault that
+        ends the incarnation (policies.chaos.FAILURE_KINDS): a slowdown or a dropped submission noted here had dated
+        a later death of the island (its node lost with another island's, say) back at that harmless fault."""
+        if kind in FAILURE_KINDS:
+            self.faults[(island, incarnation)] = {"kind": kind, "at": at, "recovery_delay_s": recovery_delay_s}
 
     def detect(self, slot: SlotState, kind: str, reason: str) -> tuple[float, float]:
         """Record the failure of `slot`'s current incarnation; returns (when it died, the least restart delay).

@@ -114,3 +114,20 @@ def test_the_timeline_records_a_new_slots_first_state_and_each_new_incarnation()
     restored.restore({"timeline": record.timeline, "detect_s": [], "rejoin_s": [], "detections": [], "faults": {}})
     restored.mark(slot, "starting", at=4.0)  # a restarted monitor knows what the timeline already says
     assert restored.timeline == record.timeline
+
+
+def test_a_harmless_fault_does_not_date_a_later_death():
+    # Soak (benchmarks/soak.py): an island slowed at t, then lost with its node to another island's kill_node, was
+    # dated dead at t, the slow fault's time (its training time counted as dead, its detection and rejoin times long).
+    record, slot = RecoveryRecord(), SlotState(island=1, pool="a")
+    slot.incarnation = 1
+    record.note_fault(1, 1, "slow", at=100.0, recovery_delay_s=0.0)
+    record.note_fault(1, 1, "drop_submission", at=101.0, recovery_delay_s=0.0)
+    died_at, delay = record.detect(slot, "dead", "its node died")
+    assert died_at > 1e9 and delay == 0.0 and record.detect_s == []  # dated when detected, as an unexplained death
+    assert record.detections[-1]["fault_at"] is None
+    slot.incarnation = 2
+    record.note_fault(1, 2, "slow", at=200.0, recovery_delay_s=0.0)
+    record.note_fault(1, 2, "kill_node", at=201.0, recovery_delay_s=3.0)
+    record.note_fault(1, 2, "drop_submission", at=202.0, recovery_delay_s=0.0)
+    assert record.detect(slot, "dead", "killed") == (201.0, 3.0)  # the kill dates it
