@@ -1,8 +1,13 @@
-"""Faults injected into one island (chaos engineering): hang, slow down, drop or corrupt a submission.
+"""Faults injected into one island (chaos engineering): hang, slow down, drop, corrupt or poison a submission.
 
 The chaos injector (orchestrator/actors/chaos_injector.py) calls `LearnerIsland.inject`; the inner
-loop asks `hung`/`slowdown` at each step and the outbox asks `take_drop`/`take_corrupt` at each cut.
+loop asks `hung`/`slowdown` at each step and the outbox asks `take_drop`/`take_corrupt`/`poison` at each cut.
 Killing the island's actor is done from outside (ray.kill); killing its node is done here.
+
+A poisoned island (POISON_KINDS) sends outer gradients that are finite and well shaped but wrong, for a while
+or for the rest of its incarnation: scaled 100x, sign-flipped, measured from the base it held when the fault
+began (so ever more stale), or random noise of the honest norm. The outer optimizer's poison guard
+(policies/poison_guard.py) is what must refuse them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
+POISON_KINDS = ("scaled_submission", "flipped_submission", "stale_submission", "noise_submission")
+POISON_SCALE = 100.0  # scaled_submission's factor on the outer gradient
+
+
 class InjectedFaults:
     """The faults pending on one island incarnation. The island's lock guards it; time is an argument."""
 
@@ -28,6 +37,8 @@ class InjectedFaults:
         self._slow_factor = 1.0
         self._drop_next = 0
         self._corrupt_next = 0
+        self._poison_kind: str | None = None
+        self._poison_until = 0.0
 
     def inject(self, kind: str, *, now: float, duration_s: float = 0.0, factor: float = 1.0) -> None:
         """Record fault `kind` at monotonic time `now` (duration 0: until the incarnation ends)."""
@@ -42,12 +53,14 @@ class InjectedFaults:
             self._drop_next += 1
         elif kind == "corrupt_submission":
             self._corrupt_next += 1
+        elif kind in POISON_KINDS:  # duration 0: poisoned until the incarnation ends
+            self._poison_kind, self._poison_until = kind, now + duration_s if duration_s > 0 else math.inf
         elif kind == "kill_node":
             log.warning("island %d: killing its node's raylet (injected fault)", self.island)
             os.kill(os.getppid(), signal.SIGKILL)  # a worker's parent process is its node's raylet
         else:
             raise ValueError(f"unknown fault kind {kind!r} for an island; use hang, slow, drop_submission, "
-                             "corrupt_submission or kill_node")
+                             f"corrupt_submission, {', '.join(POISON_KINDS)} or kill_node")
 
     def hung(self, now: float) -> bool:
         """An injected hang holds the inner loop at `now`."""
@@ -70,6 +83,35 @@ class InjectedFaults:
             return False
         self._corrupt_next -= 1
         return True
+
+
+    def poison(self, now: float) -> str | None:
+        """The poison kind a cut at `now` goes out with (None: an honest cut)."""
+        return self._poison_kind if now < self._poison_until else None
+
+
+def poisoned(kind: str, owed: list[torch.Tensor], *, stale_base: list[torch.Tensor] | None,
+             anchor: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """A fragment's honest outer gradient `owed` (measured from `anchor`) as a poisoned island sends it.
+
+    `stale_base`: the fragment's base when the fault began (stale_submission measures from it instead of
+    `anchor`); `seed`: noise_submission's generator seed (the cut's island and seq), so a run is reproducible."""
+    if kind == "scaled_submission":
+        return [o * POISON_SCALE for o in owed]
+    if kind == "flipped_submission":
+        return [-o for o in owed]
+    if kind == "stale_submission":
+        if stale_base is None or [t.shape for t in stale_base] != [t.shape for t in owed]:
+            return owed  # an FSDP worker's parts: the stale base is of whole tensors only
+        return [o + (b - a) for o, b, a in zip(owed, stale_base, anchor)]
+    if kind == "noise_submission":
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for o in owed:
+            r = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+            out.append(r * (torch.linalg.vector_norm(o) / torch.linalg.vector_norm(r).clamp_min(1e-30)))
+        return out
+    raise ValueError(f"unknown poison kind {kind!r}; use one of {', '.join(POISON_KINDS)}")
 
 
 def corrupt(c):

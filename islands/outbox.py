@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from islands.cursor import DataCursor
-from islands.faults import InjectedFaults, corrupt
+from islands.faults import InjectedFaults, corrupt, poisoned
 from islands.fragment_state import FragmentState
 from islands.messages import Submission, SubmissionKey
 from islands.spec import IslandSpec
@@ -98,6 +98,8 @@ class Outbox:
         self.next_seq = 0  # submissions cut so far: the next cut's seq
         self.inflight: dict[SubmissionKey, InFlight] = {}
         self._ready: collections.deque[Submission] = collections.deque()
+        self._stale_bases: dict[int, list[torch.Tensor]] = {}  # stale_submission: each fragment's base when it began
+        self._poison_logged: str | None = None
 
     # ------------------------------------------------------------ cutting
 
@@ -121,6 +123,9 @@ class Outbox:
             sends = whole is not None  # only the leader hands out the cut; the other workers keep the bookkeeping
             sub.payload = whole if sends else []
         owed = sub.payload
+        poison = self._faults.poison(time.monotonic()) if sends else None
+        if poison is not None:  # injected fault: finite, well shaped and wrong (the poison guard must refuse it)
+            owed = sub.payload = self._poisoned(poison, p, seq, owed)
         if sends:
             sub.payload = self.encode(owed)
             if self.feedback is not None:  # what this cut does not carry is owed to the next one
@@ -139,6 +144,16 @@ class Outbox:
         self.inflight[sub.key] = InFlight(p, [t.detach().clone() for t in state.theta[p]])
         self._ready.append(sub)
         self._cv.notify_all()
+
+    def _poisoned(self, kind: str, p: int, seq: int, owed: list[torch.Tensor]) -> list[torch.Tensor]:
+        if kind == "stale_submission" and p not in self._stale_bases:
+            self._stale_bases[p] = [t.detach().clone() for t in self._fragments.base[p]]
+        if kind != self._poison_logged:  # once per kind: a poisoned island may send hundreds
+            self._poison_logged = kind
+            log.warning("island %d: poisoning its submissions from %d on as %s (injected fault)",
+                        self.settings.island, seq, kind)
+        return poisoned(kind, owed, stale_base=self._stale_bases.get(p), anchor=self.anchor(p),
+                        seed=self.settings.island * 1_000_003 + seq)
 
     def cut_remaining(self) -> None:
         """The final flush: cut every fragment with progress since its last cut, in fragment order."""
