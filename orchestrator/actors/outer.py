@@ -266,8 +266,8 @@ class _OuterShell:
         for result, ready in zip(results, prepared):
             t0 = time.perf_counter()
             ref = self.published.publish(result.fragment, result.version, ready)
-            update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged, epoch=self.epoch,
-                                    progress=self._progress())
+            update = FragmentUpdate(result.fragment, result.version, [ref], merged=result.merged,
+                                    refused=result.refused, epoch=self.epoch, progress=self._progress())
             if not self._finishing:  # after the final flush nobody trains on it any more
                 to = set(result.record.participants) if self.core.settings.publish_to == "participants" else None
                 for island, (_, handle) in list(self._islands.items()):

@@ -23,7 +23,7 @@ import torch
 from islands.cursor import DataCursor
 from islands.messages import Submission
 from orchestrator.core.checkpoint import PARAM_PREFIX
-from orchestrator.core.round_merge import MergeWorkspace, merge_round
+from orchestrator.core.round_merge import MergeWorkspace, decoded, merge_round
 from orchestrator.core.rounds import OpenRound, Pending, Refusal, RoundRecord, RoundResult
 from orchestrator.core.served_average import ServedAverage
 from orchestrator.core.settings import OuterSettings  # re-exported: the outer optimizer's settings
@@ -31,6 +31,7 @@ from orchestrator.core.submission_check import check_submission
 from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds
 from policies.outer_optimizer import FragmentOuterOptimizer
+from policies.poison_guard import PoisonGuard, Reading, first_round_quorum, judge_first_round, reading_of
 from policies.quorum import MovingAverage, decide_round, grace_window_s, membership_quorum
 from policies.sync_schedule import sync_every_at
 
@@ -103,6 +104,8 @@ class OuterOptimizer:
         self.advances: list[float] = []  # wall times of version advances (uptime)
         self.first_merged: dict[int, float] = {}  # island slot -> wall time of its first merged round (uptime's fill)
         self._diverged: set[tuple[int, int]] = set()  # (island, incarnation) that sent non-finite values
+        # Finite, well-shaped and wrong outer gradients (policies.poison_guard), judged against the other islands'.
+        self.guard = PoisonGuard(P) if settings.poison_guard else None
 
     # ---------------------------------------------------------------- membership
 
@@ -135,6 +138,13 @@ class OuterOptimizer:
         if verdict.reason is not None:
             return self.poll(now), self._refuse(sub, verdict.reason)
         p = sub.fragment
+        if self.guard is not None and self.versions[p] > 0:  # a first round is judged as a whole when it closes
+            reading = reading_of(sub.island, [decoded(d) for d in verdict.deltas], verdict.norms, sub.inner_steps,
+                                 self._opts[p].momentum_buffers())
+            poisoned = self.guard.judge(p, reading)
+            if poisoned is not None:
+                return self.poll(now), self._refuse(sub, poisoned)
+            self.guard.record(p, reading)
         self.bytes_received += sub.nbytes
         if sub.step_time_s > 0:
             self.step_time.update(sub.step_time_s)
@@ -142,7 +152,7 @@ class OuterOptimizer:
         round_.pending.append(Pending(sub, verdict.staleness, verdict.deltas, verdict.norms))
         if not sub.salvaged and self.islands.get(sub.island) == sub.incarnation:
             round_.voters.add(sub.island)
-        if round_.quorum_at is None and self._pending_islands(p) >= self._quorum():
+        if round_.quorum_at is None and self._pending_islands(p) >= self._round_quorum(p):
             round_.quorum_at = now
             self.quorum_time.update(now - round_.opened_at)
             round_.grace_s = grace_window_s(
@@ -170,7 +180,8 @@ class OuterOptimizer:
         """Close every round whose quorum and grace rules say so."""
         if self.holding:
             return []
-        return [self._close(p, now, d.reason) for p, d in self._decisions(now) if d.close]
+        closing = [(p, d.reason) for p, d in self._decisions(now) if d.close]
+        return [self._close(p, now, reason) for p, reason in closing if self._judged_first_round(p)]
 
     def hold(self) -> None:
         """Stop closing rounds (the final flush is coming): submissions are still checked and queued."""
@@ -184,7 +195,8 @@ class OuterOptimizer:
         The step is the islands' weighted mean position (plain mean whatever `merge_rule`, `average_step`,
         no momentum); rounds close normally again.
         """
-        out = [self._close(p, now, "final flush", final=True) for p in range(self.plan.num_fragments) if self._open[p].pending]
+        out = [self._close(p, now, "final flush", final=True) for p in range(self.plan.num_fragments)
+               if self._open[p].pending and self._judged_first_round(p)]
         self.holding = False
         return out
 
@@ -206,6 +218,40 @@ class OuterOptimizer:
         return membership_quorum(s.min_quorum, fixed_slots=s.fixed_slots,
                                  elastic_members=sum(1 for i in self.islands if i in s.elastic_slots))
 
+    def _round_quorum(self, p: int) -> int:
+        # Under the poison guard a fragment's first round waits for enough islands to outvote a bad one.
+        if self.guard is not None and self.versions[p] == 0:
+            return first_round_quorum(self._quorum(), self._live_islands())
+        return self._quorum()
+
+    def _judged_first_round(self, p: int) -> bool:
+        """Judge fragment p's first round by its submissions against each other (policies.poison_guard), refuse
+        the poisoned ones and record the rest; whether any remain to merge. Later rounds pass unchanged."""
+        round_ = self._open[p]
+        if self.guard is None or self.versions[p] > 0:
+            return bool(round_.pending)
+        deltas = [[decoded(d) for d in e.deltas] for e in round_.pending]
+        sq = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in ds) for ds in deltas]
+        n = len(deltas)
+        dots = [[sum(float(torch.dot(a.reshape(-1), b.reshape(-1))) for a, b in zip(deltas[i], deltas[j]))
+                 for j in range(n)] for i in range(n)]
+        cosines = [[dots[i][j] / math.sqrt(sq[i] * sq[j]) if sq[i] > 0 and sq[j] > 0 else 0.0 for j in range(n)]
+                   for i in range(n)]
+        sizes = [math.sqrt(sq[i]) / math.sqrt(max(1, e.sub.inner_steps)) for i, e in enumerate(round_.pending)]
+        elements = sum(t.numel() for t in deltas[0]) if deltas else 0
+        verdicts = judge_first_round([e.sub.island for e in round_.pending], sizes, cosines, elements)
+        kept = []
+        for e, size, (reason, alignment) in zip(round_.pending, sizes, verdicts):
+            if reason is not None:
+                self._refuse(e.sub, reason)
+                round_.refused.append(e.sub.key)
+                continue
+            kept.append(e)
+            self.guard.record(p, Reading(e.sub.island, size, alignment, elements))
+        round_.pending = kept
+        round_.voters &= {e.sub.island for e in kept}
+        return bool(kept)
+
     def _pending_islands(self, p: int) -> int:
         # Quorum counts islands, not submissions: a fast island's second submission is not a second vote.
         # A submission votes if its incarnation was live when it arrived (dying afterwards does not take
@@ -219,7 +265,7 @@ class OuterOptimizer:
                 continue
             yield p, decide_round(
                 now=now, pending=self._pending_islands(p),
-                min_quorum=self._quorum(), live_islands=self._live_islands(),
+                min_quorum=self._round_quorum(p), live_islands=self._live_islands(),
                 quorum_reached_at=self._open[p].quorum_at, grace_s=self._open[p].grace_s,
             )
 
@@ -228,6 +274,7 @@ class OuterOptimizer:
         round_ = self._open[p]
         pending = round_.pending
         subs = [e.sub for e in pending]
+        refused = round_.refused
         merged = merge_round(pending, opt=self._opts[p], window=self._rda_windows[p], settings=self.settings,
                              embedding_mask=self._embedding_mask[p], buffer_mask=self._buffer_mask[p],
                              live_islands=self._live_islands(), final=final, workspace=self._workspace)
@@ -245,7 +292,7 @@ class OuterOptimizer:
         log.info("round fragment %d -> v%d: islands %s weights %s staleness %s (%s)", p, version,
                  record.participants, [round(w, 3) for w in merged.weights], record.staleness, reason)
         tensors = [t.clone() for t in self.params[p]] if self.copy_results else list(self.params[p])
-        return RoundResult(p, version, tensors, tuple(s.key for s in subs), record)
+        return RoundResult(p, version, tensors, tuple(s.key for s in subs), record, tuple(refused))
 
     def _account(self, p: int, subs: list[Submission], record: RoundRecord) -> None:
         # A closed round's tokens, served average, useful time, data cursors, uptime and record.
@@ -320,6 +367,7 @@ class OuterOptimizer:
             "useful_s": self.useful_s, "resume_cursor": {str(k): list(v) for k, v in self.resume_cursor.items()},
             "rounds": len(self.rounds), "fragments": [list(f) for f in self.plan.fragments],
             "rda_window_norms": [None if w is None else w["norms"] for w in windows],
+            "poison_guard": None if self.guard is None else self.guard.state_dict(),
         }
         return tensors, meta
 
@@ -359,6 +407,8 @@ class OuterOptimizer:
         self.received = {(i, inc): list(toks) for i, inc, toks in meta["received"]}
         self.useful_s = meta["useful_s"]
         self.resume_cursor = {int(k): DataCursor.of(v) for k, v in meta["resume_cursor"].items()}
+        if self.guard is not None and meta.get("poison_guard") is not None:  # else its windows fill again
+            self.guard.load_state_dict(meta["poison_guard"])
 
     def ledger(self) -> dict[str, list[int]]:
         """Per-fragment token ledger: merged, refused, pending."""

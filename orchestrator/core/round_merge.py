@@ -99,7 +99,7 @@ def merge_round(
             columns.append(list(e.deltas))
             norms.append(list(e.norms) if e.norms is not None else [None] * num_tensors)
         else:
-            _, joined = join_segments([0] * len(members), [[_decoded(d) for d in entries[m].deltas] for m in members])
+            _, joined = join_segments([0] * len(members), [[decoded(d) for d in entries[m].deltas] for m in members])
             columns.append(joined[0])
             norms.append([None] * num_tensors)
     tokens = [sum(subs[i].tokens for i in g) for g in groups]
@@ -153,6 +153,6 @@ def merge_round(
     return MergedRound(weights, scale, rda_factor)
 
 
-def _decoded(d: torch.Tensor | Compressed) -> torch.Tensor:
+def decoded(d: torch.Tensor | Compressed) -> torch.Tensor:
     """The float32 values of a pending outer gradient (wire tensors decoded)."""
     return decompress(d) if isinstance(d, Compressed) else d

@@ -38,10 +38,12 @@ class OpenRound:
     voters: set[int] = field(default_factory=set)
     quorum_at: float | None = None  # when the quorum was reached; None: not yet
     grace_s: float = 0.0  # grace window granted at quorum (kept until the next quorum sets it again)
+    refused: list[SubmissionKey] = field(default_factory=list)  # refused at its close, for the islands to hear of
 
     def clear(self) -> None:
         """Drop the pending submissions and their votes; the round waits for a new quorum."""
         self.pending = []
+        self.refused = []
         self.voters = set()
         self.quorum_at = None
 
@@ -118,3 +120,4 @@ class RoundResult:
     tensors: list[torch.Tensor]
     merged: tuple[SubmissionKey, ...]
     record: RoundRecord
+    refused: tuple[SubmissionKey, ...] = ()  # refused when the round closed (the poison guard's first round)

@@ -39,3 +39,4 @@ class OuterSettings:
     torch_threads: int  # torch intra-op threads of the actor's core thread
     elastic_slots: frozenset[int]  # island slots of elastic pools: K counts only those holding an island (quorum.py)
     fixed_slots: int  # island slots of fixed pools
+    poison_guard: bool  # refuse finite, well-shaped outliers against the other islands' (policies/poison_guard.py)

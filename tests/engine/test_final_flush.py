@@ -17,7 +17,7 @@ INNER = inner_from_config(lr=1e-3, warmup_steps=0, batch_size=2)
 
 def setup(m: int = 2, settings: OuterSettings | None = None):
     # K = all: a round waits for both islands, so a lone submission would wait forever without the flush.
-    w = nano_world(settings or outer_from_config(min_quorum=m, grace_gamma=math.inf, grace_cap_s=math.inf))
+    w = nano_world(settings or outer_from_config(min_quorum=m, grace_gamma=math.inf, grace_cap_s=math.inf, poison_guard=False))
     islands = []
     for i in range(m):
         spec = spec_from_config(island=i, incarnation=1, pool="p", num_islands=m, model_config=w.cfg, plan=w.plan, inner=INNER,
@@ -75,7 +75,7 @@ def test_a_lone_island_round_takes_its_share_of_a_full_step():
     moved = {}
     for rule in ("participation", "clock", "none"):
         outer, (a, _, _) = setup(3)
-        outer.settings = outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, step_scale=rule)
+        outer.settings = outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, step_scale=rule, poison_guard=False)
         before = outer.fragment(0)
         for _ in range(4):
             a.step()  # the cut of fragment 0 at step 4
@@ -103,7 +103,8 @@ def test_a_lone_island_round_under_the_clock_takes_the_partial_momentum():
 
     moved = {}
     for partial in (None, 0.5):  # None: the full rounds' 0.9 (the default is 0.7)
-        outer, (a, _, _) = setup(3, outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, partial_momentum=partial))
+        outer, (a, _, _) = setup(3, outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, partial_momentum=partial,
+                                                           poison_guard=False))
         before = outer.fragment(0)
         for _ in range(4):
             a.step()

@@ -27,7 +27,7 @@ def _core_after_rounds(islands: int, *, compression: str = "none", **settings) -
     """A default core (K = 1: every submission closes a partial round) after every island sent every fragment twice."""
     gen = torch.Generator().manual_seed(islands)
     initial = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
-    core = OuterOptimizer(initial, PLAN, settings=outer_from_config(compression=compression, grace_cap_s=0.0, **settings),
+    core = OuterOptimizer(initial, PLAN, settings=outer_from_config(compression=compression, grace_cap_s=0.0, poison_guard=False, **settings),
                           embedding_names=EMB, copy_results=False)
     for i in range(islands):
         core.register(i, 1)

@@ -24,7 +24,7 @@ def make_outer(islands: int = 2, **kw) -> OuterOptimizer:
     torch.manual_seed(0)
     init = {n: torch.randn(s) for n, s in SHAPES.items()}
     plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
-    settings = outer_from_config(**{"min_quorum": 1, "grace_gamma": 0.0, "max_staleness": 1, **kw})
+    settings = outer_from_config(**{"min_quorum": 1, "grace_gamma": 0.0, "max_staleness": 1, "poison_guard": False, **kw})
     outer = OuterOptimizer(init, plan, settings=settings,
                            embedding_names={"emb.weight"})
     for island in range(islands):

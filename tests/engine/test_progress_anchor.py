@@ -26,7 +26,7 @@ INNER = inner_from_config(lr=1e-2, warmup_steps=0, batch_size=2)
 
 
 def setup(adoption: str, every: int = 0):
-    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
+    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, poison_guard=False))
     shelved: list[bytes] = []
     islands = []
     for i in range(2):

@@ -89,7 +89,7 @@ def test_rounds_in_place_are_bitwise_the_whole_fragment_rounds(scheme, merge_rul
     full = quorum == "all"
     settings = outer_from_config(min_quorum=ISLANDS if full else 1, grace_gamma=float("inf") if full else 0.5,
                                  grace_cap_s=float("inf") if full else 0.0, merge_rule=merge_rule,
-                                 compression=scheme, step_scale="participation")
+                                 compression=scheme, step_scale="participation", poison_guard=False)
     core = OuterOptimizer(initial, plan, settings=settings, embedding_names=EMB, buffer_names=BUF,
                           copy_results=False)
     ref = Reference(initial, plan, settings)

@@ -20,7 +20,7 @@ INNER = inner_from_config(lr=1e-3, warmup_steps=0, batch_size=2)
 
 
 def setup(every: int = 3, compression: str = "none"):
-    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
+    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, poison_guard=False))
     shelved: list[tuple[int, bytes]] = []
     islands = []
     for i in range(2):

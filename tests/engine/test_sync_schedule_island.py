@@ -17,7 +17,7 @@ from tests.from_config import inner_from_config, outer_from_config, spec_from_co
 
 
 def island(schedule):
-    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0))
+    w = nano_world(outer_from_config(min_quorum=1, grace_gamma=0.0, grace_cap_s=0.0, poison_guard=False))
     spec = spec_from_config(island=0, incarnation=1, pool="p", num_islands=1, model_config=w.cfg, plan=w.plan,
                             inner=inner_from_config(lr=1e-3, batch_size=2), sync_every_steps=8, sync_every_schedule=schedule,
                             seed=1, adoption="rebase")

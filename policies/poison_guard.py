@@ -1,0 +1,190 @@
+"""The poison guard: refuse an outer gradient that is finite and well shaped but wrong (docs/architecture.md section 3).
+
+The submission checks (orchestrator/core/submission_check.py) refuse what is malformed: the wrong
+shape, NaN, a base too old. An island with a bug or an attacker behind it can send what passes them
+and still spoils the model: its outer gradient scaled 100x, its sign flipped, measured from a base
+long gone, or noise. The guard judges each accepted submission of a fragment against what the *other*
+islands sent for that fragment recently, by two readings (:class:`Reading`):
+
+- **size**: ``||delta|| / sqrt(inner_steps)``. AdamW moves each coordinate by about ``lr`` a step, so H
+  steps move a fragment between ``sqrt(H)`` (uncorrelated steps) and ``H`` (aligned) steps' worth;
+  dividing by ``sqrt(H)`` puts a partial submission (a salvaged snapshot, a flush, an island restarted
+  mid-round) at or below a full one, and only sizes far *above* the others' are refused.
+- **alignment**: the cosine between the outer gradient and the fragment's outer momentum, which holds
+  the recent merged outer gradients: the direction the islands have been agreeing on. An honest island
+  points along it; a flipped one points against it, noise of any norm is orthogonal to it (a random
+  direction's cosine is about ``1/sqrt(n)`` for ``n`` parameters), an outer gradient from a stale base
+  carries the fragment's whole drift since then and shows in the size.
+
+The constants are the same for every model (no per-model tuning). A size is refused above
+``median * max(SIZE_RATIO_FLOOR, exp(Z * sigma))`` of the others' sizes in log space, sigma being
+``1.4826 * MAD`` (the normal-consistent spread) and Z the usual outlier cut of modified z-scores. An
+alignment is refused when it is not significantly positive, below ``Z / sqrt(n)`` (what a random
+direction in ``n`` dimensions exceeds with probability about 2e-4), while the others' median is well
+above that (twice): so noise and flips are refused, and an honest partial submission, whose few steps
+align less than a full one's, is not. In a default run's clean rounds honest alignments were 0.05-0.86
+against a limit of about 0.007 (docs/architecture.md section 3 has the measurements). Nothing is judged
+until readings of at least ``MIN_OTHER_ISLANDS`` other islands are in the window: with two islands
+there is no majority to tell the bad one from the good one. Without outer momentum
+(``outer.momentum: 0``) there is no direction to compare with, and only the size is judged.
+
+**The first round** of a fragment has no momentum and no history, and what it merges becomes the
+momentum every later judgement leans on: one poisoned island merged alone in it turned the honest
+islands' alignments negative for ten rounds (measured). So under the guard a fragment's first round
+waits for ``FIRST_ROUND_ISLANDS`` islands (or every live one, if fewer: :func:`first_round_quorum`),
+and :func:`judge_first_round` judges them against each other: the size rule against the others'
+sizes, and each one's median cosine with the others against the limit, where the others agree among
+themselves (early outer gradients of honest islands point the same way: cosines of 0.6-0.86 measured).
+
+Pure: no Ray, no clock; the outer optimizer asks `judge` before a submission joins a round and
+`record` once it has (refused submissions never enter the history).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FIRST_ROUND_ISLANDS", "PoisonGuard", "Reading", "first_round_quorum", "judge_first_round", "reading_of"]
+
+Z = 3.5  # modified z-score outlier cut (Iglewicz and Hoaglin)
+MAD_TO_SIGMA = 1.4826  # MAD of a normal sample times this estimates its standard deviation
+SIZE_RATIO_FLOOR = 4.0  # never refuse a size within 4x the others' median, however tight their spread
+WINDOW = 32  # readings kept per fragment (of all islands)
+MIN_OTHER_ISLANDS = 2  # readings of at least this many other islands before anything is judged (a majority)
+FIRST_ROUND_ISLANDS = MIN_OTHER_ISLANDS + 1  # islands a fragment's first round waits for under the guard
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the guard knows of one submission of a fragment."""
+
+    island: int
+    size: float  # ||outer gradient|| / sqrt(inner steps)
+    alignment: float | None  # cosine with the fragment's outer momentum; None: no momentum yet (or none kept)
+    elements: int = 0  # elements the cosine was taken over (its significance: a random direction's is ~1/sqrt)
+
+
+def reading_of(island: int, deltas: Sequence[torch.Tensor], norms: Sequence[float | None], inner_steps: int,
+               momentum: Sequence[torch.Tensor | None]) -> Reading:
+    """The reading of one submission: its decoded outer gradient per tensor (`deltas`), their norms where known,
+    its inner steps and the fragment's momentum buffers (None for a tensor without one)."""
+    sq = 0.0
+    dot = m_sq = d_sq = 0.0
+    elements = 0
+    for d, n, m in zip(deltas, norms, momentum):
+        n2 = float(torch.linalg.vector_norm(d)) ** 2 if n is None else n * n
+        sq += n2
+        if m is not None:
+            dot += float(torch.dot(d.reshape(-1), m.reshape(-1)))
+            m_sq += float(torch.linalg.vector_norm(m)) ** 2
+            d_sq += n2
+            elements += m.numel()
+    size = math.sqrt(sq) / math.sqrt(max(1, inner_steps))
+    alignment = dot / math.sqrt(m_sq * d_sq) if m_sq > 0 and d_sq > 0 else None
+    return Reading(island, size, alignment, elements)
+
+
+def _median_sigma(values: Sequence[float]) -> tuple[float, float]:
+    med = statistics.median(values)
+    return med, MAD_TO_SIGMA * statistics.median(abs(v - med) for v in values)
+
+
+def _size_problem(size: float, others: Sequence[float]) -> str | None:
+    """Why `size` is far above the `others` (log-space median and MAD), or None."""
+    logs = [math.log(max(v, 1e-30)) for v in others]
+    med, sigma = _median_sigma(logs)
+    limit = max(math.log(SIZE_RATIO_FLOOR), Z * sigma)
+    ratio = math.exp(math.log(max(size, 1e-30)) - med)
+    if math.log(ratio) > limit:
+        return (f"poisoned: outer gradient {ratio:.1f}x the size of the other islands' recent ones (limit "
+                f"{math.exp(limit):.1f}x; per sqrt inner step)")
+    return None
+
+
+def _alignment_problem(alignment: float | None, elements: int, others: Sequence[float], against: str) -> str | None:
+    """Why `alignment` (a cosine over `elements` values) is no better than a random direction's while the `others`
+    are clearly aligned, or None."""
+    if alignment is None or elements <= 0 or not others:
+        return None
+    limit = Z / math.sqrt(elements)  # a random direction's cosine exceeds this with probability ~2e-4
+    med = statistics.median(others)
+    if med <= 2 * limit:
+        return None  # the others do not agree on a direction clearly enough to be out of line with
+    if alignment < limit:
+        return (f"poisoned: outer gradient's cosine with {against} {alignment:+.4f}, no more than a random "
+                f"direction's (limit {limit:+.4f}; the other islands' median {med:+.3f})")
+    return None
+
+
+def first_round_quorum(min_quorum: int, live_islands: int) -> int:
+    """K of a fragment's first round under the guard: FIRST_ROUND_ISLANDS islands, or every live one if fewer."""
+    return max(min_quorum, min(FIRST_ROUND_ISLANDS, live_islands))
+
+
+def judge_first_round(islands: Sequence[int], sizes: Sequence[float], cosines: Sequence[Sequence[float]],
+                      elements: int) -> list[tuple[str | None, float | None]]:
+    """Judge a fragment's first round, where there is no momentum or history, by its submissions against each other.
+
+    `islands[i]`, `sizes[i]`: submission i's island and size (see :class:`Reading`); `cosines[i][j]`: the cosine
+    between submissions i and j, over `elements` values. Returns per submission (why it is refused or None, its
+    alignment to record: the median of its cosines with the other islands' submissions)."""
+    def median_with(i: int, among: Sequence[int]) -> float | None:
+        values = [cosines[i][j] for j in among if islands[j] != islands[i]]
+        return statistics.median(values) if values else None
+
+    everyone = range(len(islands))
+    reasons: list[str | None] = []
+    for i in everyone:
+        rest = [j for j in everyone if islands[j] != islands[i]]
+        if len({islands[j] for j in rest}) < MIN_OTHER_ISLANDS:
+            reasons.append(None)
+            continue
+        # The others' agreement among themselves: each one's median cosine with the rest of the others.
+        agreement = [a for j in rest if (a := median_with(j, rest)) is not None]
+        reasons.append(_size_problem(sizes[i], [sizes[j] for j in rest])
+                       or _alignment_problem(median_with(i, rest), elements, agreement,
+                                             "the other islands' outer gradients"))
+    # What is recorded is each kept one's agreement with the other kept ones: a refused island's cosines would
+    # drag the honest islands' recorded alignment down (to below zero, measured), and open the gate to it later.
+    kept = [j for j in everyone if reasons[j] is None]
+    return [(reasons[i], median_with(i, kept) if reasons[i] is None else median_with(i, everyone)) for i in everyone]
+
+
+class PoisonGuard:
+    """Per fragment, the recent readings of accepted submissions, and the rule that judges a new one."""
+
+    def __init__(self, num_fragments: int) -> None:
+        """A guard with an empty window for each of `num_fragments` fragments."""
+        self._windows: list[deque[Reading]] = [deque(maxlen=WINDOW) for _ in range(num_fragments)]
+
+    def judge(self, fragment: int, reading: Reading) -> str | None:
+        """Why `reading` of `fragment` is refused as poisoned, or None (accepted, or too few others to judge)."""
+        others = [r for r in self._windows[fragment] if r.island != reading.island]
+        if len({r.island for r in others}) < MIN_OTHER_ISLANDS:
+            return None
+        return (_size_problem(reading.size, [r.size for r in others])
+                or _alignment_problem(reading.alignment, reading.elements,
+                                      [r.alignment for r in others if r.alignment is not None], "the outer momentum"))
+
+    def record(self, fragment: int, reading: Reading) -> None:
+        """Add an accepted submission's reading to its fragment's window."""
+        self._windows[fragment].append(reading)
+
+    def state_dict(self) -> list[list[list[float | int | None]]]:
+        """The windows as JSON-ready lists (the outer optimizer's checkpoint keeps them)."""
+        return [[[r.island, r.size, r.alignment, r.elements] for r in w] for w in self._windows]
+
+    def load_state_dict(self, state: Sequence[Sequence[Sequence[float | int | None]]]) -> None:
+        """Restore `state_dict()` output; a checkpoint of another fragment count starts the windows empty."""
+        if len(state) != len(self._windows):
+            return
+        for w, readings in zip(self._windows, state):
+            w.clear()
+            w.extend(Reading(int(i), float(s), None if a is None else float(a), int(n))  # type: ignore[arg-type]
+                     for i, s, a, n in readings)

@@ -1,0 +1,119 @@
+"""The poison guard in the outer optimizer core: one of four islands poisoned from its first submission.
+
+Islands send a shared descent direction plus noise of their own; island 0 sends the same made poisoned
+(islands/faults.py). Its submissions are refused as counted refusals with a reason from the first round
+on, the honest islands' never are, the ledger adds up, and the global parameters end where the three
+honest islands alone take them. Without the guard the same stream moves them elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from islands.faults import POISON_KINDS, poisoned
+from islands.messages import Submission
+from orchestrator.core.outer_optimizer import OuterOptimizer
+from policies.compression import compress
+from policies.fragments import plan_fragments
+from tests.from_config import outer_from_config
+
+SHAPES = {"a": (64, 64), "b": (4096,)}
+ISLANDS = 4
+
+
+def _outer(guard: bool) -> OuterOptimizer:
+    init = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    plan = plan_fragments([(n, t.numel() * 4) for n, t in init.items()], 2)
+    outer = OuterOptimizer(init, plan, settings=outer_from_config(poison_guard=guard, grace_gamma=0.0))
+    for island in range(ISLANDS):
+        outer.register(island, 1)
+    return outer
+
+
+def _stream(outer: OuterOptimizer, kind: str | None, rounds: int = 12):
+    """Each island submits every fragment each round; in the first, island 0 twice before the others (as a
+    fast island does: a lone poisoned island merged first spoilt the momentum, and its two votes in the first
+    round once spoilt the honest islands' recorded alignment)."""
+    gen = torch.Generator().manual_seed(0)
+    target = [[torch.randn(t.shape, generator=gen) for t in frag] for frag in outer.params]
+    seq = [0] * ISLANDS
+    refusals = []
+    for r in range(rounds):
+        order = [0, 0, 1, 2, 3] if r == 0 else [0, 1, 2, 3]
+        for island in order:
+            for p, frag in enumerate(outer.params):
+                honest = [0.05 * (t - tgt) + 0.02 * torch.randn(t.shape, generator=gen)
+                          for t, tgt in zip(frag, target[p])]
+                deltas = honest
+                if island == 0 and kind is not None:
+                    deltas = poisoned(kind, honest, stale_base=[torch.zeros(t.shape) - 5.0 for t in frag],
+                                      anchor=[t.clone() for t in frag], seed=seq[island])
+                sub = Submission(island=island, incarnation=1, seq=seq[island], fragment=p,
+                                 base_version=outer.versions[p], tokens=1000, inner_steps=40, step_time_s=0.1,
+                                 train_loss=3.0, payload=[compress(d, "none") for d in deltas])
+                seq[island] += 1
+                _, refusal = outer.receive(sub, now=float(r))
+                if refusal is not None:
+                    refusals.append(refusal)
+    outer.close_all(now=float(rounds))
+    return refusals, target
+
+
+@pytest.mark.parametrize("kind", POISON_KINDS)
+def test_a_poisoned_island_is_refused_from_the_first_round_and_no_honest_one_is(kind):
+    outer = _outer(guard=True)
+    _stream(outer, kind)
+    refused = outer.refusals
+    assert refused, f"{kind}: nothing refused"
+    assert {r.island for r in refused} == {0}, [(r.island, r.reason) for r in refused]
+    assert all(r.reason.startswith("poisoned: ") for r in refused)
+    # Every one of island 0's submissions but at most its first stale ones (a stale base starts near the
+    # current one) is refused; in every fragment, from the first round on.
+    ledger = outer.ledger()
+    total_poisoned = 13 * 1000  # per fragment
+    allowed = 2000 if kind == "stale_submission" else 0
+    for p in range(2):
+        assert ledger["refused"][p] >= total_poisoned - allowed, (kind, p, ledger)
+        assert ledger["merged"][p] + ledger["refused"][p] == (ISLANDS * 12 + 1) * 1000
+    assert all(r.participants[:1] != [0] or len(r.participants) > 1 for r in outer.rounds)
+
+
+def test_a_clean_stream_refuses_nothing_and_the_guard_changes_no_clean_result():
+    guarded, plain = _outer(guard=True), _outer(guard=False)
+    _stream(guarded, None)
+    _stream(plain, None)
+    assert guarded.refusals == [] and plain.refusals == []
+    assert guarded.ledger()["merged"] == plain.ledger()["merged"]
+
+
+def _distance(outer: OuterOptimizer, target) -> float:
+    return math.sqrt(sum(float((t - g).pow(2).sum()) for frag, tg in zip(outer.params, target) for t, g in zip(frag, tg)))
+
+
+def test_guarded_every_poison_ends_at_the_same_parameters_and_unguarded_a_scaled_or_stale_one_does_not():
+    ends, unguarded = {}, {}
+    for kind in POISON_KINDS:
+        guarded, plain = _outer(guard=True), _outer(guard=False)
+        _, target = _stream(guarded, kind)
+        _stream(plain, kind)
+        ends[kind] = [t.clone() for frag in guarded.params for t in frag]
+        unguarded[kind] = _distance(plain, target), _distance(guarded, target)
+    first = ends[POISON_KINDS[0]]
+    # Refused from the first round on, whatever it sent: island 0 leaves no trace in the model.
+    assert all(torch.equal(a, b) for kind in POISON_KINDS for a, b in zip(first, ends[kind]))
+    for kind in ("scaled_submission", "stale_submission"):
+        plain_d, guarded_d = unguarded[kind]
+        assert plain_d > 2 * guarded_d, (kind, plain_d, guarded_d)
+
+
+def test_the_guard_windows_survive_a_checkpoint():
+    outer = _outer(guard=True)
+    _stream(outer, None, rounds=3)
+    tensors, meta = outer.state_dict()
+    again = _outer(guard=True)
+    again.load_state_dict(tensors, meta)
+    assert again.guard is not None and outer.guard is not None
+    assert again.guard.state_dict() == outer.guard.state_dict() != [[], []]

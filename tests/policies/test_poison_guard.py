@@ -1,0 +1,143 @@
+"""policies.poison_guard: which finite, well-shaped outer gradients are refused as poisoned, and which are not.
+
+The readings are built from real tensors: an honest island's outer gradient is a shared signal plus its
+own noise (the shape measured in a default run: sizes within ~30% of each other, cosines with the outer
+momentum of 0.05-0.86), and the four poisons are made from it as islands/faults.py makes them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from islands.faults import POISON_KINDS, poisoned
+from policies.poison_guard import (
+    FIRST_ROUND_ISLANDS,
+    SIZE_RATIO_FLOOR,
+    PoisonGuard,
+    Reading,
+    first_round_quorum,
+    judge_first_round,
+    reading_of,
+)
+
+N = 50_000  # elements of the fragment
+
+
+def _honest(gen: torch.Generator, signal: torch.Tensor, *, noise: float = 3.0) -> torch.Tensor:
+    return signal + noise * torch.randn(N, generator=gen) / math.sqrt(N) * float(signal.norm())
+
+
+def _world(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    signal = torch.randn(N, generator=gen)
+    momentum = signal * 5 + torch.randn(N, generator=gen) * 2  # several merged rounds: mostly signal
+    return gen, signal, momentum
+
+
+def _filled_guard(gen, signal, momentum, islands=(1, 2, 3), rounds=6) -> PoisonGuard:
+    guard = PoisonGuard(1)
+    for _ in range(rounds):
+        for i in islands:
+            r = reading_of(i, [_honest(gen, signal)], [None], 40, [momentum])
+            assert guard.judge(0, r) is None
+            guard.record(0, r)
+    return guard
+
+
+def test_reading_of_takes_the_size_per_sqrt_step_and_the_cosine_with_the_momentum():
+    d = [torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])]
+    m = [torch.tensor([1.0, 0.0]), None]  # the second tensor keeps no momentum (a trained buffer)
+    r = reading_of(7, d, [3.0, None], 25, m)
+    assert r.island == 7 and r.size == pytest.approx(5.0 / 5.0)
+    assert r.alignment == pytest.approx(1.0) and r.elements == 2  # over the tensors with momentum only
+    assert reading_of(7, d, [None, None], 25, [None, None]).alignment is None
+
+
+@pytest.mark.parametrize("kind", POISON_KINDS)
+def test_every_poison_kind_is_refused_once_the_window_holds_other_islands(kind):
+    gen, signal, momentum = _world()
+    guard = _filled_guard(gen, signal, momentum)
+    honest = _honest(gen, signal)
+    # stale_submission: measured from the base it held long ago, so it carries the fragment's drift since then
+    stale_base = [torch.zeros(N) + 40 * signal]
+    [bad] = poisoned(kind, [honest], stale_base=stale_base, anchor=[torch.zeros(N)], seed=3)
+    reason = guard.judge(0, reading_of(0, [bad], [None], 40, [momentum]))
+    assert reason is not None and reason.startswith("poisoned: "), (kind, reason)
+    assert guard.judge(0, reading_of(0, [honest], [None], 40, [momentum])) is None  # the same island, honest
+
+
+def test_honest_partial_and_salvaged_submissions_are_not_refused():
+    gen, signal, momentum = _world(1)
+    guard = _filled_guard(gen, signal, momentum)
+    for steps in (1, 3, 10, 20, 39):  # fewer inner steps: a smaller outer gradient, less aligned
+        frac = steps / 40
+        d = frac * signal + math.sqrt(frac) * 3.0 * torch.randn(N, generator=gen) / math.sqrt(N) * float(signal.norm())
+        assert guard.judge(0, reading_of(0, [d], [None], steps, [momentum])) is None, steps
+
+
+def test_sizes_within_the_floor_are_never_refused_however_tight_the_others():
+    guard = PoisonGuard(1)
+    for i in (1, 2, 3, 1, 2, 3):
+        guard.record(0, Reading(i, 1.0, None))  # identical sizes: MAD 0
+    assert guard.judge(0, Reading(0, SIZE_RATIO_FLOOR * 0.99, None)) is None
+    reason = guard.judge(0, Reading(0, SIZE_RATIO_FLOOR * 1.01, None))
+    assert reason is not None and "4.0x the size" in reason
+
+
+def test_nothing_is_judged_without_two_other_islands_and_an_island_is_not_its_own_reference():
+    guard = PoisonGuard(1)
+    for _ in range(10):
+        guard.record(0, Reading(1, 1.0, 0.3, N))
+    assert guard.judge(0, Reading(0, 100.0, -0.5, N)) is None  # one other island: no majority
+    guard.record(0, Reading(0, 100.0, -0.5, N))
+    guard.record(0, Reading(2, 1.0, 0.3, N))
+    assert guard.judge(0, Reading(0, 100.0, -0.5, N)) is not None
+    # island 0's own earlier readings do not make its next one look normal
+    assert guard.judge(0, Reading(0, 1.0, 0.3, N)) is None
+
+
+def test_no_direction_is_judged_when_the_others_do_not_agree_on_one():
+    guard = PoisonGuard(1)
+    for i in (1, 2, 1, 2):
+        guard.record(0, Reading(i, 1.0, 0.001, N))  # no clear alignment among the others (limit ~0.016)
+    assert guard.judge(0, Reading(0, 1.0, -0.2, N)) is None
+    guard.record(0, Reading(3, 1.0, 0.2, N))
+    for i in (1, 2, 3):
+        guard.record(0, Reading(i, 1.0, 0.2, N))
+    assert "cosine with the outer momentum -0.2000" in guard.judge(0, Reading(0, 1.0, -0.2, N))
+
+
+def test_first_round_quorum_waits_for_three_islands_or_every_live_one():
+    assert FIRST_ROUND_ISLANDS == 3
+    assert first_round_quorum(1, 4) == 3 and first_round_quorum(1, 2) == 2 and first_round_quorum(4, 8) == 4
+
+
+@pytest.mark.parametrize("kind", ["scaled_submission", "flipped_submission", "noise_submission"])
+def test_a_first_round_refuses_the_poisoned_one_by_the_others(kind):
+    gen = torch.Generator().manual_seed(5)
+    signal = torch.randn(N, generator=gen)
+    honest = [_honest(gen, signal, noise=0.7) for _ in range(4)]  # early rounds: cosines ~0.7-0.9 (measured)
+    [bad] = poisoned(kind, [honest[0]], stale_base=None, anchor=[torch.zeros(N)], seed=1)
+    deltas = [bad] + honest[1:]
+    cos = [[float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for b in deltas] for a in deltas]
+    out = judge_first_round([0, 1, 2, 3], [float(d.norm()) / math.sqrt(40) for d in deltas], cos, N)
+    assert out[0][0] is not None and out[0][0].startswith("poisoned: ")
+    assert [r for r, _ in out[1:]] == [None, None, None]
+    assert all(a is not None and a > 0.3 for _, a in out[1:])  # their alignment, recorded for later judgements
+
+
+def test_a_first_round_of_two_islands_refuses_nothing():
+    out = judge_first_round([0, 1], [1.0, 1.0], [[1.0, -1.0], [-1.0, 1.0]], 4)
+    assert [r for r, _ in out] == [None, None]
+
+
+def test_state_round_trips():
+    guard = PoisonGuard(2)
+    guard.record(1, Reading(3, 0.5, 0.25, 10))
+    guard.record(1, Reading(2, 0.6, None, 10))
+    again = PoisonGuard(2)
+    again.load_state_dict(guard.state_dict())
+    assert again.state_dict() == guard.state_dict() == [[], [[3, 0.5, 0.25, 10], [2, 0.6, None, 10]]]
