@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import signal
+import time
 
 import torch
 
@@ -37,6 +38,7 @@ class InjectedFaults:
         self._slow_factor = 1.0
         self._drop_next = 0
         self._corrupt_next = 0
+        self._drop_until = self._corrupt_until = 0.0  # windows of drop/corrupt faults with a duration
         self._poison_kind: str | None = None
         self._poison_until = 0.0
 
@@ -49,10 +51,16 @@ class InjectedFaults:
             if factor <= 1.0:
                 raise ValueError(f"slow fault needs factor > 1, got {factor}")
             self._slow_factor, self._slow_until = factor, now + (duration_s if duration_s > 0 else math.inf)
-        elif kind == "drop_submission":
-            self._drop_next += 1
+        elif kind == "drop_submission":  # duration 0: the next submission; else every one in the window
+            if duration_s > 0:
+                self._drop_until = max(self._drop_until, now + duration_s)
+            else:
+                self._drop_next += 1
         elif kind == "corrupt_submission":
-            self._corrupt_next += 1
+            if duration_s > 0:
+                self._corrupt_until = max(self._corrupt_until, now + duration_s)
+            else:
+                self._corrupt_next += 1
         elif kind in POISON_KINDS:  # duration 0: poisoned until the incarnation ends
             self._poison_kind, self._poison_until = kind, now + duration_s if duration_s > 0 else math.inf
         elif kind == "kill_node":
@@ -70,15 +78,20 @@ class InjectedFaults:
         """The factor an injected straggler stretches a step that ends at `now` by (1.0: none)."""
         return self._slow_factor if self._slow_factor > 1.0 and now < self._slow_until else 1.0
 
-    def take_drop(self) -> bool:
-        """Whether the next cut is lost on the way (uses up one pending drop)."""
+    def take_drop(self, now: float | None = None) -> bool:
+        """Whether the next cut (at monotonic time `now`, default: the clock) is lost on the way: inside a drop
+        window, or by one pending drop (used up)."""
+        if (time.monotonic() if now is None else now) < self._drop_until:
+            return True
         if not self._drop_next:
             return False
         self._drop_next -= 1
         return True
 
-    def take_corrupt(self) -> bool:
-        """Whether the next cut goes out as NaN (uses up one pending corruption)."""
+    def take_corrupt(self, now: float | None = None) -> bool:
+        """Whether the next cut goes out as NaN: inside a corruption window, or by one pending corruption (used up)."""
+        if (time.monotonic() if now is None else now) < self._corrupt_until:
+            return True
         if not self._corrupt_next:
             return False
         self._corrupt_next -= 1
