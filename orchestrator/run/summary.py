@@ -28,7 +28,7 @@ def _token_rows(summary: dict) -> list[tuple[str, str]]:
         "in_flight": s("tokens_in_flight"), "overwritten": s("tokens_overwritten")}  # a summary from before the ledger
     fates = [("merged", shown["merged"], ""),
              ("lost", shown["lost"], " (never received: failed islands' unsent progress, resyncs, a resume)"),
-             ("refused", shown["refused"], " (stale or malformed submissions)"),
+             ("refused", shown["refused"], " (stale, malformed or poisoned submissions)"),
              ("in flight at stop", shown["in_flight"], ""),
              ("overwritten", shown["overwritten"], " (replaced by an adopted version before they were sent)")]
     rows = [("tokens processed", f"{summary['tokens_processed']:,}, of which")]

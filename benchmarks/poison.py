@@ -1,0 +1,184 @@
+"""One poisoned island of four: the held-out loss with the poison guard, without it, and without the poison.
+
+Runs the default model and data (the default run: four islands, two of them EMULATED slower) in one local
+Ray session, the same token budget each:
+
+  clean        no fault, the guard on (the default): its refusals are the guard's false refusals;
+  clean, off   no fault, the guard off: the guard's cost to a clean run;
+  guarded      island --island poisoned from its first submission to the end, the guard on;
+  unguarded    the same poison, the guard off;
+  dropped      the same island's submissions all lost on the way (drop_submission for the whole run):
+               what a perfect guard reaches, since a refused island's tokens still count against the budget.
+
+The clean runs repeat --repeats times (default 3; the spread a difference must beat), the poisoned runs
+once per kind in --kinds (default all four: scaled 100x, sign flipped, from a stale base, noise of the
+honest norm). Prints a table of every run and one of medians, and writes JSON:
+{"clean": loss, "guarded": loss, "unguarded": loss, "false_refusals_clean": N, ...}, where "guarded" and
+"unguarded" are the worst over the kinds (the guard must hold for every one).
+
+  python benchmarks/poison.py --json /tmp/poison.json      # ~25 minutes on 2 cores
+  python benchmarks/poison.py --kinds flipped_submission --repeats 1 --quick   # a smoke run (~5 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Runnable from a checkout without `pip install -e .` (see benchmarks/chaos.py).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import ray  # noqa: E402
+
+import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (orchestrator/__init__.py)
+from islands.faults import POISON_KINDS  # noqa: E402
+from orchestrator.actors.remote import WORKER_ENV  # noqa: E402
+from orchestrator.config import ConfigError, RunConfig, load_config  # noqa: E402
+from orchestrator.core.eventlog import read_events  # noqa: E402
+from orchestrator.run.driver import train  # noqa: E402
+from policies.chaos import Fault, FaultTape  # noqa: E402
+
+WHOLE_RUN_S = 1e7  # a drop window longer than any run
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before any run."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", default=",".join(POISON_KINDS),
+                    help=f"comma-separated poison kinds (default all: {','.join(POISON_KINDS)})")
+    ap.add_argument("--island", type=int, default=0, help="the poisoned island slot (default 0, a fast island: the "
+                    "largest share of the tokens)")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of the clean runs (default 3)")
+    ap.add_argument("--budget", type=int, default=None, help="tokens per run (default: the default config's)")
+    ap.add_argument("--quick", action="store_true", help="a 1.2M-token budget")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every run (repeatable)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    bad = [k for k in args.kinds if k not in POISON_KINDS]
+    if bad or not args.kinds:
+        ap.error(f"--kinds: unknown poison kind(s) {bad}; use some of {', '.join(POISON_KINDS)}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    try:
+        cfg = load_config(overrides=args.overrides)
+    except ConfigError as err:
+        ap.error(str(err))
+    if not 0 <= args.island < cfg.num_islands:
+        ap.error(f"--island must name one of the run's {cfg.num_islands} island slots (0..{cfg.num_islands - 1}), "
+                 f"got {args.island}")
+    return args
+
+
+def run_one(name: str, overrides: list[str], root: Path, tape: FaultTape | None = None) -> dict:
+    """Train one run in `root / name` (under `tape`, if given); its summary with the refusals by cause added."""
+    where = root / name
+    where.mkdir(parents=True, exist_ok=True)
+    if tape is not None:
+        tape.to_yaml(where / "tape.yaml")
+        overrides = overrides + ["chaos.mode=tape", f"chaos.params={{path: {where / 'tape.yaml'}}}"]
+    t0 = time.monotonic()
+    summary = train(load_config(overrides=overrides), where)
+    refusals = read_events(where, "refusals").to_pylist()
+    poisoned = [r["island"] for r in refusals if r["reason"].startswith("poisoned")]
+    summary["poisoned_refusals"] = len(poisoned)
+    summary["poisoned_refusals_by_island"] = {i: poisoned.count(i) for i in sorted(set(poisoned))}
+    summary["other_refusals"] = len(refusals) - len(poisoned)
+    print(f"  {name}: {time.monotonic() - t0:.0f} s, loss {summary['eval_loss']:.4f}, refused "
+          f"{summary['poisoned_refusals']} as poisoned, {summary['other_refusals']} otherwise", file=sys.stderr)
+    return summary
+
+
+def run_all(args: argparse.Namespace, root: Path) -> dict[str, list[dict]]:
+    """Every run, in one local Ray session: name -> its summaries."""
+    budget = args.budget or (1_200_000 if args.quick else RunConfig().run.token_budget)
+    common = [f"run.token_budget={budget}", "eval.interval_s=30"] + args.overrides
+    whole = lambda kind, d=0.0: FaultTape([Fault(args.island, kind, at_s=0.0, duration_s=d)])  # noqa: E731
+    runs: dict[str, list[dict]] = {}
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV},
+             logging_level="ERROR")
+    try:
+        print(f"runs in {root}; token budget {budget:,}; island {args.island} poisoned", file=sys.stderr)
+        for r in range(1, args.repeats + 1):
+            runs.setdefault("clean", []).append(run_one(f"clean-r{r}", common, root))
+            runs.setdefault("clean, guard off", []).append(
+                run_one(f"clean-off-r{r}", common + ["outer.poison_guard=false"], root))
+        for kind in args.kinds:
+            runs[f"guarded {kind}"] = [run_one(f"guarded-{kind}", common, root, whole(kind))]
+            runs[f"unguarded {kind}"] = [run_one(f"unguarded-{kind}", common + ["outer.poison_guard=false"], root,
+                                                 whole(kind))]
+        runs["dropped"] = [run_one("dropped", common, root, whole("drop_submission", WHOLE_RUN_S))]
+    finally:
+        ray.shutdown()
+    return runs
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    """Markdown: one row per run."""
+    rows = ["| run | held-out loss (nats/byte) | bits/byte | tokens merged | tokens refused | refused as poisoned "
+            "| refused otherwise | wall s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, summaries in runs.items():
+        for i, s in enumerate(summaries, 1):
+            label = name if len(summaries) == 1 else f"{name} (r{i})"
+            rows.append(f"| {label} | {s['eval_loss']:.4f} | {s['eval_bits_per_byte']:.3f} | {s['tokens_merged']:,.0f} "
+                        f"| {s['tokens_refused']:,.0f} | {s['poisoned_refusals']} | {s['other_refusals']} "
+                        f"| {s['wall_s']:.0f} |")
+    return "\n".join(rows)
+
+
+def results(runs: dict[str, list[dict]], kinds: list[str], island: int) -> dict:
+    """The JSON: medians of the clean runs, the worst kind guarded and unguarded, false refusals, per kind."""
+    med = {name: statistics.median(s["eval_loss"] for s in summaries) for name, summaries in runs.items()}
+    clean = med["clean"]
+    worst_guarded = max(kinds, key=lambda k: med[f"guarded {k}"])
+    worst_unguarded = max(kinds, key=lambda k: med[f"unguarded {k}"])
+    return {
+        "clean": clean, "clean_guard_off": med["clean, guard off"],
+        "guarded": med[f"guarded {worst_guarded}"], "guarded_worst_kind": worst_guarded,
+        "unguarded": med[f"unguarded {worst_unguarded}"], "unguarded_worst_kind": worst_unguarded,
+        "dropped": med["dropped"],
+        "false_refusals_clean": sum(s["poisoned_refusals"] for s in runs["clean"]),
+        "clean_runs": len(runs["clean"]),
+        "clean_spread": [min(s["eval_loss"] for s in runs["clean"]), max(s["eval_loss"] for s in runs["clean"])],
+        "by_kind": {k: {"guarded": med[f"guarded {k}"], "unguarded": med[f"unguarded {k}"],
+                        "poisoned_refused": runs[f"guarded {k}"][0]["poisoned_refusals_by_island"].get(island, 0),
+                        "honest_refused_as_poisoned": sum(n for i, n in runs[f"guarded {k}"][0][
+                            "poisoned_refusals_by_island"].items() if i != island)} for k in kinds},
+        "units": "held-out loss, nats per byte",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, print the tables, write --json."""
+    args = parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="diloco-poison-"))
+    runs = run_all(args, root)
+    out = results(runs, args.kinds, args.island)
+    print("\n" + table(runs))
+    print(f"\nclean (median of {out['clean_runs']}): {out['clean']:.4f} (spread {out['clean_spread'][0]:.4f}-"
+          f"{out['clean_spread'][1]:.4f}); guard off: {out['clean_guard_off']:.4f}; false refusals in clean runs: "
+          f"{out['false_refusals_clean']}")
+    for k, v in out["by_kind"].items():
+        print(f"{k}: {v['poisoned_refused']} refused ({v['honest_refused_as_poisoned']} honest), "
+              f"guarded {v['guarded']:.4f} ({100 * (v['guarded'] / out['clean'] - 1):+.1f}% vs clean, "
+              f"{100 * (v['guarded'] / out['dropped'] - 1):+.1f}% vs dropped), unguarded {v['unguarded']:.4f} "
+              f"({100 * (v['unguarded'] / out['clean'] - 1):+.1f}%)")
+    print("EMULATION: pool speeds emulated by throttling on one machine")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
