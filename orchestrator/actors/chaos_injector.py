@@ -11,6 +11,9 @@ Capacity that comes and goes (policies.chaos.CAPACITY_KINDS), for elastic pools:
 - `drain_node`: the island's node is drained through the GCS with a deadline (a preemption notice, as a cloud
   handler or the autoscaler gives it; orchestrator/actors/drains.py), and ended at the deadline by a `NodeEnder`
   placed on it first (a draining node takes no new work), as the cloud ends the VM. Never the driver's node.
+- `kill_outer` / `kill_monitor` (policies.chaos.RUN_KINDS): the run's outer optimizer / health monitor is killed
+  with `ray.kill(no_restart=False)`, so Ray restarts it (both restart without limit, remote.py): the outer optimizer
+  restores its newest checkpoint, the monitor re-adopts the islands. They name no island (a fault's `island` is 0).
 - `node_joins`: EMULATION on the injector's machine: a Ray node labelled for the island's pool is started there
   (`ray start --address ... --labels ... --block`) and stopped with the run (`stop`); with a duration, it is
   drained after it like `drain_node`. On a real cluster capacity joins by the autoscaler or `ray start` on new
@@ -37,7 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.actors.drains import drain_node
 from orchestrator.actors.runtime import quiet_worker
-from policies.chaos import JOINED_NODE_DEADLINE_S, KILL_KINDS, Fault, FaultTape
+from policies.chaos import JOINED_NODE_DEADLINE_S, KILL_KINDS, RUN_KINDS, Fault, FaultTape
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +69,12 @@ class ChaosInjector:
 
     def __init__(self, tape: FaultTape, *, namespace: str, monitor_name: str, run_start: float,
                  protected_node: str | None = None, tick_s: float = 0.1, ender_cls: Any = None,
-                 join_nodes: dict[int, dict] | None = None) -> None:
+                 join_nodes: dict[int, dict] | None = None, outer_name: str | None = None) -> None:
         """`ender_cls`: the NodeEnder actor class (drain_node); `join_nodes`: island -> what a node_joins node of its
-        pool offers: {"labels": {...}, "num_cpus": float, "resources": {...}}."""
+        pool offers: {"labels": {...}, "num_cpus": float, "resources": {...}}; `outer_name`: the outer optimizer's
+        actor name (kill_outer), by default the driver's `outer-<run id>` beside the monitor's `monitor-<run id>`."""
         quiet_worker("chaos")
+        self.outer_name = outer_name or "outer-" + monitor_name.removeprefix("monitor-")
         self.ender_cls, self.join_nodes = ender_cls, join_nodes or {}
         self.joined: list[subprocess.Popen] = []  # node_joins nodes started on this machine, stopped by `stop`
         self.pending: list[Fault] = list(tape.faults)
@@ -133,6 +138,8 @@ class ChaosInjector:
     async def _maybe_fire(self, monitor, fault: Fault) -> bool:
         if fault.kind == "node_joins":
             return await self._join(fault)
+        if fault.kind in RUN_KINDS:  # no island to look up: the run's one outer optimizer or monitor
+            return self._kill_run_actor(monitor, fault)
         inc, name, node = await monitor.current.remote(fault.island)
         if fault.at_step is not None and inc > fault.incarnation:
             self._record(fault, inc, "skipped: its incarnation is gone")
@@ -162,6 +169,17 @@ class ChaosInjector:
             await handle.inject.remote(fault.kind, duration_s=fault.duration_s, factor=fault.factor)
         self._record(fault, inc, "fired", at=now)
         log.info("%s on island %d incarnation %d", fault.kind, fault.island, inc)  # the monitor's line says it, once
+        return True
+
+    def _kill_run_actor(self, monitor, fault: Fault) -> bool:
+        """kill_outer / kill_monitor: kill the actor and let Ray restart it (as a crash of its process would)."""
+        target = monitor if fault.kind == "kill_monitor" else self._handle(self.outer_name)  # restarts keep the id
+        now = time.time()
+        # Asynchronous: the old process may answer a call or two more. A kill while the actor is still restarting
+        # from the last one is one more restart, which is what a crash then would be.
+        ray.kill(target, no_restart=False)
+        self._record(fault, 0, "fired", at=now)
+        log.info("%s: killed, Ray restarts it", fault.kind)
         return True
 
     async def _drain(self, node: str, deadline_s: float, message: str) -> None:
