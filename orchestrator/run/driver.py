@@ -43,6 +43,7 @@ from orchestrator.actors.remote import (
 from orchestrator.config import ConfigError, RunConfig
 from orchestrator.core.accounting import (
     incarnation_tokens,
+    kept_accounting,
     no_tokens,
     resumed_ledger,
     run_goodput,
@@ -419,6 +420,7 @@ class Run:
         self.before: dict[str, list[int]] | None = None
         self.ledger: dict[str, list[int]] | None = None
         self.useful_before = 0.0  # useful island seconds the restored checkpoint holds (earlier sessions')
+        self._acct_seen: dict | None = None  # the outer optimizer's accounting as this driver has read it (_accounting)
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self._stop_requested = False
         self.training_began = False  # set once every island of the first placement trains
@@ -660,6 +662,12 @@ class Run:
         log.info("eval at %.0fs: loss %.4f, %.3f bits/byte (%d tokens processed)", point["wall_s"], loss, bpb, point["tokens_processed"])
         return point
 
+    def _accounting(self) -> dict:
+        """The outer optimizer's accounting(), with the version advances and first merges earlier reads saw: a
+        restarted outer optimizer's checkpoint holds neither, so uptime had counted only from its last restart."""
+        self._acct_seen = kept_accounting(self._acct_seen, self._get(self.outer.accounting.remote()))
+        return self._acct_seen
+
     def _drain_events(self) -> None:
         got = self._get(self.outer.drain_events.remote())
         self.events.add("rounds", got["rounds"])
@@ -746,7 +754,7 @@ class Run:
                 self._drain_events()
                 self.events.flush()
                 next_flush = now + 5.0
-                self.metrics.record_goodput_so_far(lambda: self._get(self.outer.accounting.remote()), ledger=self.ledger,
+                self.metrics.record_goodput_so_far(self._accounting, ledger=self.ledger,
                                                    snapshot=self.snapshot, run_start=self.run_start,
                                                    useful_before=self.useful_before)
         except _TRANSIENT as err:
@@ -774,7 +782,7 @@ class Run:
                      closed, time.monotonic() - t_stop)
             self.snapshot = self._get(self.monitor.refresh_statuses.remote(), timeout=self.cfg.run.call_timeout_s + 30)
         self._get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
-        acct = self._get(self.outer.accounting.remote())
+        acct = self._accounting()
         status = self._get(self.outer.status.remote())  # stopped: its ledger is final
         fates = self._account(status)
         live, dead = self._statuses()

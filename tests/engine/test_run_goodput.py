@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.core.accounting import run_goodput
+from orchestrator.core.accounting import kept_accounting, run_goodput
 
 # Three islands; island 0 trained from 1 s, islands 1 and 2 from 6 s (they started cold, it in a prestarted worker).
 TIMELINE = [(0.0, i, 1, "starting") for i in range(3)] + [(1.0, 0, 1, "training"), (6.0, 1, 1, "training"),
@@ -35,3 +35,23 @@ def test_an_island_that_failed_before_its_first_merge_ends_its_fill_at_the_failu
                        fates=FATES, stop_began=60.0, first_merged={0: 10.0, 1: 20.0, 2: 40.0})
     # Full at 20 (island 2's fill ended with its death at 8): the clock starts at the advance at 20, not at 40.
     assert good["fill_s"] == 14.0 and good["uptime"] == 1.0
+
+
+def test_uptime_survives_an_outer_optimizer_restart():
+    # Soak (benchmarks/soak.py): the outer optimizer killed at 31 s and back at 40 s restores a checkpoint that holds
+    # no advances and no first merges; read alone, its accounting put the pipeline's fill at 40 s, after its own
+    # restart, and uptime counted only from there: the stall the restart made was never seen.
+    before = {"useful_s": 40.0, "advances": ADVANCES[:7], "first_merged": {0: 10.0, 1: 20.0, 2: 22.0}}
+    after = {"useful_s": 38.0, "advances": [a for a in ADVANCES if a >= 40.0], "first_merged": {0: 40.0, 1: 40.0, 2: 42.0}}
+    kept = kept_accounting(kept_accounting(None, before), after)
+    assert kept["useful_s"] == 38.0  # the restored checkpoint's: work after it was undone
+    assert kept["first_merged"] == {0: 10.0, 1: 20.0, 2: 22.0}
+    assert kept["advances"] == ADVANCES[:7] + after["advances"]
+
+    def good(acct):
+        return run_goodput(timeline=TIMELINE, useful_s=100.0, run_start=6.0, run_end=60.0, islands=3,
+                           advances=acct["advances"], fates=FATES, stop_began=60.0, first_merged=acct["first_merged"])
+
+    alone, full = good(after), good(kept)
+    assert alone["fill_s"] == 36.0 and alone["uptime"] == 1.0
+    assert full["fill_s"] == 16.0 and full["uptime"] < 0.9  # 30 s to 40 s without an advance: a stall
