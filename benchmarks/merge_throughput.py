@@ -263,6 +263,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="print a cProfile of one round of the first configuration before measuring")
     ap.add_argument("--sync-every-steps", type=int, default=40,
                     help="H, only sets the submissions' counters (default 40)")
+    ap.add_argument("--poison-guard", action="store_true",
+                    help="judge every submission with the poison guard (outer.poison_guard, on in a run): its cost. "
+                         "Off by default, so that the rows measure the merge as before")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: preset small, P=2, K in {1,2}, 1 repeat (not a measurement)")
@@ -327,15 +330,17 @@ def build_subject(args: argparse.Namespace, model: Model) -> Subject:
                for P in args.fragments})
 
 
-def round_settings(scheme: str, K: int) -> OuterSettings:
-    """The default outer settings, closing a round as soon as K islands are in (no grace: the clock stands still)."""
-    return dataclasses.replace(outer_settings(build_config({})), min_quorum=K, compression=scheme, grace_cap_s=0.0)
+def round_settings(scheme: str, K: int, poison_guard: bool = False) -> OuterSettings:
+    """The default outer settings, closing a round as soon as K islands are in (no grace: the clock stands still),
+    the poison guard as asked (its first round waits for three islands, which the timed rounds do not model)."""
+    return dataclasses.replace(outer_settings(build_config({})), min_quorum=K, compression=scheme, grace_cap_s=0.0,
+                               poison_guard=poison_guard)
 
 
 def measure_round(args: argparse.Namespace, sub: Subject, scheme: str, P: int, K: int, wire: int,
                   subs_all: list[list[Submission]]) -> dict:
     """One row: `--repeats` merges and plain copies of K submissions (order alternating), then the peak RSS."""
-    settings = round_settings(scheme, K)
+    settings = round_settings(scheme, K, args.poison_guard)
     live = args.live_islands or K
     merged_bytes = K * sub.model.model_bytes
     reps = []
@@ -383,7 +388,7 @@ def measure_scheme(args: argparse.Namespace, sub: Subject, scheme: str) -> tuple
         for K in args.islands:
             if args.profile and not rows and scheme == args.schemes[0] and P == args.fragments[0]:
                 print(f"  profile of one round, {scheme} P={P} K={K}:", flush=True)
-                merge_rounds(sub.model.initial, sub.plans[P], round_settings(scheme, K), sub.model.embedding_names,
+                merge_rounds(sub.model.initial, sub.plans[P], round_settings(scheme, K, args.poison_guard), sub.model.embedding_names,
                              subs_all[:K], live_islands=args.live_islands or K, profile=True)
             rows.append(measure_round(args, sub, scheme, P, K, wire, subs_all))
         del subs_all
