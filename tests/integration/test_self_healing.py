@@ -114,13 +114,8 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
         Fault(island=1, kind="kill_island", at_step=32),
         Fault(island=2, kind="corrupt_submission", at_step=12),
         Fault(island=3, kind="hang", at_step=12),
-        # Finite, well shaped and flipped for the rest of its incarnation: the poison guard refuses it, and a
-        # refusal as poisoned is not a failure (island 0 is never restarted).
-        Fault(island=0, kind="flipped_submission", at_step=24),
     ))
-    cfg = config(tmp_path, tape)
-    cfg["outer"]["poison_guard"] = True  # opt-in (outer.poison_guard): island 0 is poisoned
-    run = Run(build_config(cfg), tmp_path / "run")
+    run = Run(build_config(config(tmp_path, tape)), tmp_path / "run")
     th, out = start(run)
     try:
         wait_for("the run to start", lambda: run.monitor is not None and run.snapshot["slots"])
@@ -188,12 +183,10 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
     rows = read_events(tmp_path / "run", "islands").to_pylist()
     assert sum(r["tokens_processed"] for r in rows) == summary["tokens_processed"], rows
     assert summary["tokens_lost"] > 0 and summary["tokens_refused"] > 0
-    assert summary["failures"] == 3 and summary["restarts"] == 3 and summary["faults_injected"] == 4
+    assert summary["failures"] == 3 and summary["restarts"] == 3 and summary["faults_injected"] == 3
     assert math.isfinite(summary["eval_loss"]) and summary["eval_loss"] < summary["evals"][0]["eval_loss"]
     refusals = read_events(tmp_path / "run", "refusals").to_pylist()
     assert any(r["island"] == 2 and "non-finite" in r["reason"] for r in refusals)
-    poisoned = [r for r in refusals if r["reason"].startswith("poisoned")]
-    assert poisoned and {r["island"] for r in poisoned} == {0}, [(r["island"], r["reason"]) for r in refusals]
 
     # Global versions kept advancing while island 1 was down (no global stall).
     timeline = read_events(tmp_path / "run", "timeline").to_pylist()
