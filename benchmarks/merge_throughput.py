@@ -264,8 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sync-every-steps", type=int, default=40,
                     help="H, only sets the submissions' counters (default 40)")
     ap.add_argument("--poison-guard", action="store_true",
-                    help="judge every submission with the poison guard (outer.poison_guard, on in a run): its cost. "
-                         "Off by default, so that the rows measure the merge as before")
+                    help="judge every submission with the poison guard (outer.poison_guard, opt-in): its cost. "
+                         "Off by default, as in a run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: preset small, P=2, K in {1,2}, 1 repeat (not a measurement)")

@@ -232,8 +232,6 @@ class OuterSection(_Section):
     adoption: str = Field("rebase", description="How islands adopt a new fragment: 'rebase' keeps their progress not yet "
                           "merged; 'overwrite' replaces it (the paper); 'mix(alpha)' keeps alpha of it.")
     wait_for_round: bool = Field(False, description="Islands block after each submission until its round is adopted (synchronous DiLoCo).")
-    poison_guard: bool = Field(False, description="Experimental: refuse an outer gradient far out of line with the other "
-                               "islands' recent ones (size, direction; from 3 islands on), as a counted refusal.")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads of the outer optimizer's merges; it reserves no CPU, "
                                "so raise it only where its node has cores to spare (docs/outer.md).")
 
@@ -272,6 +270,8 @@ class OuterSection(_Section):
     feedback_decay: float = Field(1.0, ge=0, le=1, description="Experimental: under int2, sign and topk, the factor on "
         "what an island still owes each time new progress is added; 1 keeps all of it owed.")
     staleness_discount: float = Field(0.0, ge=0, description="Experimental: weight multiplier (1+staleness)^-d; 0 disables.")
+    poison_guard: bool = Field(False, description="Experimental: refuse an outer gradient far out of line with the other "
+                               "islands' recent ones (size, direction; from 3 islands on), as a counted refusal.")
 
     @field_validator("merge_rule")
     @classmethod
