@@ -9,13 +9,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from orchestrator.cli.model import import_from_cwd
 from orchestrator.config import ConfigError, RunConfig, apply_overrides, build_config, load_config, resume_conflict
 from orchestrator.run.progress import progress_fields, stage_line
 from orchestrator.run.startup import Stage
 from orchestrator.run.summary import format_summary
+
+if TYPE_CHECKING:
+    from orchestrator.cli.interrupts import SignalStop
 
 
 class ProgressBar:
@@ -119,6 +122,35 @@ def with_model_flags(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    # SIGINT and SIGTERM from the start: the first stops the run cleanly (or abandons its start-up), a second
+    # exits at once (orchestrator/cli/interrupts.py); no traceback either way.
+    from orchestrator.cli.interrupts import SignalStop
+    from orchestrator.run.stopping import StopRequest
+
+    signals = SignalStop(StopRequest())
+    signals.install()
+    try:
+        return _train(args, signals)
+    except KeyboardInterrupt:  # before the run could start (loading torch, checking the model and data)
+        print(f"diloco train: {_interrupted_before(signals.run_dir, None)}", file=sys.stderr)
+        return signals.exit_code
+
+
+def _interrupted_before(run_dir: Path | None, cfg: RunConfig | None) -> str:
+    """What an interrupt before the run trained leaves, in words: the resume command where RUN_DIR holds a
+    checkpoint to resume from (a resume's, or a start-up interrupted after training began), else that there is none."""
+    from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
+    from orchestrator.run.stopping import resume_command
+
+    if run_dir is not None and cfg is not None and (run_dir / "config.yaml").is_file():
+        uri = run_checkpoint_uri(cfg.checkpoint.uri, run_dir)
+        if "://" in uri or CheckpointStore(uri).list():
+            return f"interrupted while starting; resume with: {resume_command(run_dir)}"
+    return "interrupted while starting, before every island trained; nothing to resume"
+
+
+def _train(args: argparse.Namespace, signals: SignalStop) -> int:
+    """`diloco train` itself; `signals` (orchestrator.cli.interrupts.SignalStop) handles SIGINT and SIGTERM."""
     started = time.monotonic()
     # Not the driver yet: it imports torch and Ray (seconds); bad input and the first lines come before that.
     from orchestrator.run.preflight import preflight, resume_config  # no Ray, no torch: bad input fails fast
@@ -141,6 +173,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         else:
             cfg = with_model_flags(load_config(args.config, overrides), args)
         run_dir = Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        signals.run_dir = run_dir
         preflight(cfg, run_dir, resume=bool(args.resume))  # before Ray starts and before RUN_DIR exists
     except (ConfigError, ValueError) as err:
         print(f"diloco train: {err}", file=sys.stderr)
@@ -164,11 +197,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"diloco train: {err}", file=sys.stderr)
         return 2
     from orchestrator.run.driver import RayStartError, RunNotStarted, train  # Ray: after the checks
+    from orchestrator.run.stopping import RunInterrupted, resume_command
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     try:
         summary = train(cfg, run_dir, address=address, progress=_LinkLatestOnStart(run_dir, bar),
-                        resume=bool(args.resume), stages=bar.stage if bar else None, prepared=prepared)
+                        resume=bool(args.resume), stages=bar.stage if bar else None, prepared=prepared,
+                        stop=signals.stop, on_ray=signals.reinstall_sigterm)
+    except RunInterrupted:  # stopped cleanly: summary.json says "interrupted", the last checkpoint holds the rest
+        if bar:
+            bar.close()
+        print(f"diloco train: interrupted: stopped cleanly; resume with: {resume_command(run_dir)}", file=sys.stderr)
+        return signals.exit_code
+    except KeyboardInterrupt:  # while the run started: train() abandoned it (and removed a fresh RUN_DIR)
+        if bar:
+            bar.close()
+        print(f"diloco train: {_interrupted_before(run_dir, cfg)}", file=sys.stderr)
+        return signals.exit_code
     except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
         if bar:
             bar.close()

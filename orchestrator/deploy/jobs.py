@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 EXCLUDES = ["runs/", ".git/", "**/__pycache__/", "**/*.pyc", "**/.ipynb_checkpoints/", "*.egg-info/", ".venv/",
             ".pytest_cache/", "build/", "dist/"]
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+# `ray job stop` sends the entrypoint SIGTERM and, RAY_JOB_STOP_WAIT_TIME_S later (3 s by default), SIGKILL
+# (ray/dashboard/modules/job/job_supervisor.py; the supervisor reads it from the job's env_vars). `diloco train`
+# stops cleanly on SIGTERM (final flush, checkpoint, summary): give it the time. `--env` may set another value.
+STOP_WAIT_ENV = {"RAY_JOB_STOP_WAIT_TIME_S": "300"}
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 
 
@@ -111,7 +115,7 @@ def plan_job(*, address: str, config: str | None, overrides: list[str], run_dir:
         args += ["--set", item]
     run_dir = run_dir or f"~/diloco-runs/{sid}"
     entrypoint = " ".join(shlex.quote(a) for a in args) + " --run-dir " + _shell_path(run_dir)
-    env_vars = {}
+    env_vars = dict(STOP_WAIT_ENV)
     for item in env or []:
         key, sep, value = item.partition("=")
         if not sep or not key:

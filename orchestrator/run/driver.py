@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ from orchestrator.run.setup import (
     start_monitor,
 )
 from orchestrator.run.startup import Stage, islands_ready, placing_text, stepped_islands
+from orchestrator.run.stopping import INTERRUPTED, STOP_REQUEST, RunInterrupted, StopRequest
 from orchestrator.run.streams import heldout_unigram_bits, loss_unit
 from orchestrator.run.workload import (
     TOKENIZER_FILE,
@@ -391,10 +393,12 @@ class Run:
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: Callable[[Progress], None] | None = None,
                  resume: bool = False, stages: Callable[[Stage], None] | None = None,
-                 workload: Workload | None = None, prepared: Prepared | None = None) -> None:
+                 workload: Workload | None = None, prepared: Prepared | None = None,
+                 stop: StopRequest | None = None) -> None:
         """`workload`: the public API's Python objects (model factory, loss, optimizer, datasets) in place of
         the config's import paths and data source; `prepared`: that workload already checked and built
-        (orchestrator/run/workload.py `prepare`), else the run prepares it at setup."""
+        (orchestrator/run/workload.py `prepare`), else the run prepares it at setup; `stop`: asks the run to
+        stop cleanly (orchestrator/run/stopping.py; `request_stop` asks it too)."""
         self.cfg = cfg
         self.workload = workload
         self.prepared = prepared
@@ -422,7 +426,7 @@ class Run:
         self.useful_before = 0.0  # useful island seconds the restored checkpoint holds (earlier sessions')
         self._acct_seen: dict | None = None  # the outer optimizer's accounting as this driver has read it (_accounting)
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
-        self._stop_requested = False
+        self.stop = stop or StopRequest()
         self.training_began = False  # set once every island of the first placement trains
         self.stopped_by = "token_budget"
         self.metrics = RunMetrics(self.run_id)  # Prometheus metrics via ray.util.metrics (docs/metrics.md)
@@ -433,7 +437,7 @@ class Run:
 
     def request_stop(self) -> None:
         """Ask a running `train()` to finish now (from another thread, e.g. a notebook or a test)."""
-        self._stop_requested = True
+        self.stop.ask(STOP_REQUEST)
 
     # ------------------------------------------------------------------ setup
 
@@ -689,9 +693,23 @@ class Run:
         ))
 
     def train(self) -> dict:
-        """Run to the token budget (or max_wall_s) and return the summary (also written to summary.json)."""
+        """Run to the token budget (or max_wall_s, or a stop asked) and return the summary (also written to
+        summary.json). A KeyboardInterrupt while it trains stops it the same way, `stopped_by` "interrupted"."""
         self._setup()
         t0 = self._t0 = time.monotonic()
+        try:
+            self.stop.stoppable = True  # from here a stop asked (a signal, another thread) is a clean one
+            self._loop(t0)
+        except KeyboardInterrupt:  # Ctrl-C in the driver's thread (a notebook's fit()): the same clean stop
+            self.stop.ask(INTERRUPTED)
+            self.stopped_by = self.stop.reason or INTERRUPTED
+            log.warning("interrupted: stopping cleanly (the islands' last progress merged, then a checkpoint); "
+                        "interrupt again to stop at once")
+        log.info("stopping: %s", self.stopped_by)
+        return self._finish(t0)
+
+    def _loop(self, t0: float) -> None:
+        """Tick until a stop rule or a stop asked ends the run, setting `stopped_by`."""
         next_eval, next_flush = t0 + self.cfg.eval.interval_s, t0 + 5.0
         status = {"versions": [], "rounds": 0}
         while True:
@@ -714,8 +732,8 @@ class Run:
             now = time.monotonic()
             if self._start_point is not None and (self._first_step_seen or now >= next_eval):
                 self._score_start()  # before any periodic evaluation: the starting point comes first
-            if self._tokens() >= self.cfg.run.token_budget or self._stop_requested:
-                self.stopped_by = "token_budget" if not self._stop_requested else "stop request"
+            if self.stop.reason is not None or self._tokens() >= self.cfg.run.token_budget:
+                self.stopped_by = self.stop.reason or "token_budget"
                 break
             if self.cfg.run.max_wall_s is not None and now - t0 >= self.cfg.run.max_wall_s:
                 log.warning("stopping on max_wall_s=%s before the token budget", self.cfg.run.max_wall_s)
@@ -725,7 +743,6 @@ class Run:
             if stop:
                 break
             time.sleep(0.5)
-        return self._finish(t0)
 
     def _note_first_step(self, stepped: list[int] | None = None) -> None:
         """Report the "first_step" stage the first time an island has stepped: `stepped` as a monitor snapshot
@@ -827,7 +844,8 @@ class Run:
 def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
           progress: Callable[[Progress], None] | None = None, resume: bool = False,
           stages: Callable[[Stage], None] | None = None, workload: Workload | None = None,
-          prepared: Prepared | None = None) -> dict:
+          prepared: Prepared | None = None, stop: StopRequest | None = None,
+          on_ray: Callable[[], None] | None = None) -> dict:
     """Run one training job: start or join Ray, train to the token budget, write RUN_DIR, return the summary.
 
     `workload` carries the public API's Python objects (model factory, loss, optimizer, datasets) that
@@ -842,6 +860,13 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     RUN_DIR is created only once Ray is up and can host the run. A fresh run that fails before its
     islands train leaves no RUN_DIR that it created: RunNotStarted (ConfigError for a config problem)
     names the cause and where its driver.log was kept.
+
+    Stopping early (orchestrator/run/stopping.py): `stop.ask(reason)` from a signal handler or another thread
+    stops the run cleanly at its next tick, as the token budget does, and so does a KeyboardInterrupt while it
+    trains; a run stopped by an interrupt then raises RunInterrupted (a KeyboardInterrupt carrying the summary)
+    once its actors are gone. A KeyboardInterrupt while it starts abandons the start-up. `on_ray` is called once
+    Ray is up in this process: `ray.init` installs its own SIGTERM handler, and a caller that owns the process's
+    signals (`diloco train`) puts its own back there.
     """
     run_dir = Path(run_dir)
     preflight(cfg, run_dir, resume=resume)
@@ -851,6 +876,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     if stages is not None:
         stages(Stage("ray", _ray_text(cfg, address)))
     started = ensure_ray(cfg, address)
+    if on_ray is not None:
+        on_ray()
     if started and not address:  # a Ray of our own never grows: what it cannot host now, it never will
         check_local_fit(cfg)
     created = not run_dir.exists()
@@ -860,9 +887,13 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     logging.getLogger().addHandler(handler)
     ignore_zero_copy_warnings()
     run: Run | None = None
+    stop = stop or StopRequest()
     try:
-        run = Run(cfg, run_dir, progress=progress, resume=resume, stages=stages, workload=workload, prepared=prepared)
+        run = Run(cfg, run_dir, progress=progress, resume=resume, stages=stages, workload=workload, prepared=prepared,
+                  stop=stop)
         prepared = None  # the run owns it now
+        if not started:  # joined a Ray that outlives this process: an exit without a clean stop kills the actors first
+            stop.hard_stop = partial(kill_run_actors, run.run_id)
         summary = run.train()
     except BaseException as err:
         _end_session(run, handler, started)
@@ -875,6 +906,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
         raise kind(f"{cause}{_first_line(err)} (nothing trained, so {run_dir} was removed; its driver.log is "
                    f"{kept})") from err
     _end_session(run, handler, started)
+    if summary["stopped_by"] == INTERRUPTED:
+        raise RunInterrupted(run_dir, summary)
     return summary
 
 

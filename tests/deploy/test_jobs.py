@@ -269,6 +269,40 @@ def test_submit_runs_on_the_cluster_status_attaches_and_metrics_export(head, tmp
     assert after.stderr.strip().startswith("diloco status: no live diloco run at") and "\n" not in after.stderr.strip()
 
 
+@pytest.mark.extended
+def test_ray_job_stop_stops_the_run_cleanly(head, tmp_path):
+    """`ray job stop` sends the job's processes SIGTERM, then SIGKILL RAY_JOB_STOP_WAIT_TIME_S later (the plan
+    sets 300 s): `diloco train` stops cleanly inside that time, as on Ctrl-C. Extended: its own cluster and run
+    (about a minute); the signal path is tests/integration/test_interrupt.py's, which runs by default."""
+    from orchestrator.core.checkpoint import CheckpointStore
+    from tests.engine.test_token_ledger import assert_shown_everywhere
+
+    run_dir = tmp_path / "run"
+    settings = [s if not s.startswith("run.max_wall_s=") else "run.max_wall_s=600" for s in RUN_SETTINGS]
+    args = ["submit", "--address", head.dashboard, "--run-dir", str(run_dir), "--no-wait"]
+    for item in settings:
+        args += ["--set", item]
+    got = diloco(*args, timeout=300)
+    assert got.returncode == 0, got.stdout + got.stderr
+    sid = re.search(r"--submission-id (\S+)", got.stdout).group(1)
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    deadline = time.monotonic() + 300
+    while not (len(store.list()) >= 2 and sum(store.load(store.list()[-1]).meta["outer"]["versions"]) >= 2):
+        assert time.monotonic() < deadline, "the job never checkpointed merged rounds"
+        time.sleep(1)
+    stop = subprocess.run(["ray", "job", "stop", "--address", head.dashboard, sid], env=ENV, text=True,
+                          capture_output=True, timeout=300)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert re.search(rf"Job '?{sid}'? was stopped", stop.stdout + stop.stderr), stop.stdout + stop.stderr
+    logs = subprocess.run(["ray", "job", "logs", "--address", head.dashboard, sid], env=ENV, text=True,
+                          capture_output=True, timeout=120).stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "interrupted", summary["stopped_by"]
+    assert_shown_everywhere(summary)
+    assert "Traceback" not in logs and "SIGTERM: stopping cleanly" in logs, logs[-3000:]
+    assert f"resume with: diloco train --resume {run_dir}" in logs, logs[-3000:]
+
+
 # ---------------------------------------------------------------- no cluster: plans, picks, live goodput
 
 
@@ -280,7 +314,11 @@ def test_plan_job_ships_the_project_and_prints_the_same_submission():
                     env=["HF_HOME=/data/hf"])
     assert plan.entrypoint == ("python -m orchestrator.cli train --config configs/default.yaml --set run.token_budget=1000 "
                                "--set 'pools=[{name: a, islands: 2}]' --run-dir ~/diloco-runs/sid-1")
-    assert plan.runtime_env == {"working_dir": str(ROOT), "excludes": EXCLUDES, "env_vars": {"HF_HOME": "/data/hf"}}
+    assert plan.runtime_env == {"working_dir": str(ROOT), "excludes": EXCLUDES,
+                                "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "300", "HF_HOME": "/data/hf"}}
+    # `ray job stop` waits this long for the clean stop before SIGKILL; --env may set it.
+    assert plan_job(address="a", config=None, overrides=[], env=["RAY_JOB_STOP_WAIT_TIME_S=60"]).env_vars == {
+        "RAY_JOB_STOP_WAIT_TIME_S": "60"}
     assert "runs/" in EXCLUDES and ".git/" in EXCLUDES
     line = plan.ray_job_submit_line(no_wait=True)
     assert line.startswith(f"ray job submit --address http://h:8265 --submission-id sid-1 --working-dir {ROOT} ")

@@ -162,8 +162,10 @@ class FailingRun:
     """Stands in for driver.Run: writes what setup writes (config, checkpoint 0), then fails."""
 
     began = False
+    run_id = "failing-run"
 
-    def __init__(self, cfg, run_dir, *, progress=None, resume=False, stages=None, workload=None, prepared=None) -> None:
+    def __init__(self, cfg, run_dir, *, progress=None, resume=False, stages=None, workload=None, prepared=None,
+                 stop=None) -> None:
         self.run_dir, self.training_began = Path(run_dir), self.began
 
     def train(self) -> dict:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,10 @@ def test_kills_under_overwrite_adoption_and_during_the_final_flush_add_up(ray_cl
 
 
 def test_ctrl_c_then_resume_keeps_the_interrupted_sessions_fates(ray_cluster, tmp_path):
-    """Ctrl-C ends `diloco train` without a summary; `--resume` restores its newest checkpoint. The table then
-    counts the interrupted session's tokens as of that checkpoint: merged as it holds them, and what the
-    interruption lost as lost."""
+    """Ctrl-C twice ends `diloco train` at once, without a clean stop or a summary (one Ctrl-C stops cleanly:
+    tests/integration/test_interrupt.py); `--resume` restores its newest checkpoint. The table then counts the
+    interrupted session's tokens as of that checkpoint: merged as it holds them, and what the interruption lost
+    as lost."""
     cluster, _ = ray_cluster
     run_dir = tmp_path / "run"
     cfg_path = tmp_path / "config.yaml"
@@ -78,8 +80,12 @@ def test_ctrl_c_then_resume_keeps_the_interrupted_sessions_fates(ray_cluster, tm
                  and (lambda meta: sum(meta["outer"]["versions"]) >= 2 and meta["extra"].get("token_ledger"))(
                      store.load(store.list()[-1]).meta), timeout_s=180)
     finally:
-        driver.send_signal(signal.SIGINT)  # Ctrl-C
+        driver.send_signal(signal.SIGINT)  # Ctrl-C: the clean stop begins ...
+        time.sleep(0.5)
+        driver.send_signal(signal.SIGINT)  # ... and a second one exits at once
         driver.wait(60)
+    assert driver.returncode == 130 and "SIGINT again: exiting now without a clean stop" in err_path.read_text()
+    assert not (run_dir / "summary.json").exists()
     newest = store.load(store.list()[-1]).meta
     cfg = build_config(apply_overrides(resume_config(run_dir).model_dump(mode="json"), ["run.max_wall_s=5"]))
     summary = train(cfg, run_dir, resume=True)
