@@ -3,12 +3,15 @@
 Runs the default model and data (the default run: four islands, two of them EMULATED slower) in one local
 Ray session, the same token budget each:
 
-  clean        no fault, the guard on (the default): its refusals are the guard's false refusals;
-  clean, off   no fault, the guard off: the guard's cost to a clean run;
-  guarded      island --island poisoned from its first submission to the end, the guard on;
-  unguarded    the same poison, the guard off;
+  clean        no fault, the guard on (outer.poison_guard, opt-in): its refusals are the guard's false refusals;
+  clean, off   no fault, the guard off (the default): the guard's cost to a clean run;
+  guarded      island --island poisoned from its first submission to the end of its incarnation, the guard on:
+               after outer.poison_restart_after refusals in a row (3) the monitor restarts the island, and
+               its new incarnation is healthy (a fault of the island's state, not of its hardware);
+  unguarded    the same poison, the guard off: nothing refuses it, nothing restarts it;
   dropped      the same island's submissions all lost on the way (drop_submission for the whole run):
-               what a perfect guard reaches, since a refused island's tokens still count against the budget.
+               a guard that refuses perfectly and never restarts, since a refused island's tokens still
+               count against the budget.
 
 The clean runs repeat --repeats times (default 3; the spread a difference must beat), the poisoned runs
 once per kind in --kinds (default all four: scaled 100x, sign flipped, from a stale base, noise of the
@@ -16,8 +19,9 @@ honest norm). Prints a table of every run and one of medians, and writes JSON:
 {"clean": loss, "guarded": loss, "unguarded": loss, "false_refusals_clean": N, ...}, where "guarded" and
 "unguarded" are the worst over the kinds (the guard must hold for every one).
 
-  python benchmarks/poison.py --json /tmp/poison.json      # ~25 minutes on 2 cores
+  python benchmarks/poison.py --json /tmp/poison.json      # ~50 minutes on 2 cores
   python benchmarks/poison.py --kinds flipped_submission --repeats 1 --quick   # a smoke run (~5 minutes)
+  python benchmarks/poison.py --groups clean,guarded       # only those runs (the JSON leaves the others out)
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from orchestrator.run.driver import train  # noqa: E402
 from policies.chaos import Fault, FaultTape  # noqa: E402
 
 WHOLE_RUN_S = 1e7  # a drop window longer than any run
+GROUPS = ("clean", "clean-off", "guarded", "unguarded", "dropped")
+GUARD_ON, GUARD_OFF = ["outer.poison_guard=true"], ["outer.poison_guard=false"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,8 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="a 1.2M-token budget")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every run (repeatable)")
+    ap.add_argument("--groups", default=",".join(GROUPS), help=f"which runs (default all: {','.join(GROUPS)})")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    args.groups = [g.strip() for g in args.groups.split(",") if g.strip()]
+    if not args.groups or any(g not in GROUPS for g in args.groups) or "clean" not in args.groups:
+        ap.error(f"--groups: {args.groups} must be some of {', '.join(GROUPS)}, clean among them (the reference)")
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     bad = [k for k in args.kinds if k not in POISON_KINDS]
     if bad or not args.kinds:
@@ -110,14 +120,16 @@ def run_all(args: argparse.Namespace, root: Path) -> dict[str, list[dict]]:
     try:
         print(f"runs in {root}; token budget {budget:,}; island {args.island} poisoned", file=sys.stderr)
         for r in range(1, args.repeats + 1):
-            runs.setdefault("clean", []).append(run_one(f"clean-r{r}", common, root))
-            runs.setdefault("clean, guard off", []).append(
-                run_one(f"clean-off-r{r}", common + ["outer.poison_guard=false"], root))
+            runs.setdefault("clean", []).append(run_one(f"clean-r{r}", common + GUARD_ON, root))
+            if "clean-off" in args.groups:
+                runs.setdefault("clean, guard off", []).append(run_one(f"clean-off-r{r}", common + GUARD_OFF, root))
         for kind in args.kinds:
-            runs[f"guarded {kind}"] = [run_one(f"guarded-{kind}", common, root, whole(kind))]
-            runs[f"unguarded {kind}"] = [run_one(f"unguarded-{kind}", common + ["outer.poison_guard=false"], root,
-                                                 whole(kind))]
-        runs["dropped"] = [run_one("dropped", common, root, whole("drop_submission", WHOLE_RUN_S))]
+            if "guarded" in args.groups:
+                runs[f"guarded {kind}"] = [run_one(f"guarded-{kind}", common + GUARD_ON, root, whole(kind))]
+            if "unguarded" in args.groups:
+                runs[f"unguarded {kind}"] = [run_one(f"unguarded-{kind}", common + GUARD_OFF, root, whole(kind))]
+        if "dropped" in args.groups:
+            runs["dropped"] = [run_one("dropped", common + GUARD_ON, root, whole("drop_submission", WHOLE_RUN_S))]
     finally:
         ray.shutdown()
     return runs
@@ -126,13 +138,13 @@ def run_all(args: argparse.Namespace, root: Path) -> dict[str, list[dict]]:
 def table(runs: dict[str, list[dict]]) -> str:
     """Markdown: one row per run."""
     rows = ["| run | held-out loss (nats/byte) | bits/byte | tokens merged | tokens refused | refused as poisoned "
-            "| refused otherwise | wall s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| refused otherwise | restarts | wall s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, summaries in runs.items():
         for i, s in enumerate(summaries, 1):
             label = name if len(summaries) == 1 else f"{name} (r{i})"
             rows.append(f"| {label} | {s['eval_loss']:.4f} | {s['eval_bits_per_byte']:.3f} | {s['tokens_merged']:,.0f} "
                         f"| {s['tokens_refused']:,.0f} | {s['poisoned_refusals']} | {s['other_refusals']} "
-                        f"| {s['wall_s']:.0f} |")
+                        f"| {s['restarts']} | {s['wall_s']:.0f} |")
     return "\n".join(rows)
 
 
@@ -140,22 +152,31 @@ def results(runs: dict[str, list[dict]], kinds: list[str], island: int) -> dict:
     """The JSON: medians of the clean runs, the worst kind guarded and unguarded, false refusals, per kind."""
     med = {name: statistics.median(s["eval_loss"] for s in summaries) for name, summaries in runs.items()}
     clean = med["clean"]
-    worst_guarded = max(kinds, key=lambda k: med[f"guarded {k}"])
-    worst_unguarded = max(kinds, key=lambda k: med[f"unguarded {k}"])
+    out: dict = {"clean": clean, "clean_guard_off": med.get("clean, guard off")}
+    for group in ("guarded", "unguarded"):
+        if f"{group} {kinds[0]}" in med:
+            worst = max(kinds, key=lambda k: med[f"{group} {k}"])
+            out[group], out[f"{group}_worst_kind"] = med[f"{group} {worst}"], worst
+    by_kind: dict = {}
+    for k in kinds:
+        row = by_kind[k] = {"unguarded": med.get(f"unguarded {k}")}
+        if f"guarded {k}" in runs:
+            s = runs[f"guarded {k}"][0]
+            row.update(guarded=med[f"guarded {k}"], restarts=s["restarts"],
+                       poisoned_refused=s["poisoned_refusals_by_island"].get(island, 0),
+                       honest_refused_as_poisoned=sum(n for i, n in s["poisoned_refusals_by_island"].items()
+                                                      if i != island))
     return {
-        "clean": clean, "clean_guard_off": med["clean, guard off"],
-        "guarded": med[f"guarded {worst_guarded}"], "guarded_worst_kind": worst_guarded,
-        "unguarded": med[f"unguarded {worst_unguarded}"], "unguarded_worst_kind": worst_unguarded,
-        "dropped": med["dropped"],
+        **out, "dropped": med.get("dropped"),
         "false_refusals_clean": sum(s["poisoned_refusals"] for s in runs["clean"]),
         "clean_runs": len(runs["clean"]),
         "clean_spread": [min(s["eval_loss"] for s in runs["clean"]), max(s["eval_loss"] for s in runs["clean"])],
-        "by_kind": {k: {"guarded": med[f"guarded {k}"], "unguarded": med[f"unguarded {k}"],
-                        "poisoned_refused": runs[f"guarded {k}"][0]["poisoned_refusals_by_island"].get(island, 0),
-                        "honest_refused_as_poisoned": sum(n for i, n in runs[f"guarded {k}"][0][
-                            "poisoned_refusals_by_island"].items() if i != island)} for k in kinds},
-        "units": "held-out loss, nats per byte",
+        "by_kind": by_kind, "units": "held-out loss, nats per byte",
     }
+
+
+def _pct(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None else f"{100 * (a / b - 1):+.1f}%"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,14 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_all(args, root)
     out = results(runs, args.kinds, args.island)
     print("\n" + table(runs))
+    off = out["clean_guard_off"]
     print(f"\nclean (median of {out['clean_runs']}): {out['clean']:.4f} (spread {out['clean_spread'][0]:.4f}-"
-          f"{out['clean_spread'][1]:.4f}); guard off: {out['clean_guard_off']:.4f}; false refusals in clean runs: "
-          f"{out['false_refusals_clean']}")
+          f"{out['clean_spread'][1]:.4f}); guard off: {'not run' if off is None else f'{off:.4f}'}; false refusals "
+          f"in clean runs: {out['false_refusals_clean']}")
     for k, v in out["by_kind"].items():
-        print(f"{k}: {v['poisoned_refused']} refused ({v['honest_refused_as_poisoned']} honest), "
-              f"guarded {v['guarded']:.4f} ({100 * (v['guarded'] / out['clean'] - 1):+.1f}% vs clean, "
-              f"{100 * (v['guarded'] / out['dropped'] - 1):+.1f}% vs dropped), unguarded {v['unguarded']:.4f} "
-              f"({100 * (v['unguarded'] / out['clean'] - 1):+.1f}%)")
+        guarded = (f"{v['poisoned_refused']} refused ({v['honest_refused_as_poisoned']} honest), {v['restarts']} "
+                   f"restarts, guarded {v['guarded']:.4f} ({_pct(v['guarded'], out['clean'])} vs clean, "
+                   f"{_pct(v['guarded'], out['dropped'])} vs dropped)") if "guarded" in v else "guarded not run"
+        unguarded = "not run" if v["unguarded"] is None else f"{v['unguarded']:.4f} ({_pct(v['unguarded'], out['clean'])})"
+        print(f"{k}: {guarded}, unguarded {unguarded}")
     print("EMULATION: pool speeds emulated by throttling on one machine")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

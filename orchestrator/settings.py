@@ -37,7 +37,7 @@ def outer_settings(cfg: RunConfig) -> OuterSettings:
         downlink_delta=o.downlink_delta, publish_to=o.publish_to, compression_block_size=o.compression_block_size,
         topk_density=o.topk_density, average_window=cfg.run.average_window, torch_threads=o.torch_threads,
         elastic_slots=cfg.elastic_slots(), fixed_slots=cfg.num_islands - len(cfg.elastic_slots()),
-        poison_guard=o.poison_guard,
+        poison_guard=o.poison_guard, poison_restart_after=o.poison_restart_after,
     )
 
 

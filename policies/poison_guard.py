@@ -50,7 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FIRST_ROUND_ISLANDS", "PoisonGuard", "Reading", "first_round_quorum", "judge_first_round", "reading_of"]
+__all__ = ["FIRST_ROUND_ISLANDS", "POISONED", "PoisonGuard", "Reading", "RefusalStreaks", "first_round_quorum",
+           "judge_first_round", "reading_of"]
 
 Z = 3.5  # modified z-score outlier cut (Iglewicz and Hoaglin)
 MAD_TO_SIGMA = 1.4826  # MAD of a normal sample times this estimates its standard deviation
@@ -90,6 +91,10 @@ def reading_of(island: int, deltas: Sequence[torch.Tensor], norms: Sequence[floa
     return Reading(island, size, alignment, elements)
 
 
+POISONED = "poisoned: "
+"""How every reason the guard gives begins (a Refusal's reason; RefusalStreaks counts only these)."""
+
+
 def _median_sigma(values: Sequence[float]) -> tuple[float, float]:
     med = statistics.median(values)
     return med, MAD_TO_SIGMA * statistics.median(abs(v - med) for v in values)
@@ -102,7 +107,7 @@ def _size_problem(size: float, others: Sequence[float]) -> str | None:
     limit = max(math.log(SIZE_RATIO_FLOOR), Z * sigma)
     ratio = math.exp(math.log(max(size, 1e-30)) - med)
     if math.log(ratio) > limit:
-        return (f"poisoned: outer gradient {ratio:.1f}x the size of the other islands' recent ones (limit "
+        return (f"{POISONED}outer gradient {ratio:.1f}x the size of the other islands' recent ones (limit "
                 f"{math.exp(limit):.1f}x; per sqrt inner step)")
     return None
 
@@ -117,7 +122,7 @@ def _alignment_problem(alignment: float | None, elements: int, others: Sequence[
     if med <= 2 * limit:
         return None  # the others do not agree on a direction clearly enough to be out of line with
     if alignment < limit:
-        return (f"poisoned: outer gradient's cosine with {against} {alignment:+.4f}, no more than a random "
+        return (f"{POISONED}outer gradient's cosine with {against} {alignment:+.4f}, no more than a random "
                 f"direction's (limit {limit:+.4f}; the other islands' median {med:+.3f})")
     return None
 
@@ -188,3 +193,36 @@ class PoisonGuard:
             w.clear()
             w.extend(Reading(int(i), float(s), None if a is None else float(a), int(n))  # type: ignore[arg-type]
                      for i, s, a, n in readings)
+
+
+class RefusalStreaks:
+    """Consecutive poison refusals of each island incarnation, and when the incarnation is to be restarted.
+
+    A guard only refuses: an island whose every outer gradient is wrong (scaled, sign-flipped, computed from an
+    old base, noise) keeps spending a quarter of the run's compute on refused work. What it sends is its own
+    state's fault, not the others' (the guard judges it against them), so `restart_after` refusals in a row
+    mark the incarnation broken and the health monitor restarts it from the global parameters, as it does an
+    island that diverged. An accepted submission ends a streak: an honest island refused now and then (a
+    restart that left its direction behind the momentum) is never restarted for it. 0 restarts none.
+    """
+
+    def __init__(self, restart_after: int) -> None:
+        """Streaks that mark an incarnation after `restart_after` consecutive refusals (0: never)."""
+        if restart_after < 0:
+            raise ValueError(f"restart_after={restart_after} must be >= 0 (0: never restart)")
+        self.restart_after = restart_after
+        self._streaks: dict[tuple[int, int], int] = {}
+
+    def refused(self, island: int, incarnation: int) -> bool:
+        """Count one poison refusal; True exactly when this one makes the streak `restart_after` long."""
+        key = (island, incarnation)
+        self._streaks[key] = self._streaks.get(key, 0) + 1
+        return self.restart_after > 0 and self._streaks[key] == self.restart_after
+
+    def accepted(self, island: int, incarnation: int) -> None:
+        """An accepted submission of the incarnation: its streak starts again from 0."""
+        self._streaks.pop((island, incarnation), None)
+
+    def streak(self, island: int, incarnation: int) -> int:
+        """The incarnation's current run of consecutive refusals."""
+        return self._streaks.get((island, incarnation), 0)

@@ -333,10 +333,13 @@ class _OuterShell:
         return self._monitor_state
 
     async def health(self) -> dict:
-        """For the health monitor: restart epoch, islands that sent non-finite values, registry."""
+        """For the health monitor: restart epoch, islands that sent non-finite values, islands refused as poisoned
+        `outer.poison_restart_after` times in a row, registry."""
         diverged = await self._core(self.core.take_diverged)
+        poisoned = await self._core(self.core.take_poisoned)
         islands = await self._core(lambda: {str(k): v for k, v in self.core.islands.items()})
-        return {"epoch": self.epoch, "diverged": sorted(diverged), "islands": islands}
+        return {"epoch": self.epoch, "diverged": sorted(diverged), "poisoned": sorted(poisoned), "islands": islands,
+                "poison_restart_after": self.core.streaks.restart_after}
 
     async def resume_cursor(self, island: int) -> DataCursor:
         """Where a new incarnation of the slot resumes its data (an islands.cursor.DataCursor): after the newest

@@ -67,7 +67,7 @@ class OuterLink:
     async def check(self, handles: dict[int, Any], slots: dict[int, SlotState],
                     fail: Callable[[SlotState, str, str], Awaitable[None]]) -> None:
         """One health round with the outer optimizer: resync every island after its restart, `fail` the
-        islands it found diverged, and register again every live island it does not know.
+        islands it found diverged or poisoned, and register again every live island it does not know.
 
         `handles`: the monitor's live island -> leader map, read again after the failures (they remove theirs)."""
         outer = self.handle()
@@ -76,10 +76,15 @@ class OuterLink:
         live = [(slots[island], handle) for island, handle in handles.items()]
         # `info` predates the resync: the reconcile below must not repeat it.
         registered.update(await self.resync_if_restarted(outer, info["epoch"], live))
-        for island, inc in info["diverged"]:
+        broken = [(island, inc, "sent a non-finite outer gradient") for island, inc in info["diverged"]]
+        # Its own state is what is wrong (the guard judged it against the others): restarted as a diverged island
+        # is, its progress not salvaged (orchestrator/actors/keepers.py).
+        broken += [(island, inc, f"sent {info['poison_restart_after']} outer gradients in a row refused as poisoned")
+                   for island, inc in info.get("poisoned", [])]
+        for island, inc, why in broken:
             slot = slots.get(island)
             if slot is not None and slot.incarnation == inc:
-                await fail(slot, "diverged", "sent a non-finite outer gradient")
+                await fail(slot, "diverged", why)
         for island, handle in list(handles.items()):  # reconcile after any outer restart
             slot = slots[island]
             if slot.state in ("training", "blocked") and registered.get(island) != slot.incarnation:

@@ -31,7 +31,15 @@ from orchestrator.core.submission_check import check_submission
 from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds
 from policies.outer_optimizer import FragmentOuterOptimizer
-from policies.poison_guard import PoisonGuard, Reading, first_round_quorum, judge_first_round, reading_of
+from policies.poison_guard import (
+    POISONED,
+    PoisonGuard,
+    Reading,
+    RefusalStreaks,
+    first_round_quorum,
+    judge_first_round,
+    reading_of,
+)
 from policies.quorum import MovingAverage, decide_round, grace_window_s, membership_quorum
 from policies.sync_schedule import sync_every_at
 
@@ -106,6 +114,9 @@ class OuterOptimizer:
         self._diverged: set[tuple[int, int]] = set()  # (island, incarnation) that sent non-finite values
         # Finite, well-shaped and wrong outer gradients (policies.poison_guard), judged against the other islands'.
         self.guard = PoisonGuard(P) if settings.poison_guard else None
+        # An incarnation refused as poisoned so many times in a row is restarted (policies.poison_guard.RefusalStreaks).
+        self.streaks = RefusalStreaks(settings.poison_restart_after)
+        self._poisoned: set[tuple[int, int]] = set()  # (island, incarnation) the monitor is to restart
 
     # ---------------------------------------------------------------- membership
 
@@ -145,6 +156,7 @@ class OuterOptimizer:
             if poisoned is not None:
                 return self.poll(now), self._refuse(sub, poisoned)
             self.guard.record(p, reading)
+            self.streaks.accepted(sub.island, sub.incarnation)
         self.bytes_received += sub.nbytes
         if sub.step_time_s > 0:
             self.step_time.update(sub.step_time_s)
@@ -167,6 +179,8 @@ class OuterOptimizer:
         # Counted and logged once; a non-finite outer gradient also marks its incarnation as diverged.
         if "non-finite" in reason:
             self._diverged.add((sub.island, sub.incarnation))
+        elif reason.startswith(POISONED) and self.streaks.refused(sub.island, sub.incarnation):
+            self._poisoned.add((sub.island, sub.incarnation))
         refusal = Refusal(sub.island, sub.incarnation, sub.seq, sub.fragment, max(sub.tokens, 0), reason,
                           cursor=DataCursor.of(sub.cursor).batch)
         if 0 <= sub.fragment < self.plan.num_fragments:
@@ -248,6 +262,7 @@ class OuterOptimizer:
                 continue
             kept.append(e)
             self.guard.record(p, Reading(e.sub.island, size, alignment, elements))
+            self.streaks.accepted(e.sub.island, e.sub.incarnation)
         round_.pending = kept
         round_.voters &= {e.sub.island for e in kept}
         return bool(kept)
@@ -341,6 +356,11 @@ class OuterOptimizer:
     def take_diverged(self) -> set[tuple[int, int]]:
         """(island, incarnation) pairs that sent non-finite outer gradients since the last call."""
         out, self._diverged = self._diverged, set()
+        return out
+
+    def take_poisoned(self) -> set[tuple[int, int]]:
+        """(island, incarnation) pairs refused as poisoned `poison_restart_after` times in a row since the last call."""
+        out, self._poisoned = self._poisoned, set()
         return out
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:

@@ -40,3 +40,4 @@ class OuterSettings:
     elastic_slots: frozenset[int]  # island slots of elastic pools: K counts only those holding an island (quorum.py)
     fixed_slots: int  # island slots of fixed pools
     poison_guard: bool  # refuse finite, well-shaped outliers against the other islands' (policies/poison_guard.py)
+    poison_restart_after: int  # restart an incarnation after this many poison refusals in a row (0: never)

@@ -234,3 +234,34 @@ def test_after_an_outer_restart_every_island_fetches_the_model_on_its_own_link_a
     assert [e for e in log if e[0] == "resync"] == [("resync", i, ("fetched", i)) for i in range(3)]
     assert [e[1] for e in log if e[0] == "register"] == [0, 1, 2]
     assert mon.outer.epoch == 1
+
+
+class PoisonReportingOuter:
+    """An outer-optimizer handle whose health names island 0's incarnation 1 as refused as poisoned 3 times in a row."""
+
+    def __init__(self) -> None:
+        self.health = _Method(self._health)
+        self.register = _Method(self._noop)
+
+    async def _health(self):
+        return {"epoch": 0, "diverged": [], "poisoned": [[0, 1]], "islands": {"0": 1}, "poison_restart_after": 3}
+
+    async def _noop(self, *args):
+        return None
+
+
+def test_an_island_the_outer_optimizer_found_poisoned_is_restarted_as_a_diverged_one():
+    async def scenario():
+        mon, teardowns, restarts = _monitor()
+        outer = PoisonReportingOuter()
+        mon.outer.handle = lambda: outer
+        mon.outer.epoch = 0
+        mon.handles[0] = object()
+        await mon._check_outer()
+        await asyncio.sleep(0)
+        return mon, teardowns, restarts
+
+    mon, teardowns, restarts = asyncio.run(scenario())
+    assert teardowns == [1] and restarts == [1]
+    assert [(d["kind"], d["reason"]) for d in mon.record.detections] == [
+        ("diverged", "sent 3 outer gradients in a row refused as poisoned")]

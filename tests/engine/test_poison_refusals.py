@@ -117,3 +117,26 @@ def test_the_guard_windows_survive_a_checkpoint():
     again.load_state_dict(tensors, meta)
     assert again.guard is not None and outer.guard is not None
     assert again.guard.state_dict() == outer.guard.state_dict() != [[], []]
+
+
+def test_an_island_refused_as_poisoned_three_times_in_a_row_is_handed_to_the_monitor_once():
+    outer = _outer(guard=True)  # outer.poison_restart_after: 3, the default
+    _stream(outer, "flipped_submission", rounds=4)
+    first_three = [r for r in outer.refusals if r.island == 0][:3]
+    assert len(first_three) == 3 and all(r.reason.startswith("poisoned: ") for r in first_three)
+    # Once, however many refusals follow (the monitor restarts the incarnation; a new one starts a new count).
+    assert outer.take_poisoned() == {(0, 1)} and outer.take_poisoned() == set()
+    assert outer.take_diverged() == set(), "a poisoned island is not one that sent non-finite values"
+
+
+def test_a_clean_stream_hands_no_island_to_the_monitor_and_zero_restarts_none():
+    clean = _outer(guard=True)
+    _stream(clean, None, rounds=4)
+    assert clean.take_poisoned() == set()
+    never = OuterOptimizer({n: torch.zeros(s) for n, s in SHAPES.items()},
+                           plan_fragments([(n, math.prod(s) * 4) for n, s in SHAPES.items()], 2),
+                           settings=outer_from_config(poison_guard=True, poison_restart_after=0, grace_gamma=0.0))
+    for island in range(ISLANDS):
+        never.register(island, 1)
+    _stream(never, "flipped_submission", rounds=4)
+    assert [r for r in never.refusals if r.island == 0] and never.take_poisoned() == set()

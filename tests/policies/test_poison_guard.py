@@ -141,3 +141,19 @@ def test_state_round_trips():
     again = PoisonGuard(2)
     again.load_state_dict(guard.state_dict())
     assert again.state_dict() == guard.state_dict() == [[], [[3, 0.5, 0.25, 10], [2, 0.6, None, 10]]]
+
+
+def test_refusal_streaks_mark_an_incarnation_at_the_nth_refusal_in_a_row_and_an_acceptance_resets():
+    from policies.poison_guard import RefusalStreaks
+
+    streaks = RefusalStreaks(3)
+    assert [streaks.refused(0, 1) for _ in range(2)] == [False, False]
+    streaks.accepted(0, 1)  # an honest island refused now and then is never restarted for it
+    assert streaks.streak(0, 1) == 0
+    assert [streaks.refused(0, 1) for _ in range(5)] == [False, False, True, False, False], "marked once"
+    assert streaks.refused(0, 2) is False and streaks.streak(0, 2) == 1, "a new incarnation counts afresh"
+    assert streaks.refused(1, 1) is False, "islands count apart"
+    never = RefusalStreaks(0)
+    assert not any(never.refused(0, 1) for _ in range(10))
+    with pytest.raises(ValueError, match="restart_after=-1 must be >= 0"):
+        RefusalStreaks(-1)
