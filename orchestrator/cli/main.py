@@ -13,6 +13,7 @@ Examples:
   diloco evaluate runs/demo                      # its held-out loss, or on another corpus with --set data.*
   diloco export runs/demo --out demo.pt          # the trained model as a PyTorch file
   diloco check-cluster --cluster cluster.yaml --config configs/multi-region.yaml   # before `ray up`
+  diloco dashboard install                       # the run-metrics Grafana dashboard, into this node's Ray session
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ COMMANDS = {
     "baseline-dp": "baseline",  # Ray Train TorchTrainer baseline
     "sample": "model", "evaluate": "model", "export": "model",  # a run's trained model
     "check-cluster": "cluster",  # a cluster.yaml against a config
+    "dashboard": "dashboard",  # the Grafana dashboard of the run's metrics
 }
 
 
@@ -65,6 +67,8 @@ def _module(name: str):
         from orchestrator.cli import model as module
     elif name == "cluster":
         from orchestrator.cli import cluster as module
+    elif name == "dashboard":
+        from orchestrator.cli import dashboard as module
     else:
         raise ValueError(f"no command module {name!r}; add it to COMMANDS and here")
     return module

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
+
+from orchestrator.deploy.dashboard import dashboard_metric_names, exported_names, run_metric_definitions
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")]
@@ -262,6 +265,25 @@ def test_submit_runs_on_the_cluster_status_attaches_and_metrics_export(head, tmp
     assert metric_total(text, "ray_diloco_tokens_merged_total") > 0 and "ray_diloco_islands{" in text
     # The token ledger's gauges: the final table's numbers, whose fates add up to processed.
     assert processed == summary["tokens_processed"] == metric_total(text, "ray_diloco_tokens"), processed
+
+    # The Grafana dashboard's queries name metrics this run exports. A counter appears on the export port at its first
+    # increment, so the refusal counters are absent from a run without refusals (this one usually refuses some stale
+    # submissions, 65 in one run, but need not): then they are checked against RunMetrics' definitions instead, as
+    # tests/deploy/test_dashboard.py checks every name. Every other metric is recorded from the first tick or round.
+    exported = set(re.findall(r"^(ray_diloco_[a-z_]+)[{ ]", text, re.M))
+    refusal_only = {n for name in ("diloco_refusals", "diloco_tokens_refused")
+                    for n in exported_names(name, run_metric_definitions()[name])}
+    absent = dashboard_metric_names() - exported
+    assert absent <= refusal_only and (summary["refusals"] > 0 or absent == refusal_only), (sorted(absent), summary["refusals"])
+    # `diloco dashboard install` puts it beside the dashboards Ray generated for this session, where the provider
+    # of its grafana.ini's provisioning reads them.
+    grafana = Path(head.temp_dir, "session_latest", "metrics", "grafana")
+    installed = diloco("dashboard", "install", "--temp-dir", head.temp_dir)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    provider = yaml.safe_load((grafana / "provisioning" / "dashboards" / "default.yml").read_text())["providers"][0]
+    assert Path(provider["options"]["path"]).resolve() == (grafana / "dashboards").resolve(), provider
+    assert installed.stdout.startswith(f"installed {provider['options']['path']}/diloco_dashboard.json"), installed.stdout
+    assert {"diloco_dashboard.json", "default_grafana_dashboard.json"} <= {f.name for f in (grafana / "dashboards").iterdir()}
 
     # After the run, nothing is live: one line that says so, and how to start one.
     after = diloco("status", "--address", head.gcs)
