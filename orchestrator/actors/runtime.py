@@ -53,6 +53,9 @@ class RoleFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
+        # islands/ names its island in its own lines (it logs the same way outside an actor): not twice.
+        if text.startswith(f"{self.role}: "):
+            text = text[len(self.role) + 2:]
         return f"{self.role}: {'error: ' if record.levelno >= logging.ERROR else ''}{text}"
 
 

@@ -42,8 +42,10 @@ def test_an_actors_lines_name_its_role_and_say_errors_and_nothing_internal():
         "logging.getLogger('orchestrator.actors.islands').info('not on the console')\n"
         "quiet_worker('island 3')  # the spare became island 3\n"
         "logging.getLogger('orchestrator.actors.islands').warning('inner loop %s', 'hung')\n"
-        "logging.getLogger('orchestrator.actors.health_monitor').error('restart of island %d failed: %s', 3, 'no room')\n")
-    assert done.stderr.splitlines() == ["island 3: inner loop hung", "island 3: error: restart of island 3 failed: no room"]
+        "logging.getLogger('orchestrator.actors.health_monitor').error('restart of island %d failed: %s', 3, 'no room')\n"
+        "logging.getLogger('islands.outbox').warning('island %d: dropping submission %d', 3, 7)  # names itself\n")
+    assert done.stderr.splitlines() == ["island 3: inner loop hung", "island 3: error: restart of island 3 failed: no room",
+                                        "island 3: dropping submission 7"]
 
 
 def test_the_cli_console_leaves_out_rays_token_notice_and_module_names():
