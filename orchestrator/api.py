@@ -7,6 +7,7 @@
         datasets={"train": train_ds, "validation": val_ds},
         loss_fn=None,                                   # default: outputs.loss or cross-entropy of the logits
         optimizer=None,                                 # default: AdamW with run_config.inner
+        outer_optimizer=None,                           # default: Nesterov SGD with run_config.outer
         run_config=RunConfig(),
         run_dir="runs/mine",
     )
@@ -79,6 +80,11 @@ class DilocoTrainer:
             for an ``(inputs, targets)`` batch.
         optimizer: ``optimizer(parameters) -> torch.optim.Optimizer``, the inner optimizer. None: AdamW with
             ``run_config.inner``. Its groups' learning rates are peaks the ``inner.lr_schedule`` scales.
+        outer_optimizer: ``outer_optimizer(params) -> torch.optim.Optimizer`` over one fragment's global parameters,
+            the outer step (a callable, or an import path; docs/outer.md, "Your own outer optimizer"). It is stepped
+            with the merged outer gradient (global minus local parameters) as ``.grad``; a round that merges a share
+            s < 1 of the islands steps with every group's lr times s. None: ``run_config.outer.optimizer``, else
+            the built-in Nesterov SGD of ``run_config.outer``.
         run_config: the run's settings (orchestrator.config.RunConfig; docs/config.md). Default: ``RunConfig()``.
         run_dir: where the run writes its config, checkpoints, events and summary. Default: ``runs/<timestamp>``.
         address: a Ray cluster to join; None uses the Ray this process is connected to, or starts a local one.
@@ -91,7 +97,8 @@ class DilocoTrainer:
     def __init__(self, model: Callable[[], Any] | str | None = None, *, datasets: Mapping[str, Any] | None = None,
                  loss_fn: Callable[..., Any] | str | None = None, optimizer: Callable[..., Any] | str | None = None,
                  run_config: RunConfig | None = None, run_dir: str | Path | None = None, address: str | None = None,
-                 progress: Callable[[Any], None] | bool | None = True, resume: bool = False) -> None:
+                 progress: Callable[[Any], None] | bool | None = True, resume: bool = False,
+                 outer_optimizer: Callable[..., Any] | str | None = None) -> None:
         from orchestrator.run.workload import Workload
 
         if run_config is not None and not isinstance(run_config, RunConfig):
@@ -99,7 +106,8 @@ class DilocoTrainer:
                               "(e.g. load_config('configs/default.yaml') or RunConfig())")
         train, heldout = _split_datasets(datasets)
         self.run_config = run_config or RunConfig()
-        self.workload = Workload(model=model, loss=loss_fn, optimizer=optimizer, train=train, heldout=heldout)
+        self.workload = Workload(model=model, loss=loss_fn, optimizer=optimizer, train=train, heldout=heldout,
+                                 outer_optimizer=outer_optimizer)
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
         self.address, self.progress, self.resume = address, progress, resume
 

@@ -227,6 +227,8 @@ class OuterSection(_Section):
     merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings) or 'mean'.")
     lr: float = Field(0.7, gt=0, description="Outer SGD learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain SGD.")
+    optimizer: str | None = Field(None, description="Import path of optimizer(params) -> torch.optim.Optimizer, each "
+                                  "fragment's outer step (docs/outer.md); None = Nesterov SGD with lr and momentum.")
     max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old; "
                                "costs no memory (only version numbers are kept).")
     adoption: str = Field("rebase", description="How islands adopt a new fragment: 'rebase' keeps their progress not yet "
@@ -674,6 +676,13 @@ def _blocked_formats(cfg: RunConfig) -> bool:
             or o.downlink_delta in ("int8", "int4", "int2", "sign"))
 
 
+def _plugin(cfg: RunConfig, what: str) -> str | None:
+    """Why a setting of the built-in outer SGD does nothing under a user's outer optimizer, else None."""
+    if cfg.outer.optimizer is None:
+        return None
+    return f"outer.optimizer {cfg.outer.optimizer!r} replaces the built-in Nesterov SGD, whose {what} it is"
+
+
 INERT_RULES: tuple[InertRule, ...] = (
     InertRule("data.path", _unless_python(lambda c: "data.source is 'stdlib', which reads no files" if _src("stdlib")(c) else None),
               "set data.source=parquet (or tokens for token files), or drop data.path"),
@@ -724,9 +733,12 @@ INERT_RULES: tuple[InertRule, ...] = (
     InertRule("outer.feedback_decay", lambda c: None if c.outer.compression in ("int2", "sign", "topk") else
               f"outer.compression is '{c.outer.compression}', which owes nothing to later submissions (int2, sign and "
               f"topk do)", "set outer.compression to int2, sign or topk, or drop outer.feedback_decay"),
-    InertRule("outer.partial_momentum", lambda c: None if c.outer.step_scale == "clock" else
-              f"only outer.step_scale=clock uses it, and it is '{c.outer.step_scale}'",
-              "set outer.step_scale=clock, or drop outer.partial_momentum"),
+    InertRule("outer.lr", lambda c: _plugin(c, "learning rate"), "drop outer.lr (give the factory its lr), or drop outer.optimizer"),
+    InertRule("outer.momentum", lambda c: _plugin(c, "momentum"),
+              "drop outer.momentum (give the factory its momentum), or drop outer.optimizer"),
+    InertRule("outer.partial_momentum", lambda c: _plugin(c, "partial-round momentum") or (None if c.outer.step_scale == "clock" else
+              f"only outer.step_scale=clock uses it, and it is '{c.outer.step_scale}'"),
+              "drop outer.partial_momentum, or set outer.step_scale=clock with the built-in optimizer (outer.optimizer null)"),
     InertRule("chaos.horizon_s", lambda c: None if c.chaos.mode == "poisson" else
               f"only chaos mode poisson draws faults over a horizon, and it is '{c.chaos.mode}' (fixed spreads its "
               f"faults over the token budget)", "drop chaos.horizon_s, or use chaos mode poisson"),

@@ -25,14 +25,18 @@ from policies.restart import RestartBudget
 __all__ = ["inner_settings", "island_specs", "model_recipe", "monitor_health", "monitor_restart", "outer_settings"]
 
 
-def outer_settings(cfg: RunConfig) -> OuterSettings:
-    """The outer optimizer's settings: the config's outer section, K resolved, tau from H/P when unset."""
+def outer_settings(cfg: RunConfig, *, optimizer: Any = None) -> OuterSettings:
+    """The outer optimizer's settings: the config's outer section, K resolved, tau from H/P when unset.
+
+    `optimizer`: the public API's outer optimizer factory (a callable travels to the actor by value), in place
+    of the config's import path ``outer.optimizer``."""
     o = cfg.outer
     return OuterSettings(
         min_quorum=cfg.min_quorum_count(), grace_gamma=o.grace_gamma, grace_cap_s=o.grace_cap_s,
         tau_steps=o.effective_tau_steps(), tau_schedule=o.tau_schedule(), weighting=o.weighting,
         staleness_discount=o.staleness_discount, merge_rule=o.merge_rule, lr=o.lr, momentum=o.momentum,
-        partial_momentum=o.partial_momentum, max_staleness=o.max_staleness, compression=o.compression,
+        partial_momentum=o.partial_momentum, optimizer=optimizer if optimizer is not None else o.optimizer,
+        max_staleness=o.max_staleness, compression=o.compression,
         step_scale=o.step_scale, rda_across_rounds=o.rda_across_rounds, downlink=o.downlink,
         downlink_delta=o.downlink_delta, publish_to=o.publish_to, compression_block_size=o.compression_block_size,
         topk_density=o.topk_density, average_window=cfg.run.average_window, torch_threads=o.torch_threads,

@@ -23,6 +23,7 @@ import torch
 from islands.cursor import DataCursor
 from islands.messages import Submission
 from orchestrator.core.checkpoint import PARAM_PREFIX
+from orchestrator.core.fragment_optimizers import fragment_optimizer, load_optimizer, save_optimizer
 from orchestrator.core.round_merge import MergeWorkspace, decoded, merge_round
 from orchestrator.core.rounds import OpenRound, Pending, Refusal, RoundRecord, RoundResult
 from orchestrator.core.served_average import ServedAverage
@@ -30,7 +31,6 @@ from orchestrator.core.settings import OuterSettings  # re-exported: the outer o
 from orchestrator.core.submission_check import check_submission
 from policies.fragments import FragmentPlan
 from policies.merge import RdaAcrossRounds
-from policies.outer_optimizer import FragmentOuterOptimizer
 from policies.poison_guard import (
     POISONED,
     PoisonGuard,
@@ -75,10 +75,8 @@ class OuterOptimizer:
         # Embeddings and buffers are merged by the plain mean; buffers then skip the Nesterov step.
         self._embedding_mask = [[n in embedding_names or n in buffer_names for n in frag] for frag in plan.fragments]
         self._buffer_mask = [[n in buffer_names for n in frag] for frag in plan.fragments]
-        self._opts = [
-            FragmentOuterOptimizer(self.params[p], lr=settings.lr, momentum=settings.momentum,
-                                   partial_momentum=settings.partial_momentum) for p in range(P)
-        ]
+        # The built-in Nesterov SGD, or the user's torch optimizer (settings.optimizer; core/fragment_optimizers.py).
+        self._opts = [fragment_optimizer(self.params[p], settings) for p in range(P)]
         # Per fragment: RDA's norm rule across partial rounds (policies.merge.RdaAcrossRounds), if enabled.
         tracked = [[settings.merge_rule == "rda" and not emb for emb in mask] for mask in self._embedding_mask]
         self._rda_windows = [RdaAcrossRounds(len(tracked[p]), tracked[p]) if settings.rda_across_rounds else None
@@ -364,15 +362,14 @@ class OuterOptimizer:
         return out
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, JSON metadata) for a checkpoint: parameters, outer momentum, versions, ledger, cursors."""
+        """(tensors, JSON metadata) for a checkpoint: parameters, outer optimizer state, versions, ledger, cursors."""
         tensors: dict[str, torch.Tensor] = {}
         windows = [None if w is None else w.state_dict() for w in self._rda_windows]
+        outer_state = []
         for p, (names, frag) in enumerate(zip(self.plan.fragments, self.params)):
-            buffers = self._opts[p].momentum_buffers()
-            for name, t, buf in zip(names, frag, buffers):
+            for name, t in zip(names, frag):
                 tensors[PARAM_PREFIX + name] = t.clone()
-                if buf is not None:
-                    tensors[f"momentum/{name}"] = buf.clone()
+            outer_state.append(save_optimizer(self._opts[p], p, names, tensors))
             if self.average is not None:
                 self.average.save(p, names, tensors)
             if windows[p] is not None:
@@ -389,6 +386,8 @@ class OuterOptimizer:
             "rda_window_norms": [None if w is None else w["norms"] for w in windows],
             "poison_guard": None if self.guard is None else self.guard.state_dict(),
         }
+        if any(m is not None for m in outer_state):  # a plug-in's (the built-in's checkpoint is as it was)
+            meta["outer_state"] = outer_state
         return tensors, meta
 
     def _received_without_pending(self) -> dict[tuple[int, int], list[int]]:
@@ -412,7 +411,8 @@ class OuterOptimizer:
             with torch.no_grad():
                 for t, name in zip(self.params[p], names):
                     t.copy_(tensors[PARAM_PREFIX + name])
-            self._opts[p].load_momentum([tensors.get(f"momentum/{n}") for n in names])
+            outer_state = (meta.get("outer_state") or [None] * len(self.plan.fragments))[p]  # None: the built-in's
+            load_optimizer(self._opts[p], p, names, tensors, outer_state)
             norms = (meta.get("rda_window_norms") or [None] * len(self.plan.fragments))[p]
             if self._rda_windows[p] is not None and norms is not None:  # else the window starts empty
                 self._rda_windows[p].load_state_dict(

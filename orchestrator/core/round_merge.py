@@ -2,7 +2,8 @@
 
 `merge_round` turns a round's accepted submissions into one outer gradient (policies.weighting,
 policies.merge), lengthens it across partial rounds (policies.merge.RdaAcrossRounds) and applies the
-fragment's Nesterov step (policies.outer_optimizer), in place on the fragment's global tensors.
+fragment's outer step (policies.outer_optimizer's Nesterov SGD, or the user's torch optimizer:
+policies.torch_outer_optimizer, which steps once every tensor of the round is given), in place on the fragment's global tensors.
 
 It goes tensor by tensor: each tensor is merged into a reused buffer (`MergeWorkspace`), lengthened and
 stepped before the next is merged, so the merged outer gradient never exists for the whole fragment and a
@@ -22,11 +23,12 @@ import torch
 from orchestrator.core.rounds import Pending
 from policies.compression import Compressed, decompress
 from policies.merge import RdaAcrossRounds, join_segments, merge_into, segment_groups
-from policies.outer_optimizer import FragmentOuterOptimizer, is_clock_rule, round_step_scale
+from policies.outer_optimizer import is_clock_rule, round_step_scale
 from policies.weighting import merge_weights
 
 if TYPE_CHECKING:
     from orchestrator.core.settings import OuterSettings
+    from policies.torch_outer_optimizer import OuterStep
 
 @dataclass(frozen=True)
 class MergedRound:
@@ -71,7 +73,7 @@ class MergeWorkspace:
 def merge_round(
     pending: Sequence[Pending | tuple],
     *,
-    opt: FragmentOuterOptimizer,
+    opt: OuterStep,
     window: RdaAcrossRounds | None,
     settings: OuterSettings,
     embedding_mask: Sequence[bool],

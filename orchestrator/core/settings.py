@@ -9,6 +9,7 @@ a field here never has a default of its own that could drift from the config's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class OuterSettings:
     lr: float
     momentum: float
     partial_momentum: float | None  # momentum of the clock rule's partial rounds; None = momentum
+    optimizer: Any  # None: the built-in Nesterov SGD; else a factory params -> torch.optim.Optimizer or its import path
     max_staleness: int
     compression: str
     step_scale: str

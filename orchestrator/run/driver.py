@@ -456,7 +456,8 @@ class Run:
         self.outer_name = f"outer-{self.run_id}"
         self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0,
                                                  scheduling_strategy=here()).remote(
-            self.plan, outer_settings(cfg), embedding_names,
+            self.plan, outer_settings(cfg, optimizer=self.workload.outer_optimizer if self.workload else None),
+            embedding_names,
             ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep, network=self.network, island_regions=island_regions,
             buffer_names=self.buffer_names)
         last_inc = self._restore()

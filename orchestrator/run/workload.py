@@ -46,7 +46,8 @@ class Workload:
     """Python objects that take the place of the config's import paths and data source (None: the config's).
 
     `model`: a zero-argument factory returning a torch.nn.Module. `loss`: loss(model, batch) -> scalar
-    tensor. `optimizer`: optimizer(parameters) -> torch.optim.Optimizer. `train` and `heldout`: a
+    tensor. `optimizer`: optimizer(parameters) -> torch.optim.Optimizer, the inner one. `outer_optimizer`: the
+    same over one fragment's global parameters, the outer step (config: outer.optimizer). `train` and `heldout`: a
     map-style dataset (``__len__`` and ``__getitem__``, e.g. a torch Dataset), a ``ray.data.Dataset``
     or a 1-D array of token ids.
     """
@@ -56,6 +57,7 @@ class Workload:
     optimizer: Any = None
     train: Any = None
     heldout: Any = None
+    outer_optimizer: Any = None
 
 
 @dataclass
@@ -210,7 +212,7 @@ def run_recipe(cfg: RunConfig, data: TrainingData, workload: Workload | None = N
 
 
 def recorded_config(cfg: RunConfig, workload: Workload | None) -> RunConfig:
-    """`cfg` as the run directory records it: the workload's model, loss and optimizer as import paths, whatever
+    """`cfg` as the run directory records it: the workload's model, loss and optimizers as import paths, whatever
     form they were given in (orchestrator/run/import_paths.py), and data.source 'python' where the datasets came
     from Python (a resume must pass them again: the config cannot name them)."""
     if workload is None:
@@ -220,6 +222,9 @@ def recorded_config(cfg: RunConfig, workload: Workload | None) -> RunConfig:
     given = {"factory": workload.model, "loss": workload.loss, "optimizer": workload.optimizer}
     update = {key: import_path_of(obj) for key, obj in given.items() if obj is not None}
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=update)}) if update else cfg
+    if workload.outer_optimizer is not None:  # the actor is given the object itself (outer_settings)
+        outer = cfg.outer.model_copy(update={"optimizer": import_path_of(workload.outer_optimizer)})
+        cfg = cfg.model_copy(update={"outer": outer})
     if workload.train is not None:
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": "python"})})
     return cfg
@@ -256,8 +261,9 @@ def prepare(cfg: RunConfig, workload: Workload | None = None, run_dir: str | Pat
 
     Raises ConfigError (one line naming the fix) for: an import path that does not resolve, a factory
     that raises or does not return an ``nn.Module``, a model with no trainable parameters, a loss that
-    raises or is not a scalar with a gradient on a real batch, an optimizer factory that raises or does
-    not return an optimizer, an empty dataset, a dataset too small for one batch per island (or for one
+    raises or is not a scalar with a gradient on a real batch, an optimizer factory (inner or outer) that raises
+    or does not return an optimizer (the outer one also: that holds other tensors or cannot step), outer.lr or
+    momentum given beside the API's outer optimizer, an empty dataset, a dataset too small for one batch per island (or for one
     held-out window), token ids at or past the model's embedding rows, and a 0-dim parameter in a model
     that a pool shards (`shard: fsdp`). The user's own exceptions
     are chained to the ConfigError (``__cause__``) for a caller that wants the traceback.
@@ -323,8 +329,33 @@ def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | No
         inner = cfg.inner
         build_optimizer(recipe.optimizer, model, lr=inner.lr, weight_decay=inner.weight_decay,
                         betas=(inner.beta1, inner.beta2))
+    _check_outer_optimizer(cfg, workload, model)
     return Prepared(data, recipe, {n: t.detach().clone() for n, t in state.items()},
                     embedding_parameter_names(model), frozenset(buffer_names(model)))
+
+
+def _check_outer_optimizer(cfg: RunConfig, workload: Workload | None, model: Any) -> None:
+    """The outer optimizer plug-in (the API's, else outer.optimizer) built once over two of the model's smallest
+    parameters and stepped, and no outer.lr, momentum or partial_momentum given beside the API's: they would do
+    nothing (the config's own are refused at load, orchestrator.config.INERT_RULES)."""
+    from orchestrator.config import ConfigError, inert_setting
+    from orchestrator.core.fragment_optimizers import check_outer_optimizer, factory_name
+
+    given = workload.outer_optimizer if workload is not None else None
+    spec = given if given is not None else cfg.outer.optimizer
+    if spec is None:
+        return
+    if given is not None:
+        named = cfg.model_copy(update={"outer": cfg.outer.model_copy(update={"optimizer": factory_name(given)})})
+        inert = inert_setting(named, only=(("outer", "lr"), ("outer", "momentum"), ("outer", "partial_momentum")))
+        if inert:
+            raise ConfigError(inert.replace("outer.optimizer ", "outer_optimizer=", 1).replace(
+                "drop outer.optimizer", "drop outer_optimizer="))
+    tiny = sorted((p for p in model.parameters() if p.requires_grad), key=lambda p: p.numel())[:2]
+    try:
+        check_outer_optimizer(spec, tiny)
+    except ModelError as err:
+        raise ConfigError(str(err)) from err.__cause__
 
 
 def _check_shardable(cfg: RunConfig, model: Any) -> None:
