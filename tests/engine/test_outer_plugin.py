@@ -168,3 +168,16 @@ def test_the_apis_outer_optimizer_refuses_the_builtins_settings_beside_it():
         _check_outer_optimizer(cfg, Workload(outer_optimizer=adam), _model())
     _check_outer_optimizer(RunConfig(), Workload(outer_optimizer=adam), _model())
     _check_outer_optimizer(load_config(None, [f"outer.optimizer={PATH}"]), None, _model())
+
+
+def test_the_apis_callable_travels_by_value_and_the_run_records_its_import_path():
+    import ray.cloudpickle  # what Ray pickles an actor's arguments with; Ray itself is not started
+
+    from orchestrator.run.workload import recorded_config
+
+    lr = 0.3
+    settings = outer_from_config(optimizer=lambda p: torch.optim.SGD(p, lr=lr))  # a closure: no import path
+    shipped = ray.cloudpickle.loads(ray.cloudpickle.dumps(settings))
+    assert shipped.optimizer([torch.zeros(2)]).param_groups[0]["lr"] == 0.3
+    assert recorded_config(RunConfig(), Workload(outer_optimizer=adam)).outer.optimizer == PATH
+    assert recorded_config(RunConfig(), Workload(outer_optimizer=PATH)).outer.optimizer == PATH
