@@ -22,12 +22,15 @@ The contract a model meets is in docs/models.md; every argument is documented in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    from orchestrator.run.callbacks import Callback
 
 __all__ = ["DilocoTrainer", "Result", "init_ray"]
 
@@ -92,12 +95,19 @@ class DilocoTrainer:
             (orchestrator.ProgressPrinter); False or None: nothing; a callable: called with a ``Progress`` at
             every tick of the run (tokens, versions, losses), in place of the printer.
         resume: continue the run in ``run_dir`` from its newest checkpoint (pass the same model and datasets).
+        callbacks: ``orchestrator.run.callbacks.Callback`` instances (Ray Train's ``RunConfig(callbacks=...)``),
+            each hook called in the driver's thread at the start, after each evaluation, every ~5 s with the
+            rounds merged, at island failures and restarts, and at the end; the built-in trackers
+            (``orchestrator.run.trackers``: ``MLflowCallback``, ``TensorBoardCallback``, ``WandbCallback``) are
+            callbacks. An exception in a hook is logged and the run goes on. The trackers
+            ``run_config.run.trackers`` names run after these.
     """
 
     def __init__(self, model: Callable[[], Any] | str | None = None, *, datasets: Mapping[str, Any] | None = None,
                  loss_fn: Callable[..., Any] | str | None = None, optimizer: Callable[..., Any] | str | None = None,
                  run_config: RunConfig | None = None, run_dir: str | Path | None = None, address: str | None = None,
                  progress: Callable[[Any], None] | bool | None = True, resume: bool = False,
+                 callbacks: Sequence[Callback] | None = None,
                  outer_optimizer: Callable[..., Any] | str | None = None) -> None:
         from orchestrator.run.workload import Workload
 
@@ -110,6 +120,10 @@ class DilocoTrainer:
                                  outer_optimizer=outer_optimizer)
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
         self.address, self.progress, self.resume = address, progress, resume
+        from orchestrator.run.callbacks import check_callbacks
+
+        check_callbacks(callbacks)  # before Ray: a class passed uncalled, say, is a one-line ConfigError
+        self.callbacks = list(callbacks or ())
 
     def fit(self) -> Result:
         """Train to the run's token budget (or stop rule) and return the :class:`Result`.
@@ -128,7 +142,7 @@ class DilocoTrainer:
             printer = ProgressPrinter(emulation=emulation_note(self.run_config))
             progress, stages = printer, printer.stage
         summary = train(self.run_config, self.run_dir, address=self.address, progress=progress or None,
-                        resume=self.resume, stages=stages, workload=self.workload)
+                        resume=self.resume, stages=stages, workload=self.workload, callbacks=self.callbacks)
         uri = run_checkpoint_uri(self.run_config.checkpoint.uri, self.run_dir)
         steps = CheckpointStore(uri).list() if "://" not in uri else []
         checkpoint = Path(uri) / checkpoint_dirname(steps[-1]) if steps else None

@@ -61,6 +61,20 @@ class ConfigError(ValueError):
     """A configuration problem, stated in one line with the field and the fix."""
 
 
+TRACKERS = ("mlflow", "tensorboard", "wandb")
+"""The experiment trackers `run.trackers` names (orchestrator/run/trackers.py)."""
+TRACKER_FORMS = "mlflow, mlflow:TRACKING_URI, tensorboard, tensorboard:DIR, wandb or wandb:PROJECT"
+
+
+def tracker_spec(entry: str) -> tuple[str, str | None]:
+    """A `run.trackers` entry as (tracker, its argument or None): "mlflow:http://host:5000" -> ("mlflow",
+    "http://host:5000"). Raises ValueError (one line, naming the entry and the forms taken) for anything else."""
+    name, sep, arg = entry.partition(":")
+    if name not in TRACKERS or (sep and not arg.strip()):
+        raise ValueError(f"unknown tracker {printable(repr(entry))}; use {TRACKER_FORMS}")
+    return name, arg if sep else None
+
+
 INT64 = 1 << 63
 """Whole numbers of the config are below this in size: they reach numpy, torch and Ray as 64-bit integers."""
 
@@ -512,6 +526,20 @@ class RunSection(_Section):
                               "whatever the quorum (else that work is lost), as one step to their weighted mean (no RDA, no momentum).")
     placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for an island's placement group.")
     call_timeout_s: float = Field(60.0, gt=0, description="Timeout of control-plane calls (status, adopt, stop).")
+    trackers: list[str] = Field(default_factory=list, description="Experiment trackers the run logs to: mlflow[:URI], "
+                                "tensorboard[:DIR], wandb[:PROJECT] (docs/trackers.md); their packages: the trackers extra.")
+
+    @field_validator("trackers", mode="before")
+    @classmethod
+    def _one_tracker(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v  # `--set run.trackers=mlflow`: one tracker, not a list of one
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            tracker_spec(entry)  # a one-line ValueError naming the bad entry and the forms taken
+        return v
 
     # Experimental: off by default (docs/config.md).
     average_window: float | None = Field(None, gt=0, le=1, description="Experimental: serve a moving average of the "

@@ -121,6 +121,24 @@ def with_model_flags(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
     return build_config(data, recorded=True)  # `cfg` was checked, and the model's import paths have no rules to break
 
 
+def with_tracker_flags(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
+    """`cfg` with each `--tracker` appended to run.trackers (docs/trackers.md): `mlflow[:URI]`, `tensorboard[:DIR]`,
+    `wandb[:PROJECT]`. Raises ConfigError (one line) for an entry that is none of these."""
+    from orchestrator.config import tracker_spec
+
+    extra = list(getattr(args, "tracker", None) or [])
+    for entry in extra:
+        try:
+            tracker_spec(entry)
+        except ValueError as err:
+            raise ConfigError(f"--tracker: {err}") from None
+    if not extra:
+        return cfg
+    data = cfg.model_dump(mode="json")
+    data["run"]["trackers"] = [*cfg.run.trackers, *(t for t in dict.fromkeys(extra) if t not in cfg.run.trackers)]
+    return build_config(data, recorded=True)  # `cfg` was checked; the entries were just now
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     # SIGINT and SIGTERM from the start: the first stops the run cleanly (or abandons its start-up), a second
     # exits at once (orchestrator/cli/interrupts.py); no traceback either way.
@@ -172,6 +190,7 @@ def _train(args: argparse.Namespace, signals: SignalStop) -> int:
                 raise ConfigError(conflict)
         else:
             cfg = with_model_flags(load_config(args.config, overrides), args)
+        cfg = with_tracker_flags(cfg, args)
         run_dir = Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         signals.run_dir = run_dir
         preflight(cfg, run_dir, resume=bool(args.resume))  # before Ray starts and before RUN_DIR exists
@@ -261,6 +280,9 @@ def register(subparsers) -> None:
     t.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run whose driver died, from its checkpoints")
+    t.add_argument("--tracker", action="append", default=[], metavar="NAME[:WHERE]",
+                   help="log the run to an experiment tracker: mlflow[:TRACKING_URI], tensorboard[:DIR] or "
+                        "wandb[:PROJECT] (repeatable; appends to run.trackers; docs/trackers.md)")
     t.add_argument("--chaos", metavar="SPEC",
                    help="inject faults: none | tape:FILE.yaml | poisson:mtbf_s=60,seed=3 | fixed:failures=3")
     t.set_defaults(func=_cmd_train)

@@ -19,7 +19,7 @@ import site
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -53,6 +53,7 @@ from orchestrator.core.accounting import (
 )
 from orchestrator.core.evaluation import Evaluator
 from orchestrator.core.eventlog import EventLog
+from orchestrator.run.callbacks import Callback, Callbacks, RunInfo, check_callbacks, mean_train_loss
 from orchestrator.run.metrics import RunMetrics
 from orchestrator.run.notices import quiet_ray_notices
 from orchestrator.run.preflight import preflight, resume_config
@@ -391,14 +392,17 @@ def check_local_fit(cfg: RunConfig) -> None:
 class Run:
     """One driver session of a training run, from placement to summary. `train()` is the entry point."""
 
+    callbacks = Callbacks(None, None)  # none; __init__ sets the run's (a Run built without it, a test's, has none)
+
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: Callable[[Progress], None] | None = None,
                  resume: bool = False, stages: Callable[[Stage], None] | None = None,
                  workload: Workload | None = None, prepared: Prepared | None = None,
-                 stop: StopRequest | None = None) -> None:
+                 stop: StopRequest | None = None, callbacks: Sequence[Callback] | None = None) -> None:
         """`workload`: the public API's Python objects (model factory, loss, optimizer, datasets) in place of
         the config's import paths and data source; `prepared`: that workload already checked and built
         (orchestrator/run/workload.py `prepare`), else the run prepares it at setup; `stop`: asks the run to
-        stop cleanly (orchestrator/run/stopping.py; `request_stop` asks it too)."""
+        stop cleanly (orchestrator/run/stopping.py; `request_stop` asks it too); `callbacks`: called as the run goes
+        (orchestrator/run/callbacks.py), before the trackers `cfg.run.trackers` names."""
         self.cfg = cfg
         self.workload = workload
         self.prepared = prepared
@@ -430,6 +434,12 @@ class Run:
         self.training_began = False  # set once every island of the first placement trains
         self.stopped_by = "token_budget"
         self.metrics = RunMetrics(self.run_id)  # Prometheus metrics via ray.util.metrics (docs/metrics.md)
+        if cfg.run.trackers:  # imported only then: the trackers' own packages are imported when they start
+            from orchestrator.run.trackers import config_trackers
+
+            callbacks = [*(callbacks or ()), *config_trackers(cfg.run.trackers)]
+        self.callbacks = Callbacks(callbacks, RunInfo(run_dir=self.run_dir, run_id=self.run_id, config=cfg,
+                                                      resumed=resume, request_stop=self._ask_stop))
 
     def _stage(self, name: str, text: str, done: int = 0, of: int = 0) -> None:
         if self.stages is not None:
@@ -438,6 +448,10 @@ class Run:
     def request_stop(self) -> None:
         """Ask a running `train()` to finish now (from another thread, e.g. a notebook or a test)."""
         self.stop.ask(STOP_REQUEST)
+
+    def _ask_stop(self, reason: str) -> None:
+        """RunInfo.request_stop: a callback's clean stop, `reason` becoming summary.json's `stopped_by`."""
+        self.stop.ask(reason)
 
     # ------------------------------------------------------------------ setup
 
@@ -618,6 +632,7 @@ class Run:
     def _refresh(self) -> None:
         self._get(self.monitor.ensure_started.remote(data=[self.data_ref]))  # re-adopts islands after a monitor restart
         self.snapshot = self._get(self.monitor.snapshot.remote())
+        self.callbacks.island_events(self.snapshot, self._tokens())
 
     def _statuses(self) -> tuple[list, list]:
         live, dead = [], []
@@ -664,6 +679,7 @@ class Run:
                  "versions": versions, "eval_loss": loss, "eval_bits_per_byte": bpb}
         self.eval_points.append(point)
         self.events.add("evals", [point])
+        self.callbacks.eval(point)
         log.info("eval at %.0fs: loss %.4f, %.3f bits/byte (%d tokens processed)", point["wall_s"], loss, bpb, point["tokens_processed"])
         return point
 
@@ -673,20 +689,21 @@ class Run:
         self._acct_seen = kept_accounting(self._acct_seen, self._get(self.outer.accounting.remote()))
         return self._acct_seen
 
-    def _drain_events(self) -> None:
+    def _drain_events(self) -> int:
+        """Take the rounds and refusals the outer optimizer recorded since the last call; returns how many rounds."""
         got = self._get(self.outer.drain_events.remote())
         self.events.add("rounds", got["rounds"])
         self.events.add("refusals", got["refusals"])
         self.metrics.record_events(got["rounds"], got["refusals"], self.snapshot)
+        return len(got["rounds"])
 
     def _report(self, t0: float, status: dict) -> None:
         if self.progress is None:
             return
         live, _ = self._statuses()
-        losses = [s.train_loss for s in live if s.train_loss is not None]
         self.progress(Progress(
             tokens=self._tokens(), budget=self.cfg.run.token_budget, versions=status["versions"], rounds=status["rounds"],
-            train_loss=sum(losses) / len(losses) if losses else None,
+            train_loss=mean_train_loss(live),
             eval_bpb=self.eval_points[-1]["eval_bits_per_byte"] if self.eval_points else None,
             elapsed_s=time.monotonic() - t0,
             islands={f"{s['pool']}/{i}": s["state"] for i, s in self.snapshot["slots"].items()},
@@ -696,6 +713,7 @@ class Run:
     def train(self) -> dict:
         """Run to the token budget (or max_wall_s, or a stop asked) and return the summary (also written to
         summary.json). A KeyboardInterrupt while it trains stops it the same way, `stopped_by` "interrupted"."""
+        self.callbacks.start()
         self._setup()
         t0 = self._t0 = time.monotonic()
         try:
@@ -769,12 +787,15 @@ class Run:
                     self.stopped_by = "stop_at_eval_loss"
                     return next_eval, next_flush, True
             if now >= next_flush:
-                self._drain_events()
+                new_rounds = self._drain_events()
                 self.events.flush()
                 next_flush = now + 5.0
-                self.metrics.record_goodput_so_far(self._accounting, ledger=self.ledger,
-                                                   snapshot=self.snapshot, run_start=self.run_start,
-                                                   useful_before=self.useful_before)
+                so_far = self.metrics.record_goodput_so_far(self._accounting, ledger=self.ledger,
+                                                            snapshot=self.snapshot, run_start=self.run_start,
+                                                            useful_before=self.useful_before) or {}
+                if self.callbacks:  # the numbers the metrics just got
+                    self.callbacks.round(ledger=self.ledger, status=status, statuses=self._statuses()[0], new_rounds=new_rounds,
+                                         wall_s=now - t0, goodput=so_far.get("goodput"), uptime=so_far.get("uptime"))
         except _TRANSIENT as err:
             _warn_transient(err)
         return next_eval, next_flush, False
@@ -808,7 +829,7 @@ class Run:
         self._get(self.outer.note.remote(**self._note_ledger()))
         self._get(self.outer.checkpoint.remote())
         faults = self._get(self.injector.report.remote()) if self.injector is not None else []
-        self._drain_events()
+        new_rounds = self._drain_events()
         final_eval = self._evaluate(t0)
         if self.cfg.run.average_window is not None:  # the raw global model on the same batches: what averaging gave
             self.raw_loss, _ = self.evaluator.evaluate(self._get(self.outer.global_parameters.remote()))
@@ -820,15 +841,20 @@ class Run:
                            advances=acct["advances"], fates=fates, stop_began=stop_began, first_merged=acct["first_merged"])
         self.metrics.record_status(status, self.snapshot, ledger=fates)
         self.metrics.record_goodput(good["goodput"], good["uptime"])
+        self.callbacks.island_events(self.snapshot, fates["processed"][0])  # those of the stop itself
+        self.callbacks.round(ledger=fates, status=status, statuses=live, new_rounds=new_rounds, wall_s=wall,
+                             goodput=good["goodput"], uptime=good["uptime"])
         record_stop_events(self.events, self.snapshot, live, dead, faults, counted)
         self.events.flush()
         summary = run_summary(self, live=live, dead=dead, fates=fates, counted=counted, good=good, status=status,
                               final_eval=final_eval, wall=wall, faults=faults)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.callbacks.end(summary)
         return summary
 
     def teardown(self) -> None:
         """Kill the run's actors and placement groups (islands are detached: they would outlive us)."""
+        self.callbacks.fail(None)  # a run that never reached the end of _finish: its trackers' runs end, not hang open
         if self.monitor is not None:
             try:
                 self._get(self.monitor.teardown.remote())
@@ -846,7 +872,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
           progress: Callable[[Progress], None] | None = None, resume: bool = False,
           stages: Callable[[Stage], None] | None = None, workload: Workload | None = None,
           prepared: Prepared | None = None, stop: StopRequest | None = None,
-          on_ray: Callable[[], None] | None = None) -> dict:
+          on_ray: Callable[[], None] | None = None, callbacks: Sequence[Callback] | None = None) -> dict:
     """Run one training job: start or join Ray, train to the token budget, write RUN_DIR, return the summary.
 
     `workload` carries the public API's Python objects (model factory, loss, optimizer, datasets) that
@@ -855,7 +881,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     checked it already (`diloco train` does, before it imports Ray); else it is prepared here.
 
     `progress` gets a `Progress` at every tick of the run; `stages` gets each start-up `Stage` as it happens
-    (orchestrator/run/startup.py): Ray, placing, islands ready n of M, the first step.
+    (orchestrator/run/startup.py): Ray, placing, islands ready n of M, the first step. `callbacks`
+    (orchestrator/run/callbacks.py) are called as the run goes, and so are the trackers `cfg.run.trackers` names.
 
     Bad input is refused before Ray starts (orchestrator.run.preflight: ConfigError, nothing written).
     RUN_DIR is created only once Ray is up and can host the run. A fresh run that fails before its
@@ -870,6 +897,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     signals (`diloco train`) puts its own back there.
     """
     run_dir = Path(run_dir)
+    check_callbacks(callbacks)
     preflight(cfg, run_dir, resume=resume)
     if prepared is None:
         prepared = prepare(cfg, workload, run_dir)  # the model built and the data checked, still before Ray starts
@@ -891,12 +919,14 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
     stop = stop or StopRequest()
     try:
         run = Run(cfg, run_dir, progress=progress, resume=resume, stages=stages, workload=workload, prepared=prepared,
-                  stop=stop)
+                  stop=stop, callbacks=callbacks)
         prepared = None  # the run owns it now
         if not started:  # joined a Ray that outlives this process: an exit without a clean stop kills the actors first
             stop.hard_stop = partial(kill_run_actors, run.run_id)
         summary = run.train()
     except BaseException as err:
+        if run is not None:  # before teardown: the trackers' runs end as failed (or interrupted), with the cause
+            run.callbacks.fail(err)
         _end_session(run, handler, started)
         if not created or resume or (run is not None and run.training_began):
             raise

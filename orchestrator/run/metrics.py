@@ -135,9 +135,10 @@ class RunMetrics:
                 self.islands.set(float(counts.get((pool, state), 0)), tags=self._tags(pool=pool, state=state))
 
     def record_goodput_so_far(self, accounting: Callable[[], dict], *, ledger: dict[str, list[int]], snapshot: dict,
-                              run_start: float | None, useful_before: float = 0.0) -> None:
+                              run_start: float | None, useful_before: float = 0.0) -> dict | None:
         """Goodput so far, at a driver flush. `accounting` fetches the outer optimizer's accounting(); `ledger` is
         the run's token ledger (the driver's); `useful_before`: useful seconds of earlier sessions (a resume's).
+        Returns what `goodput_so_far` computed (the run's callbacks get the same numbers), None when it failed.
 
         A failed read (an actor restarting) is logged and skipped: a metric never stops a run.
         """
@@ -147,8 +148,9 @@ class RunMetrics:
         except Exception as err:  # noqa: BLE001 - any failure here is the metric's, not the run's
             reason = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
             log.warning("goodput metric skipped this flush: %s", reason)
-            return
+            return None
         self.record_goodput(so_far["goodput"], so_far["uptime"])
+        return so_far
 
     def record_goodput(self, goodput: float | None, uptime: float | None) -> None:
         """Goodput and uptime so far (docs/architecture.md section 6); None (not known yet) records nothing."""

@@ -23,11 +23,13 @@ __all__ = ["preflight", "resume_config"]
 def preflight(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> None:
     """Raise ConfigError (one line naming the fix) for the first problem of `cfg` that would otherwise
     surface only after Ray started: the model shape, the dataset (path, column, type, token ids), the
-    network regions, the chaos tape, and a fresh run over a run directory that holds checkpoints."""
+    network regions, the chaos tape, the trackers' packages, and a fresh run over a run directory that holds
+    checkpoints."""
     vocab_size = _check_model(cfg)
     _check_data(cfg, vocab_size)
     _check_network(cfg)
     _check_chaos(cfg)
+    _check_trackers(cfg)
     _check_run_dir(cfg, Path(run_dir), resume=resume)
 
 
@@ -37,6 +39,14 @@ def resume_config(run_dir: str | Path) -> RunConfig:
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no config.yaml; --resume needs the directory of an earlier run")
     return build_config(yaml.safe_load(path.read_text()), recorded=True)
+
+
+def _check_trackers(cfg: RunConfig) -> None:
+    """Every tracker of run.trackers has its package installed (found, not imported: MLflow takes seconds)."""
+    if cfg.run.trackers:
+        from orchestrator.run.trackers import check_installed
+
+        check_installed(cfg)
 
 
 def _check_model(cfg: RunConfig) -> int:

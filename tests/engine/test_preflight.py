@@ -163,9 +163,10 @@ class FailingRun:
 
     began = False
     run_id = "failing-run"
+    callbacks = driver.Run.callbacks  # none: what train() ends when the run fails
 
     def __init__(self, cfg, run_dir, *, progress=None, resume=False, stages=None, workload=None, prepared=None,
-                 stop=None) -> None:
+                 stop=None, callbacks=None) -> None:
         self.run_dir, self.training_began = Path(run_dir), self.began
 
     def train(self) -> dict:
