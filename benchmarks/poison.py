@@ -14,7 +14,7 @@ Ray session, the same token budget each:
                count against the budget.
 
 The clean runs repeat --repeats times (default 3; the spread a difference must beat), the poisoned runs
-once per kind in --kinds (default all four: scaled 100x, sign flipped, from a stale base, noise of the
+--poisoned-repeats times (default 1) per kind in --kinds (default all four: scaled 100x, sign flipped, from a stale base, noise of the
 honest norm). Prints a table of every run and one of medians, and writes JSON:
 {"clean": loss, "guarded": loss, "unguarded": loss, "false_refusals_clean": N, ...}, where "guarded" and
 "unguarded" are the worst over the kinds (the guard must hold for every one).
@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--island", type=int, default=0, help="the poisoned island slot (default 0, a fast island: the "
                     "largest share of the tokens)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats of the clean runs (default 3)")
+    ap.add_argument("--poisoned-repeats", type=int, default=1, help="repeats of each poisoned run (default 1)")
     ap.add_argument("--budget", type=int, default=None, help="tokens per run (default: the default config's)")
     ap.add_argument("--quick", action="store_true", help="a 1.2M-token budget")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -78,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [k for k in args.kinds if k not in POISON_KINDS]
     if bad or not args.kinds:
         ap.error(f"--kinds: unknown poison kind(s) {bad}; use some of {', '.join(POISON_KINDS)}")
-    if args.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats < 1 or args.poisoned_repeats < 1:
+        ap.error(f"--repeats and --poisoned-repeats must be >= 1, got {args.repeats} and {args.poisoned_repeats}")
     try:
         cfg = load_config(overrides=args.overrides)
     except ConfigError as err:
@@ -123,11 +124,14 @@ def run_all(args: argparse.Namespace, root: Path) -> dict[str, list[dict]]:
             runs.setdefault("clean", []).append(run_one(f"clean-r{r}", common + GUARD_ON, root))
             if "clean-off" in args.groups:
                 runs.setdefault("clean, guard off", []).append(run_one(f"clean-off-r{r}", common + GUARD_OFF, root))
-        for kind in args.kinds:
-            if "guarded" in args.groups:
-                runs[f"guarded {kind}"] = [run_one(f"guarded-{kind}", common + GUARD_ON, root, whole(kind))]
-            if "unguarded" in args.groups:
-                runs[f"unguarded {kind}"] = [run_one(f"unguarded-{kind}", common + GUARD_OFF, root, whole(kind))]
+        for r in range(1, args.poisoned_repeats + 1):
+            for kind in args.kinds:
+                if "guarded" in args.groups:
+                    runs.setdefault(f"guarded {kind}", []).append(
+                        run_one(f"guarded-{kind}-r{r}", common + GUARD_ON, root, whole(kind)))
+                if "unguarded" in args.groups:
+                    runs.setdefault(f"unguarded {kind}", []).append(
+                        run_one(f"unguarded-{kind}-r{r}", common + GUARD_OFF, root, whole(kind)))
         if "dropped" in args.groups:
             runs["dropped"] = [run_one("dropped", common + GUARD_ON, root, whole("drop_submission", WHOLE_RUN_S))]
     finally:
@@ -160,11 +164,13 @@ def results(runs: dict[str, list[dict]], kinds: list[str], island: int) -> dict:
     by_kind: dict = {}
     for k in kinds:
         row = by_kind[k] = {"unguarded": med.get(f"unguarded {k}")}
-        if f"guarded {k}" in runs:
-            s = runs[f"guarded {k}"][0]
-            row.update(guarded=med[f"guarded {k}"], restarts=s["restarts"],
-                       poisoned_refused=s["poisoned_refusals_by_island"].get(island, 0),
-                       honest_refused_as_poisoned=sum(n for i, n in s["poisoned_refusals_by_island"].items()
+        if f"guarded {k}" in runs:  # counts summed over the repeats
+            ss = runs[f"guarded {k}"]
+            row.update(guarded=med[f"guarded {k}"], runs=len(ss),
+                       spread=[min(s["eval_loss"] for s in ss), max(s["eval_loss"] for s in ss)],
+                       restarts=sum(s["restarts"] for s in ss),
+                       poisoned_refused=sum(s["poisoned_refusals_by_island"].get(island, 0) for s in ss),
+                       honest_refused_as_poisoned=sum(n for s in ss for i, n in s["poisoned_refusals_by_island"].items()
                                                       if i != island))
     return {
         **out, "dropped": med.get("dropped"),
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
           f"in clean runs: {out['false_refusals_clean']}")
     for k, v in out["by_kind"].items():
         guarded = (f"{v['poisoned_refused']} refused ({v['honest_refused_as_poisoned']} honest), {v['restarts']} "
-                   f"restarts, guarded {v['guarded']:.4f} ({_pct(v['guarded'], out['clean'])} vs clean, "
+                   f"restarts in {v['runs']} runs, guarded {v['guarded']:.4f} (median; {v['spread'][0]:.4f}-"
+                   f"{v['spread'][1]:.4f}; {_pct(v['guarded'], out['clean'])} vs clean, "
                    f"{_pct(v['guarded'], out['dropped'])} vs dropped)") if "guarded" in v else "guarded not run"
         unguarded = "not run" if v["unguarded"] is None else f"{v['unguarded']:.4f} ({_pct(v['unguarded'], out['clean'])})"
         print(f"{k}: {guarded}, unguarded {unguarded}")
