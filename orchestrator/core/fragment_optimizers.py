@@ -16,6 +16,7 @@ warning: refusing it would leave a restarted outer optimizer actor failing forev
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -61,7 +62,8 @@ def fragment_optimizer(params: Sequence[torch.Tensor], settings: OuterSettings) 
 def check_outer_optimizer(spec: Any, tensors: Sequence[torch.Tensor]) -> None:
     """Build the outer optimizer `spec` names over float32 copies of `tensors` (a few of the model's own) and step
     it once with zero gradients, as a round would; a ModelError in one line, naming the factory and the fix, if
-    it does not resolve, raises, returns no ``torch.optim.Optimizer``, holds other tensors or cannot step."""
+    it does not resolve, raises, returns no ``torch.optim.Optimizer``, holds other tensors, cannot step or has a
+    state a checkpoint cannot store."""
     if spec is None:
         return
     if not (isinstance(spec, str) or callable(spec)):
@@ -81,6 +83,11 @@ def check_outer_optimizer(spec: Any, tensors: Sequence[torch.Tensor]) -> None:
         first = (str(err).strip().splitlines() or [""])[0]
         raise ModelError(f"outer optimizer {opt.name!r} raised {type(err).__name__} on a step: {first}; make its "
                          "step() work without a closure on gradients set as .grad") from err
+    try:  # what a checkpoint will write: its tensors apart, the rest as JSON
+        json.dumps(save_optimizer(opt, 0, [str(i) for i in range(len(params))], {}))
+    except (TypeError, ValueError) as err:
+        raise ModelError(f"outer optimizer {opt.name!r} has a state_dict() that a checkpoint cannot store ({err}); "
+                         "keep its state and param groups to tensors, numbers, strings, lists and dicts") from err
 
 
 def save_optimizer(opt: FragmentOptimizer, p: int, names: Sequence[str], tensors: dict[str, torch.Tensor]) -> Any:

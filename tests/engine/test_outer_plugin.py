@@ -153,6 +153,7 @@ def _model():
     (lambda p: torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=1.0), "holds 1 tensors, not the 2 parameters"),
     (lambda p: torch.optim.LBFGS(p), "raised TypeError on a step"),
     (3, "outer optimizer is a int; pass a callable"),
+    (lambda p: torch.optim.SGD([{"params": p, "note": object()}], lr=1.0), "a checkpoint cannot store"),
 ])
 def test_a_bad_outer_optimizer_is_one_config_error_line_before_ray(spec, message):
     # workload.prepare's check, before Ray: the factory built over two of the model's own parameters and stepped.
