@@ -8,6 +8,7 @@ import pytest
 import ray
 
 from orchestrator.config import build_config
+from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.core.eventlog import read_events
 from orchestrator.run.driver import train
 from orchestrator.run.trained import evaluate_trained, load_trained
@@ -111,8 +112,14 @@ def test_run_stops_once_the_held_out_loss_is_at_the_target(ray_cluster, tmp_path
 
 
 def test_sync_diloco_rounds_take_every_island(ray_cluster, tmp_path):
-    cfg = two_pool_config({"sync_every_steps": 8}, islands=1, mode="sync-diloco", token_budget=80_000)
+    # With a torch optimizer as the outer step (outer.optimizer, by import path in the actor's process): its state
+    # is in the outer optimizer's checkpoints (tests/engine/test_outer_plugin.py checks the rest without Ray).
+    cfg = two_pool_config({"sync_every_steps": 8, "optimizer": "torch.optim:Adam"}, islands=1, mode="sync-diloco",
+                          token_budget=80_000)
     summary = train(build_config(cfg), tmp_path / "sync")
+    final = CheckpointStore(str(tmp_path / "sync" / "checkpoints")).load_latest()
+    assert final is not None and any(k.startswith("outer_state/0/") for k in final.tensors)
+    assert final.meta["outer"]["outer_state"][0]["kind"] == "Adam"
     rounds = read_events(tmp_path / "sync", "rounds").to_pylist()
     assert len(rounds) >= 2, "synchronous rounds happened"
     seen = [(x["participants"], x["reason"]) for x in rounds]
