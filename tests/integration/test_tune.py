@@ -1,7 +1,8 @@
-"""Ray Tune: docs/tune.md's `search` as written, three nano trials under ASHA on the session cluster, one at a time.
+"""Ray Tune: docs/tune.md's `search` as written, three nano trials under ASHA on the session cluster, two at a time.
 
-The second trial's outer lr (0.01) keeps its global model at its starting point, so ASHA stops it at its first rung
-(the first trial, there before it, has merged rounds by then): a trial stopped early, below its token budget. The
+The third trial's outer lr (0.01) keeps its global model near its starting point, and it starts once one of the two
+good trials has finished and recorded every rung, so ASHA stops it at its first rung: a trial stopped early, below its
+token budget, by the stop that ends the experiment (Tune then kills trial actors 10 s after their stop was asked). The
 stopped run finished cleanly (summary.json's stopped_by "tune", its final checkpoint holding its whole ledger), every
 trial is TERMINATED, and nothing of any trial is left: no actor of theirs alive, no placement group but removed ones
 (the session cluster's `no_leftovers` fixture checks every CPU free and no group too).
@@ -21,7 +22,11 @@ from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.tune import TUNE_STOPPED
 from tests.api.test_readme_example import first_python_block, section
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# Extended (left out of CI's default run): three trials are three run start-ups (the trial actor, the outer optimizer,
+# the monitor, two islands and two keepers: seven processes that import torch), 15-20 s each on a loaded 2-core
+# machine; the test took 73-103 s there (the session cluster's start not counted), over the ~60 s CI can spare.
+# tests/api/test_tune_config.py (Ray-free) runs in the default run.
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "tune.md"
 BUDGET = 120_000  # tokens: ~10 s of two throttled nano islands; a trial's stop comes ~30k tokens after its rung
@@ -54,10 +59,11 @@ def base_config():
     })
 
 
-def test_three_trials_under_asha_one_stopped_early_cleanly_nothing_left(ray_cluster, tmp_path):
+def test_three_trials_under_asha_one_stopped_early_cleanly_nothing_left(ray_cluster, tmp_path, capsys):
     from ray import tune
 
     example = doc_example()
+    actors_before = set(ray._private.state.actors())  # the GCS's actor table (the session cluster has no state API)
     # lr, H and K per trial, in this order, two at a time (the session cluster holds two runs' islands): two good
     # ones, then a hopeless lr, which starts once a good one has finished and recorded every rung.
     space = {"outer": tune.grid_search([
@@ -68,7 +74,8 @@ def test_three_trials_under_asha_one_stopped_early_cleanly_nothing_left(ray_clus
     results = example.search(base_config(), space, num_samples=1, grace_tokens=GRACE, run_root=tmp_path / "runs",
                              storage_path=str(tmp_path / "tune"), max_concurrent_trials=2)
 
-    assert len(results) == 3 and not results.errors, [r.error for r in results]
+    assert len(results) == 3 and results.num_terminated == 3 and results.num_errors == 0, [r.error for r in results]
+    assert "released" not in capsys.readouterr().out, "a trial was killed before its run stopped"
     trials = {r.config["outer"]["lr"]: r for r in results}
     summaries = {lr: json.loads((Path(r.metrics["run_dir"]) / "summary.json").read_text()) for lr, r in trials.items()}
 
@@ -80,22 +87,23 @@ def test_three_trials_under_asha_one_stopped_early_cleanly_nothing_left(ray_clus
     stopped = summaries[0.01]
     assert stopped["stopped_by"] == TUNE_STOPPED and GRACE <= stopped["tokens_processed"] < BUDGET, stopped
     assert trials[0.01].metrics["tokens"] < BUDGET
-    for lr, summary in summaries.items():  # a clean stop: every token has its fate, nothing lost in the stop
+    for lr, summary in summaries.items():  # a clean stop: the final flush merged what the islands held
         assert summary["stopped_by"] in ("token_budget", TUNE_STOPPED), (lr, summary["stopped_by"])
-        assert summary["tokens_lost"] == 0, (lr, summary["token_ledger"])
+        ledger = summary["token_ledger"]
+        assert sum(ledger["in_flight"]) == 0, (lr, ledger)
+        # Tokens are lost only to an island failure (a loaded machine's missed heartbeats), never to the stop.
+        assert summary["tokens_lost"] == 0 or summary["failures"] > 0, (lr, ledger)
         # Its final checkpoint: the run's last state, with its whole ledger.
         store = CheckpointStore(str(Path(trials[lr].metrics["run_dir"]) / "checkpoints"))
         final = store.load(store.list()[-1]).meta
         assert final["extra"]["tokens_processed"] == summary["tokens_processed"], (lr, final["extra"])
-    grid = results.get_dataframe()
-    assert len(grid) == 3
 
     # Every trial TERMINATED (an ERROR would be in results.errors); nothing of theirs is alive.
-    run_ids = [s["run_id"] if "run_id" in s else r.metrics["run_id"] for s, r in zip(summaries.values(), trials.values())]
+    run_ids = [r.metrics["run_id"] for r in trials.values()]
     named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     assert not [n for n in named if any(run_id in n for run_id in run_ids)], named
-    alive = [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
-    ours = [a["ActorClassName"] for a in alive if a["ActorClassName"] != "_QueueActor"]
-    assert not ours, ours
+    alive = [a["ActorClassName"] for i, a in ray._private.state.actors().items()
+             if i not in actors_before and a["State"] == "ALIVE"]
+    assert not alive, alive  # the trials' drivers, outer optimizers, monitors, islands and keepers are all gone
     groups = {i["name"]: i["state"] for i in ray.util.placement_group_table().values() if i["state"] != "REMOVED"}
     assert not groups, groups
