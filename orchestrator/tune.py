@@ -42,7 +42,7 @@ The trial thread then ends with SystemExit(0), as Tune's own stop does, and the 
 Tune's patience with a ``stop`` that waits: ``TUNE_FORCE_TRIAL_CLEANUP_S`` (default 600 s) while the experiment
 goes on; once every trial has finished (the last trial's STOP ends the experiment) it kills trial actors 10 s after
 their stop was asked (``TuneController._actor_force_cleanup_timeout``, not configurable). A run's clean stop takes
-a few seconds for the small models (3-6 s for nano on a loaded 2-core machine); a larger model's final flush and checkpoint
+a few seconds for the small models (1-6 s for nano on a loaded 2-core machine); a larger model's final flush and checkpoint
 may take longer, so ``Tuner.fit()`` is followed by :func:`release_trials` (it kills what a killed trial left).
 """
 

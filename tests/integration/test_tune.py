@@ -24,7 +24,8 @@ from tests.api.test_readme_example import first_python_block, section
 
 # Extended (left out of CI's default run): three trials are three run start-ups (the trial actor, the outer optimizer,
 # the monitor, two islands and two keepers: seven processes that import torch), 15-20 s each on a loaded 2-core
-# machine; the test took 73-103 s there (the session cluster's start not counted), over the ~60 s CI can spare.
+# machine; the test took 53 s at a load average of ~6 and 73-103 s at 10-30 (the session cluster's start not
+# counted): about or over the ~60 s CI can spare.
 # tests/api/test_tune_config.py (Ray-free) runs in the default run.
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]
 
