@@ -89,7 +89,7 @@ def run_summary(run: Run, *, live: list[IslandStatus], dead: list[IslandStatus],
         "faults_planned": len(run.tape),  # faults on this session's chaos tape; a run may end before all fire
         **_traffic(run, status),
         "wall_s": wall,
-        "stopped_by": run.stopped_by,  # token_budget | max_wall_s | stop_at_eval_loss | stop request | interrupted
+        "stopped_by": run.stopped_by,  # token_budget | max_wall_s | stop_at_eval_loss | stop request | interrupted | tune
         "run_start": run.run_start,  # wall clock (time.time) that goodput, chaos tapes and `at` fields count from
         "run_end": good["run_end"],  # wall clock when the islands had stopped: goodput's allocation ends here
         "resumed": run.resume,

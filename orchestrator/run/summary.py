@@ -16,7 +16,7 @@ def held_out_loss_cell(summary: dict) -> str:
 # Why a run ended, as the faults line says it when faults were left on the tape (summary["stopped_by"]).
 _ENDED_BY = {"token_budget": "the token budget ran out first", "max_wall_s": "run.max_wall_s ran out first",
              "stop_at_eval_loss": "the held-out loss target was reached first", "stop request": "the run was stopped first",
-             "interrupted": "the run was interrupted first"}
+             "interrupted": "the run was interrupted first", "tune": "Ray Tune stopped the trial first"}
 
 
 def _token_rows(summary: dict) -> list[tuple[str, str]]:
