@@ -29,7 +29,8 @@ def fake_train(monkeypatch):
     budget; records the callables it was given."""
     given = {}
 
-    def train(cfg, run_dir, *, address=None, progress=None, resume=False, stages=None, workload=None, prepared=None):
+    def train(cfg, run_dir, *, address=None, progress=None, resume=False, stages=None, workload=None, prepared=None,
+              callbacks=None):
         given.update(progress=progress, stages=stages)
         if stages is not None:
             stages(Stage("ray", "starting a local Ray"))

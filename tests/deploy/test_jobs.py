@@ -386,10 +386,12 @@ def test_pick_run_names_the_fix():
             pick_run(runs, run_id, "here")
 
 
-def test_status_names_a_stopped_cluster_instead_of_retrying_it(monkeypatch, capsys):
+def test_status_names_a_stopped_cluster_instead_of_retrying_it(monkeypatch, capsys, tmp_path):
     import ray._private.services as services
 
     from orchestrator.cli.main import main
+
+    monkeypatch.chdir(tmp_path)  # no runs/latest here: a checkout's own last run would answer first
 
     # A port nothing listens on, as Ray's record of the last `ray start` on this machine (the file
     # /tmp/ray/ray_current_cluster is shared with other tests, so the lookup is stood in for).

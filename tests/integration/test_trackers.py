@@ -26,6 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from orchestrator.config import build_config
 from orchestrator.run.callbacks import Callback
 from orchestrator.run.driver import train
+from orchestrator.run.trackers import MLflowCallback
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -124,7 +125,9 @@ def test_one_run_logs_to_mlflow_tensorboard_and_wandb(ray_cluster, tmp_path, mlf
     run_dir = tmp_path / "run"
     cfg = build_config(tracked_config(uri))
     recorder = Recorder()
-    summary = train(cfg, run_dir, callbacks=[recorder, Broken()])
+    # A second MLflow run from the Python API, with the opt-in final checkpoint as an artifact (the same server).
+    with_checkpoint = MLflowCallback(uri, experiment="diloco-checkpoints", log_checkpoint=True)
+    summary = train(cfg, run_dir, callbacks=[recorder, Broken(), with_checkpoint])
     assert summary["stopped_by"] == "token_budget", "a failing callback never stops the run"
 
     # The user's callback: start first, end last with the summary, evaluations and flushes between, tokens the x-axis.
@@ -158,7 +161,12 @@ def test_one_run_logs_to_mlflow_tensorboard_and_wandb(ray_cluster, tmp_path, mlf
                 "tokens_merged", "tokens_in_flight"):
         assert client.get_metric_history(found.info.run_id, key), f"{key} not logged"
     artifacts = {a.path for a in client.list_artifacts(found.info.run_id)}
-    assert {"events.jsonl", "summary.json"} <= artifacts
+    assert {"events.jsonl", "summary.json"} <= artifacts and "checkpoint" not in artifacts, "the checkpoint is opt-in"
+    (opted,) = client.search_runs([client.get_experiment_by_name("diloco-checkpoints").experiment_id])
+    (folder,) = client.list_artifacts(opted.info.run_id, "checkpoint")
+    final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    assert folder.path == f"checkpoint/{final.name}"
+    assert "checkpoint/" + final.name + "/manifest.json" in {a.path for a in client.list_artifacts(opted.info.run_id, folder.path)}
 
     # TensorBoard's event files in RUN_DIR/tensorboard, read by TensorBoard's own loader.
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
