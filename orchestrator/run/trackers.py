@@ -130,7 +130,27 @@ class _Events:
         return "".join(json.dumps(e, default=str) + "\n" for e in self.events)
 
 
-class MLflowCallback(Callback):
+class _Tracker(Callback):
+    """What the three trackers share: every number of an evaluation or a flush, and the island events' counters,
+    logged against tokens by `_log` (each tracker's own write)."""
+
+    def __init__(self) -> None:
+        self._events = _Events()
+
+    def _log(self, values: Mapping[str, float], tokens: int) -> None:
+        raise NotImplementedError
+
+    def on_eval(self, run: RunInfo, metrics: dict) -> None:
+        self._log(_numbers(metrics), metrics["tokens"])
+
+    def on_round(self, run: RunInfo, metrics: dict) -> None:
+        self._log(_numbers(metrics), metrics["tokens"])
+
+    def on_island_event(self, run: RunInfo, event: dict) -> None:
+        self._log(self._events.add(event), event.get("tokens", 0))
+
+
+class MLflowCallback(_Tracker):
     """Log the run to MLflow: one MLflow run per driver session, in experiment `experiment`.
 
     `tracking_uri`: an MLflow tracking server (``http://host:5000``) or store URI; None: $MLFLOW_TRACKING_URI,
@@ -148,7 +168,7 @@ class MLflowCallback(Callback):
         self.tracking_uri, self.experiment, self.log_checkpoint = tracking_uri, experiment, log_checkpoint
         self.client: Any = None
         self.mlflow_run_id: str | None = None  # the MLflow run's id (not the DiLoCo run's)
-        self._events = _Events()
+        super().__init__()
 
     def on_start(self, run: RunInfo) -> None:
         from mlflow.entities import Param, RunTag
@@ -187,15 +207,6 @@ class MLflowCallback(Callback):
         now = int(time.time() * 1000)
         self.client.log_batch(self.mlflow_run_id, metrics=[Metric(k, v, now, int(step)) for k, v in values.items()])
 
-    def on_eval(self, run: RunInfo, metrics: dict) -> None:
-        self._log(_numbers(metrics), metrics["tokens"])
-
-    def on_round(self, run: RunInfo, metrics: dict) -> None:
-        self._log(_numbers(metrics), metrics["tokens"])
-
-    def on_island_event(self, run: RunInfo, event: dict) -> None:
-        self._log(self._events.add(event), event.get("tokens", 0))
-
     def on_end(self, run: RunInfo, summary: dict) -> None:
         if self.client is None:
             return
@@ -211,7 +222,7 @@ class MLflowCallback(Callback):
             client.set_terminated(run_id, tracker_status(summary))
 
 
-class TensorBoardCallback(Callback):
+class TensorBoardCallback(_Tracker):
     """Write TensorBoard event files (torch.utils.tensorboard's SummaryWriter; needs the tensorboard package).
 
     `log_dir`: default RUN_DIR/tensorboard, so ``tensorboard --logdir runs`` shows every run under runs/. Scalars
@@ -223,7 +234,7 @@ class TensorBoardCallback(Callback):
         _require("tensorboard")
         self.log_dir = log_dir
         self.writer: Any = None
-        self._events = _Events()
+        super().__init__()
 
     def on_start(self, run: RunInfo) -> None:
         import yaml
@@ -243,18 +254,14 @@ class TensorBoardCallback(Callback):
             self.writer.add_scalar(key, value, global_step=int(step))
 
     def on_eval(self, run: RunInfo, metrics: dict) -> None:
-        self._log(_numbers(metrics), metrics["tokens"])
+        super().on_eval(run, metrics)
         if self.writer is not None:
             self.writer.flush()  # evaluations are what a reader waits for: on disk now, not in 2 minutes
 
-    def on_round(self, run: RunInfo, metrics: dict) -> None:
-        self._log(_numbers(metrics), metrics["tokens"])
-
     def on_island_event(self, run: RunInfo, event: dict) -> None:
-        step = int(event.get("tokens", 0))
-        self._log(self._events.add(event), step)
+        super().on_island_event(run, event)
         if self.writer is not None:
-            self.writer.add_text("island_events", json.dumps(event, default=str), global_step=step)
+            self.writer.add_text("island_events", json.dumps(event, default=str), global_step=int(event.get("tokens", 0)))
 
     def on_end(self, run: RunInfo, summary: dict) -> None:
         if self.writer is None:
@@ -265,7 +272,7 @@ class TensorBoardCallback(Callback):
         self.writer.close()
 
 
-class WandbCallback(Callback):
+class WandbCallback(_Tracker):
     """Log the run to Weights & Biases: one W&B run per driver session, named by run id, grouped by run directory.
 
     `mode`: "offline" (default: files under `dir`/wandb/offline-run-*, `wandb sync` uploads them later),
@@ -280,7 +287,7 @@ class WandbCallback(Callback):
         self.project, self.mode, self.dir = project, mode, dir
         self.run: Any = None
         self._step = 0
-        self._events = _Events()
+        super().__init__()
 
     def on_start(self, run: RunInfo) -> None:
         import wandb
@@ -299,15 +306,6 @@ class WandbCallback(Callback):
             return
         self.run.log({**values, "tokens": int(tokens)}, step=self._step)
         self._step += 1
-
-    def on_eval(self, run: RunInfo, metrics: dict) -> None:
-        self._log(_numbers(metrics), metrics["tokens"])
-
-    def on_round(self, run: RunInfo, metrics: dict) -> None:
-        self._log(_numbers(metrics), metrics["tokens"])
-
-    def on_island_event(self, run: RunInfo, event: dict) -> None:
-        self._log(self._events.add(event), event.get("tokens", 0))
 
     def on_end(self, run: RunInfo, summary: dict) -> None:
         if self.run is None:
