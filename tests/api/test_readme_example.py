@@ -86,8 +86,13 @@ def test_the_example_is_short_and_compiles():
     assert "held-out loss" in code and ".fit()" in code
 
 
+# Extended: the example's Llama makes each of its five processes import transformers (about 27 s of start-up), 70-100 s
+# of CI's serial Ray tests on a slow day. In the default run: the two tests above (its code compiles and prints the
+# loss line), notebook 05 (a Hugging Face Llama through fit() on two pools), test_quickstart (sample, evaluate and
+# export on a run directory) and tests/api/test_export.py (a Hugging Face model exported and reloaded).
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_example_runs_as_written(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
     code, doc = example()

@@ -26,7 +26,11 @@ from orchestrator.run.streams import corpus_stream
 from policies.chaos import Fault, FaultTape
 from tests.engine.test_token_ledger import FATES, assert_shown_everywhere
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# Extended: two runs, two cold restarts and a resume, 80-110 s of CI's serial Ray tests on a slow day. The default run
+# keeps the parts: a stream's cursor replays exactly (tests/islands/test_stream.py), a resume's ledger
+# (tests/engine/test_token_ledger.py), kills, salvage and resumes on the cluster (test_self_healing.py,
+# test_recovery.py, test_interrupt.py); only this test checks every window of every incarnation end to end.
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]
 
 VOCAB = 1 << 14  # every token of the corpus is its own position: unique window ids
 SEQ, BATCH, SEED = 8, 4, 3

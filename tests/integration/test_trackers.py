@@ -28,7 +28,10 @@ from orchestrator.run.callbacks import Callback
 from orchestrator.run.driver import train
 from orchestrator.run.trackers import MLflowCallback
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# Extended: a run start-up on the cluster plus an `mlflow server`, about 50 s of CI's serial Ray tests on a slow day.
+# The default run keeps the trackers' real writes and reads without Ray (tests/engine/test_trackers_offline.py) and
+# the driver's hook calls (tests/engine/test_callbacks.py).
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]
 
 
 def free_port() -> int:

@@ -148,10 +148,16 @@ def _result(nb) -> dict:
     return json.loads(lines[-1])
 
 
+# 03 trains three runs (K = all, K = 1, K = 1 + grace) on a throttled pool, about 57 s of CI's serial Ray tests on a
+# slow day: `-m extended` runs it. In the default run, tests/integration/test_engine_ray.py trains an EMULATED slow
+# pool at K = 1 with the grace window, and tests/policies/ checks quorum and grace against hand-computed values.
+IN_EXTENDED = {"03-heterogeneous-pools.ipynb"}
+
+
 @pytest.mark.notebook
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("name", EXPECTED)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in IN_EXTENDED else n for n in EXPECTED])
 def test_notebook_runs(name, tmp_path, monkeypatch, ray_cluster):
     import nbclient  # the dev extras: pip install -e ".[dev]"
     import nbformat
