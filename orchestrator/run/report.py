@@ -29,10 +29,11 @@ import pyarrow as pa
 
 from orchestrator.core.accounting import shown_fates
 from orchestrator.core.eventlog import read_events
+from orchestrator.run.baseline_compare import compare_to_baseline
 from orchestrator.run.summary import faults_cell
 from policies.goodput import TIMELINE_STATES, Interval, merge_timeline
 
-__all__ = ["PLOTS_HINT", "ReportError", "have_matplotlib", "write_report", "timeline_intervals"]
+__all__ = ["PLOTS_HINT", "ReportError", "baseline_line", "have_matplotlib", "write_report", "timeline_intervals"]
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,12 @@ def render_markdown(run_dir: Path, summary: dict, islands: list[dict], faults: l
     return "\n".join(out).rstrip() + "\n"
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
+def baseline_line(run_dir: str | Path, baseline: str | Path) -> str:
+    """The console's line for `diloco report RUN_DIR --baseline OTHER`: the loss gap at equal tokens and bytes."""
+    return compare_to_baseline(run_dir, baseline).line()
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None, baseline: str | Path | None = None) -> dict[str, Path]:
     """Write loss.png, timeline.png and report.md for a finished run; returns the paths written by name.
 
     Without matplotlib only report.md is written (its Plots section says how to get the plots); a
@@ -323,6 +329,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     Args:
         run_dir: a run directory written by `diloco train` (summary.json plus events/).
         out_dir: where to write; default `RUN_DIR/report`.
+        baseline: another finished run's directory (e.g. `diloco baseline-dp`'s); report.md then says how far this
+            run is from it (orchestrator.run.baseline_compare), and the return value holds no more paths.
 
     Raises:
         ReportError: no such directory, no or unreadable summary.json or events.
@@ -337,6 +345,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
         summary = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ReportError(f"{path} is not valid JSON ({err}); the run may have died while writing it") from None
+    # Before anything is written: a baseline that cannot be read leaves no half report behind.
+    comparison = compare_to_baseline(run_dir, baseline) if baseline is not None else None
     plots = have_matplotlib()
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -372,5 +382,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
             log.warning("%s: skipping %s.png, %s", run_dir, key, why)
     written["report"] = out / "report.md"
     islands = _island_rows(summary, island_events)
-    written["report"].write_text(render_markdown(run_dir, summary, islands, faults, written, missing))
+    text = render_markdown(run_dir, summary, islands, faults, written, missing)
+    if comparison is not None:
+        text += "\n" + comparison.markdown()
+    written["report"].write_text(text)
     return written
