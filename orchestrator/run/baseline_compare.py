@@ -16,12 +16,17 @@ import yaml
 
 from policies.quality_gap import EvalPoint, QualityGap, quality_gap
 
-__all__ = ["BaselineComparison", "compare_to_baseline"]
+__all__ = ["BaselineComparison", "ReportError", "compare_to_baseline"]
 
 # Config fields whose difference changes what a held-out loss means (data plumbing such as read-ahead does not).
 _SAME_MEANING = ("model", "data.source", "data.path", "data.text_column", "data.token_column", "data.tokenizer",
                  "data.vocab_size", "data.heldout_fraction", "data.max_bytes", "data.shuffle_documents",
                  "data.heldout_tokens", "eval.batches", "eval.batch_size")
+
+
+class ReportError(ValueError):
+    """A run directory the report cannot be built from; the message names the path and the fix (here, not in
+    orchestrator.run.report, which imports this module: one direction, no import circle)."""
 
 
 class BaselineComparison:
@@ -66,8 +71,6 @@ class BaselineComparison:
 
 
 def _load(run_dir: Path, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    from orchestrator.run.report import ReportError
-
     path = run_dir / "summary.json"
     if not path.is_file():
         raise ReportError(f"{what} {run_dir} has no summary.json; pass the directory of a finished run")
@@ -81,8 +84,6 @@ def _load(run_dir: Path, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _points(summary: dict[str, Any], what: str, run_dir: Path) -> list[EvalPoint]:
-    from orchestrator.run.report import ReportError
-
     points = [EvalPoint(float(e["tokens_processed"]), float(e["eval_loss"]), float(e.get("wall_s") or 0.0))
               for e in summary.get("evals") or [] if e.get("eval_loss") is not None]
     if not points:

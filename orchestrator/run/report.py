@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from orchestrator.core.accounting import shown_fates
 from orchestrator.core.eventlog import read_events
-from orchestrator.run.baseline_compare import compare_to_baseline
+from orchestrator.run.baseline_compare import ReportError, compare_to_baseline
 from orchestrator.run.summary import faults_cell
 from policies.goodput import TIMELINE_STATES, Interval, merge_timeline
 
@@ -46,10 +46,6 @@ assert tuple(STATE_COLORS) == TIMELINE_STATES
 
 # The README installs this checkout editable, so the extra is named the way that install spells it.
 PLOTS_HINT = 'matplotlib is not installed; pip install -e ".[plots]" for loss.png and timeline.png'
-
-
-class ReportError(ValueError):
-    """A run directory the report cannot be built from; the message names the path and the fix."""
 
 
 def have_matplotlib() -> bool:

@@ -177,13 +177,13 @@ def test_cli_passes_out_dir_and_prints_written_paths(tmp_path, capsys, monkeypat
 
     calls = []
 
-    def fake(run_dir, out_dir):
-        calls.append((run_dir, out_dir))
+    def fake(run_dir, out_dir, baseline=None):
+        calls.append((run_dir, out_dir, baseline))
         return {"loss": Path(out_dir) / "loss.png", "report": Path(out_dir) / "report.md"}
 
     monkeypatch.setattr(orchestrator.run.report, "write_report", fake)
     assert main(["report", "runs/x", "--out", str(tmp_path)]) == 0
-    assert calls == [("runs/x", str(tmp_path))]
+    assert calls == [("runs/x", str(tmp_path), None)]
     assert capsys.readouterr().out.split() == [str(tmp_path / "loss.png"), str(tmp_path / "report.md")]
 
 
