@@ -264,12 +264,16 @@ async def stop_islands(handles: dict[int, Any], *, flush: bool, timeout_s: float
 
 
 async def island_statuses(handles: dict[int, Any], *, timeout_s: float) -> dict[int, Any]:
-    """Ask each island in `handles` (island -> leader), one after another, for its status; returns island ->
-    status of those that answered (a dying island keeps its last status, so it is left out)."""
+    """Ask every island in `handles` (island -> leader) for its status at once; returns island -> status of those
+    that answered (a dying island keeps its last status, so it is left out). At once, as `stop_islands`: asked one
+    after another, islands that do not answer would hold the call for `timeout_s` each, past the caller's bound."""
+    items = list(handles.items())
+    answers = await asyncio.gather(*(asyncio.wait_for(handle.status.remote(), timeout=timeout_s) for _, handle in items),
+                                   return_exceptions=True)
     statuses = {}
-    for island, handle in list(handles.items()):
-        try:
-            statuses[island] = await asyncio.wait_for(handle.status.remote(), timeout=timeout_s)
-        except Exception as err:  # noqa: BLE001 - a dying island keeps its last status
-            log.warning("status of stopped island %d: %s", island, err)
+    for (island, _), answer in zip(items, answers):
+        if isinstance(answer, BaseException):  # a dying island keeps its last status
+            log.warning("status of stopped island %d: %s", island, answer)
+        else:
+            statuses[island] = answer
     return statuses
