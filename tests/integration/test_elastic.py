@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -57,6 +58,28 @@ def config(corpus) -> dict:
     }
 
 
+def train_in_thread(run: Run) -> tuple[threading.Thread, dict]:
+    """Start `run.train()` in a thread; its summary, or the traceback it raised, lands in the dict (`finished`)."""
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["summary"] = run.train()
+        except BaseException:  # noqa: BLE001 - reported by `finished`, with where it was raised
+            out["error"] = traceback.format_exc()
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    return th, out
+
+
+def finished(out: dict) -> dict:
+    """The run's summary; if train() raised or did not return, fail saying which and where."""
+    assert "error" not in out, f"run.train() raised:\n{out['error']}"
+    assert "summary" in out, "run.train() did not return within the join timeout after the stop was asked"
+    return out["summary"]
+
+
 def replay(cfg, island: int, batches: int) -> list[tuple[int, ...]]:
     sampler = StreamSampler(corpus_stream(cfg).stream, island=island, seq_len=SEQ, batch_size=BATCH, seed=SEED)
     return [tuple(sampler.next_batch()[0][:, 0].tolist()) for _ in range(batches)]
@@ -84,9 +107,7 @@ def test_an_elastic_pool_waits_for_its_minimum_fills_on_join_and_loses_nothing_o
     ids_dir.mkdir()
     cfg = build_config(config(corpus))
     run = Run(cfg, tmp_path / "run", workload=Workload(model=unique_ids_model, loss=WindowLog(str(ids_dir))))
-    out: dict = {}
-    th = threading.Thread(target=lambda: out.update(summary=run.train()), daemon=True)
-    th.start()
+    th, out = train_in_thread(run)
     added = []
     try:
         wait_for("the monitor", lambda: run.monitor is not None)
@@ -140,7 +161,7 @@ def test_an_elastic_pool_waits_for_its_minimum_fills_on_join_and_loses_nothing_o
         run.teardown()
         for node in added:
             cluster.remove_node(node)
-    summary = out["summary"]
+    summary = finished(out)
     assert summary["joins"] == 4 and summary["leaves"] == 2 and summary["leaves_merged"] == 2, summary
     assert summary["drained_tokens_lost"] == 0 and all(leave["tokens"] > 0 for leave in leaves), leaves
     assert summary["failures"] == 2  # S2's two islands; the drain was no failure
@@ -207,9 +228,7 @@ def test_chaos_tape_joins_a_node_and_drains_it_and_the_island_leaves_with_its_pr
         ],
     })
     run = Run(cfg, tmp_path / "run")
-    out: dict = {}
-    th = threading.Thread(target=lambda: out.update(summary=run.train()), daemon=True)
-    th.start()
+    th, out = train_in_thread(run)
     try:
         wait_for("the monitor", lambda: run.monitor is not None)
         snap = lambda: ray.get(actor(f"monitor-{run.run_id}").snapshot.remote(), timeout=10)  # noqa: E731
@@ -221,7 +240,7 @@ def test_chaos_tape_joins_a_node_and_drains_it_and_the_island_leaves_with_its_pr
         run.request_stop()
         th.join(120)
         run.teardown()
-    summary = out["summary"]
+    summary = finished(out)
     assert summary["faults_injected"] == 2 and summary["joins"] == 1 and summary["leaves"] == 1, summary
     assert summary["leaves_merged"] == 1 and summary["drained_tokens_lost"] == 0 and summary["failures"] == 0, summary
     assert_shown_everywhere(summary)
