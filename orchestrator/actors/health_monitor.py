@@ -76,7 +76,7 @@ class HealthMonitor:
 
     def __init__(self, *, run: RunAddress, pools: list[PoolConfig], specs: list[IslandSpec], actors: ActorClasses,
                  timeouts: MonitorTimeouts, health: HealthThresholds | None = None,
-                 restart: RestartBudget | None = None, warm_spares: int = 0, data: list[Any] | None = None) -> None:
+                 restart: RestartBudget | None = None, warm_spares: int, data: list[Any] | None = None) -> None:
         quiet_worker("health monitor")
         self.run, self.timeouts, self.data = run, timeouts, data
         self.pools = {p.name: p for p in pools}

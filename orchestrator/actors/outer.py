@@ -50,7 +50,7 @@ class _OuterShell:
     """
 
     def __init__(self, plan: FragmentPlan, settings: OuterSettings, embedding_names: frozenset[str],
-                 checkpoint_uri: str, checkpoint_every_s: float = 30.0, checkpoint_keep: int = 3,
+                 checkpoint_uri: str, checkpoint_every_s: float, checkpoint_keep: int,
                  network: NetworkModel | None = None, island_regions: dict[int, str] | None = None,
                  buffer_names: frozenset[str] = frozenset()) -> None:
         quiet_worker("outer optimizer")

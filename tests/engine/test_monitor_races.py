@@ -51,7 +51,7 @@ def _monitor(gate: asyncio.Event | None = None) -> tuple[HealthMonitor, list, li
     spec = spec_from_config(island=0, incarnation=1, pool="a", num_islands=1, model_config=cfg, plan=plan,
                             inner=inner_from_config(), sync_every_steps=8, adoption="overwrite")
     mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"), pools=[PoolConfig(name="a")],
-                        specs=[spec], data=[], actors=ActorClasses(island=object),
+                        specs=[spec], data=[], actors=ActorClasses(island=object), warm_spares=0,
                         timeouts=MonitorTimeouts(placement_s=10, call_s=5, tick_s=0.25),
                         health=HealthThresholds(factor=3.0, floor_s=30.0, startup_s=60.0, unreachable_s=30.0))
     teardowns, restarts = [], []
@@ -215,7 +215,7 @@ def test_after_an_outer_restart_every_island_fetches_the_model_on_its_own_link_a
         specs = [spec_from_config(island=i, incarnation=1, pool="a", num_islands=3, model_config=cfg, plan=plan,
                                   inner=inner_from_config(), sync_every_steps=8, adoption="overwrite") for i in range(3)]
         mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"),
-                            pools=[PoolConfig(name="a", islands=3)], specs=specs, data=[],
+                            pools=[PoolConfig(name="a", islands=3)], specs=specs, data=[], warm_spares=0,
                             actors=ActorClasses(island=object),
                             timeouts=MonitorTimeouts(placement_s=10, call_s=5, tick_s=0.25),
                             health=HealthThresholds(factor=3.0, floor_s=30.0, startup_s=60.0, unreachable_s=30.0))

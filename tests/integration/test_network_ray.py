@@ -91,7 +91,7 @@ def make_shell(tmp_path, settings: OuterSettings, network: NetworkModel):
     tensors, meta = OuterOptimizer(init, plan, settings=settings).state_dict()
     uri = str(tmp_path / "ckpt")
     CheckpointStore(uri).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
-    shell = _OuterShell(plan, settings, model.embedding_parameter_names(), uri, checkpoint_every_s=1e9,
+    shell = _OuterShell(plan, settings, model.embedding_parameter_names(), uri, checkpoint_every_s=1e9, checkpoint_keep=3,
                         network=network, island_regions=REGIONS)
     data = np.random.default_rng(0).integers(0, 256, size=50_000, dtype=np.uint8)
     return shell, cfg, plan, data
@@ -395,7 +395,7 @@ def test_link_counters_and_network_waits_survive_an_outer_optimizer_restart(ray_
         await shell.stop()
         # The actor's restart: a new shell over the same checkpoint store.
         again = _OuterShell(plan, settings, build_model(cfg, seed=3).embedding_parameter_names(), str(tmp_path / "ckpt"),
-                            checkpoint_every_s=1e9, network=NETWORK, island_regions=REGIONS)
+                            checkpoint_every_s=1e9, checkpoint_keep=3, network=NETWORK, island_regions=REGIONS)
         after = await again.status()
         for key in ("bytes_by_link", "transfers_by_link", "bytes_down", "network_wait_s"):
             assert after[key] == before[key], key
