@@ -11,6 +11,11 @@ import pytest
 # turns it off once, before anything starts Ray.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+# Ray starts its worker processes (every actor) at nice 15 below its raylets and GCS at 0, so that they keep
+# answering health checks. 10 keeps that order (a raylet weighs 9x a worker) and puts the actors well above the
+# Ray-free tests that xdist runs beside them at nice 19 (RAY_FREE_NICE below): before, at equal nice 0 with the
+# test processes, those took most of a contended core from the islands.
+os.environ.setdefault("RAY_worker_niceness", "10")
 
 # Node death noticed in a few seconds instead of ~20-45 s (docs/architecture.md section 4, Testing). Not
 # the notes' 200 ms x 3: on a loaded 2-core machine a raylet can miss 600 ms of checks while processes
@@ -106,3 +111,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("ray") is not None or "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+
+
+# The Ray group is the suite's critical path (about 690 s alone on 2 cores, benchmarks/RESULTS.md#test-suite-timings);
+# the Ray-free tests are about 230 s of one core. Ray runs its worker processes (every actor: islands, the outer
+# optimizer, the monitor) at nice 15, so the Ray-free tests beside them at nice 0 took nearly all of a contended core:
+# one Jobs test took 39 s alone and 118 s in the suite, which ran past CI's 15 minutes. At 19 they take what Ray's
+# workers leave idle (waits for detection, emulated slow pools that sleep) and a share of the rest.
+RAY_FREE_NICE = 19
+
+
+def pytest_runtest_setup(item):
+    """Under xdist, run a Ray-free test at nice RAY_FREE_NICE and a Ray test at 0 (the worker's thread and whatever it
+    starts: a Ray test's cluster and CLI runs keep full priority). Lowering it back needs root (CI's machines); where
+    that is refused, the worker stays where it is."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or not hasattr(os, "setpriority"):
+        return
+    in_ray_group = any(m.args[:1] == (RAY_GROUP,) for m in item.iter_markers("xdist_group"))
+    want = 0 if in_ray_group else RAY_FREE_NICE
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) != want:
+            os.setpriority(os.PRIO_PROCESS, 0, want)
+    except OSError:
+        pass
