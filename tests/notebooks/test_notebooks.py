@@ -151,7 +151,11 @@ def _result(nb) -> dict:
 # 03 trains three runs (K = all, K = 1, K = 1 + grace) on a throttled pool, about 57 s of CI's serial Ray tests on a
 # slow day: `-m extended` runs it. In the default run, tests/integration/test_engine_ray.py trains an EMULATED slow
 # pool at K = 1 with the grace window, and tests/policies/ checks quorum and grace against hand-computed values.
-IN_EXTENDED = {"03-heterogeneous-pools.ipynb"}
+# 02 kills island 0 and hangs island 2 from a tape, about 47 s of the serial Ray tests in the suite: the same faults,
+# their detection, restarts, salvage and goodput are asserted in the default run by
+# tests/integration/test_self_healing.py::test_islands_heal_and_no_single_point_of_failure, and
+# tests/notebooks/test_notebook_commands.py runs its documented command shape; `-m extended` runs the notebook.
+IN_EXTENDED = {"02-self-healing.ipynb", "03-heterogeneous-pools.ipynb"}
 
 
 @pytest.mark.notebook
