@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 # An island with no progress for this long is hung (health.hang_floor_s; the factor x step time is below it here).
 # 3 s let a loaded 2-core machine (the suite's other worker busy) stall a healthy island past it: seen twice, once
-# as island 0 restarted, once as the corrupted island 2 declared hung (and salvaged) before its refusal.
-HANG_FLOOR_S = 6.0
+# as island 0 restarted, once as the corrupted island 2 declared hung (and salvaged) before its refusal; 6 s let it
+# happen once more (2026-12-03, island 2 silent 6.1 s at step 10, its first cut, before its corrupt submission).
+HANG_FLOOR_S = 10.0
 
 
 def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 150.0) -> None:
