@@ -43,6 +43,7 @@ from islands.data import (
     _resolve,
     _stdlib_split,
 )
+from islands.data_defaults import HELDOUT_FRACTION, SHUFFLE_DOCUMENTS
 from islands.tokenizer import ByteEncoder
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class CorpusFormat:
     """Text, tokenized in the island by ``encoder``; False for token ids as they are."""
     dtype: str | None = None
     """Token files: 'uint16' or 'uint32'."""
-    heldout_fraction: float = 0.02
+    heldout_fraction: float = HELDOUT_FRACTION
     """Share of rows (Parquet), files (stdlib) or units (token files) held out for evaluation."""
     shuffle_rows: bool = True
     """Parquet: read a unit's rows in a fixed pseudo-random order (False: file order)."""
@@ -315,7 +316,7 @@ def _check_field(schema: pa.Schema, column: str, is_text: bool, path: str, arg: 
     _check_column_type(schema.field(column).type, column, is_text, path)
 
 
-def index_token_files(path: str, *, dtype: str, unit_tokens: int, heldout_fraction: float = 0.02,
+def index_token_files(path: str, *, dtype: str, unit_tokens: int, heldout_fraction: float = HELDOUT_FRACTION,
                       minimum_units: int = 2) -> tuple[str, list[Unit], int]:
     """(root, units, tokens) of flat token files from their sizes: each file (a file, or the sorted
     ``*.bin``/``*.tokens``/``*.u16``/``*.u32`` files under a directory) cut into ranges of ``unit_tokens``.
@@ -368,7 +369,7 @@ def held_out_by_name(names: Sequence[str], heldout_fraction: float) -> list[bool
     return held
 
 
-def index_stdlib(*, heldout_fraction: float = 0.02, max_bytes: int | None = None, shuffle: bool = True,
+def index_stdlib(*, heldout_fraction: float = HELDOUT_FRACTION, max_bytes: int | None = None, shuffle: bool = SHUFFLE_DOCUMENTS,
                  minimum_units: int = 1) -> tuple[str, list[Unit], int]:
     """(root, units, files) of the running Python's standard-library source: one unit per file, the
     training files first, then the held-out ones, each in corpus order (islands.data.load_stdlib_corpus's

@@ -37,6 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from islands.cursor import DataCursor
+from islands.data_defaults import HELDOUT_FRACTION, SHUFFLE_DOCUMENTS
 
 if TYPE_CHECKING:  # torch is imported where batches are built: the preflight reads schemas without it
     import torch
@@ -165,8 +166,8 @@ def _empty_split_error(n_train: int, n_heldout: int, heldout_fraction: float) ->
                      f"train and {n_heldout} held-out bytes; use a fraction near 0.02")
 
 
-def load_stdlib_corpus(*, heldout_fraction: float = 0.02, max_bytes: int | None = None,
-                       shuffle_documents: bool = True) -> Corpus:
+def load_stdlib_corpus(*, heldout_fraction: float = HELDOUT_FRACTION, max_bytes: int | None = None,
+                       shuffle_documents: bool = SHUFFLE_DOCUMENTS) -> Corpus:
     """The running Python's standard-library source as a byte corpus (vocab 256).
 
     A file is held out iff ``crc32(relative path) / 2**32 < heldout_fraction``, so the split is the
@@ -185,8 +186,8 @@ def load_stdlib_corpus(*, heldout_fraction: float = 0.02, max_bytes: int | None 
     return Corpus(train=train, heldout=heldout, vocab_size=256, source=source)
 
 
-def stdlib_texts(*, heldout_fraction: float = 0.02, max_bytes: int | None = None,
-                 shuffle_documents: bool = True) -> tuple[list[str], list[str], str]:
+def stdlib_texts(*, heldout_fraction: float = HELDOUT_FRACTION, max_bytes: int | None = None,
+                 shuffle_documents: bool = SHUFFLE_DOCUMENTS) -> tuple[list[str], list[str], str]:
     """The stdlib's files as text documents: ``(train_docs, heldout_docs, source)``.
 
     The same files, split and order as :func:`load_stdlib_corpus` (one document per file), for
@@ -362,9 +363,9 @@ def _check_column_type(kind: pa.DataType, name: str, is_text: bool, path: str) -
 
 
 def load_parquet_corpus(path: str, *, text_column: str | None = None,
-                        token_column: str | None = None, heldout_fraction: float = 0.02,
+                        token_column: str | None = None, heldout_fraction: float = HELDOUT_FRACTION,
                         vocab_size: int = 256, seq_len: int = 1,
-                        shuffle_documents: bool = True) -> Corpus:
+                        shuffle_documents: bool = SHUFFLE_DOCUMENTS) -> Corpus:
     """Load a corpus from a Parquet file, a directory of Parquet/Arrow files, or a pyarrow.fs URI.
 
     Give exactly one of ``text_column`` (strings, encoded UTF-8, rows joined with b"\\n"; vocab 256)
@@ -419,8 +420,8 @@ def _parquet_split(path: str, name: str, is_text: bool, heldout_fraction: float,
     return column.filter(pc.invert(is_heldout)), column.filter(is_heldout), len(column)
 
 
-def parquet_texts(path: str, *, text_column: str, heldout_fraction: float = 0.02,
-                  shuffle_documents: bool = True) -> tuple[list[str], list[str], str]:
+def parquet_texts(path: str, *, text_column: str, heldout_fraction: float = HELDOUT_FRACTION,
+                  shuffle_documents: bool = SHUFFLE_DOCUMENTS) -> tuple[list[str], list[str], str]:
     """The rows of string ``text_column`` as documents: ``(train_docs, heldout_docs, source)``.
 
     The same held-out rule and row order as :func:`load_parquet_corpus` with ``text_column``, for

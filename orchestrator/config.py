@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from islands.data_defaults import HELDOUT_FRACTION, SHUFFLE_DOCUMENTS
 from islands.spec import ModelConfig, model_config
 from orchestrator.config_errors import format_validation_error, printable
 from policies.network import SCENARIOS as NETWORK_SCENARIOS
@@ -165,11 +166,11 @@ class DataSection(_Section):
     vocab_size: int | None = Field(None, gt=0, description="Ids are below this: tokenizer 'train''s vocabulary (null: 4096), a "
                                    "function tokenizer's, a token_column's (null: its largest id + 1 from the Parquet "
                                    "statistics) or a token file's (required).")
-    heldout_fraction: float = Field(0.02, gt=0, lt=0.5, description="Fraction of files (stdlib), rows (parquet) or units "
+    heldout_fraction: float = Field(HELDOUT_FRACTION, gt=0, lt=0.5, description="Fraction of files (stdlib), rows (parquet) or units "
                                     "(tokens) held out for evaluation.")
     max_bytes: int | None = Field(None, gt=0, description="Cap on training bytes of the stdlib corpus (keeps tests small); None = all.")
     shuffle_documents: bool = Field(
-        True, description="Units, rows and windows in seeded orders, so each island reads a representative sample; false "
+        SHUFFLE_DOCUMENTS, description="Units, rows and windows in seeded orders, so each island reads a representative sample; false "
         "keeps source order (islands then see different, non-IID data).")
     batch_size: int = Field(16, gt=0, description="Sequences per inner step per island.")
     unit_tokens: int = Field(1 << 20, gt=0, description="Tokens per unit of a token file (source=tokens) or of a token array "
