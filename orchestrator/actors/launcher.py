@@ -245,35 +245,35 @@ async def find_run_actors(*, run_id: str, namespace: str, slots: set[int], call_
     return found
 
 
+async def _ask_every_island(handles: dict[int, Any], call: Callable[[Any], Any], *, timeout_s: float,
+                            what: str) -> dict[int, Any]:
+    """`call(handle)` of every island in `handles` (island -> leader) at once, each bounded by `timeout_s`; returns
+    island -> answer of those that answered. One that fails or does not answer is logged as `what`, not fatal: asked
+    one after another, each silent island would hold the whole call for `timeout_s`, past its caller's bound."""
+    items = list(handles.items())
+    answers = await asyncio.gather(*(asyncio.wait_for(call(handle), timeout=timeout_s) for _, handle in items),
+                                   return_exceptions=True)
+    out = {}
+    for (island, _), answer in zip(items, answers):
+        if isinstance(answer, BaseException):
+            log.warning("%s %d: %s", what, island, answer)
+        else:
+            out[island] = answer
+    return out
+
+
 async def stop_islands(handles: dict[int, Any], *, flush: bool, timeout_s: float) -> dict[int, Any]:
     """Stop every island in `handles` (island -> leader) at once; returns island -> final status of those that
     answered (a dying island at stop is reported, not fatal). `flush`: see `LearnerIsland.stop`."""
     # Every island at once: stopped one after another, each waited for the step the previous ones
     # were finishing, and the islands stopped first idled meanwhile (about a step per island after
     # them, counted against goodput; for many islands a long serial stop).
-    items = list(handles.items())
-    answers = await asyncio.gather(*(asyncio.wait_for(handle.stop.remote(flush=flush), timeout=timeout_s)
-                                     for _, handle in items), return_exceptions=True)
-    finals = {}
-    for (island, _), answer in zip(items, answers):
-        if isinstance(answer, BaseException):  # a dying island at stop is reported, not fatal
-            log.warning("stop island %d: %s", island, answer)
-        else:
-            finals[island] = answer
-    return finals
+    return await _ask_every_island(handles, lambda handle: handle.stop.remote(flush=flush), timeout_s=timeout_s,
+                                   what="stop island")
 
 
 async def island_statuses(handles: dict[int, Any], *, timeout_s: float) -> dict[int, Any]:
     """Ask every island in `handles` (island -> leader) for its status at once; returns island -> status of those
-    that answered (a dying island keeps its last status, so it is left out). At once, as `stop_islands`: asked one
-    after another, islands that do not answer would hold the call for `timeout_s` each, past the caller's bound."""
-    items = list(handles.items())
-    answers = await asyncio.gather(*(asyncio.wait_for(handle.status.remote(), timeout=timeout_s) for _, handle in items),
-                                   return_exceptions=True)
-    statuses = {}
-    for (island, _), answer in zip(items, answers):
-        if isinstance(answer, BaseException):  # a dying island keeps its last status
-            log.warning("status of stopped island %d: %s", island, answer)
-        else:
-            statuses[island] = answer
-    return statuses
+    that answered (a dying island keeps its last status, so it is left out)."""
+    return await _ask_every_island(handles, lambda handle: handle.status.remote(), timeout_s=timeout_s,
+                                   what="status of stopped island")
