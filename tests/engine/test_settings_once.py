@@ -31,6 +31,7 @@ from orchestrator.settings import (
 from policies.fragments import plan_fragments
 from policies.sync_schedule import check_fragments_divide_h
 from tests.engine.nano import nano_world
+from tests.engine.test_config_reference import ALL as CONFIG_FIELDS
 from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
 RUNTIME_SETTINGS = (OuterSettings, InnerSettings, IslandSpec, ModelRecipe, HealthThresholds, MonitorTimeouts, RunAddress)
@@ -210,22 +211,6 @@ STILL_REPEATED = {
 }
 
 
-def _config_field_names() -> set[str]:
-    import pydantic
-
-    names: set[str] = set()
-
-    def walk(model: type[pydantic.BaseModel]) -> None:
-        for name, field in model.model_fields.items():
-            names.add(name)
-            if isinstance(field.annotation, type) and issubclass(field.annotation, pydantic.BaseModel):
-                walk(field.annotation)
-
-    walk(RunConfig)
-    walk(PoolConfig)
-    return names
-
-
 def repeated_defaults() -> set[tuple[str, str]]:
     """(module path, parameter) of engine signatures whose parameter is named like a config field and has a literal
     default other than None."""
@@ -233,7 +218,7 @@ def repeated_defaults() -> set[tuple[str, str]]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    names, found = _config_field_names(), set()
+    names, found = {dotted.rsplit(".", 1)[-1] for dotted, _ in CONFIG_FIELDS}, set()
     for folder in ("orchestrator", "islands"):
         for path in sorted((root / folder).rglob("*.py")):
             if path.name == "config.py" and path.parent.name == "orchestrator":

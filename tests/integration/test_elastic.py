@@ -11,9 +11,7 @@ run's data plan (metadata only), so each process's steps can be placed in its sl
 
 from __future__ import annotations
 
-import threading
 import time
-import traceback
 
 import numpy as np
 import pytest
@@ -30,7 +28,8 @@ from orchestrator.run.summary import format_summary
 from orchestrator.run.workload import Workload
 from policies.chaos import Fault, FaultTape
 from tests.engine.test_token_ledger import assert_shown_everywhere
-from tests.integration.test_self_healing import actor, wait_for
+from tests.integration.test_self_healing import actor, finish, wait_for
+from tests.integration.test_self_healing import start as start_training
 from tests.integration.test_stream_resume import BATCH, SEED, SEQ, VOCAB, WindowLog, unique_ids_model
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -56,28 +55,6 @@ def config(corpus) -> dict:
              "region": "us-west", "emulated_slowdown": 20.0},
         ],
     }
-
-
-def train_in_thread(run: Run) -> tuple[threading.Thread, dict]:
-    """Start `run.train()` in a thread; its summary, or the traceback it raised, lands in the dict (`finished`)."""
-    out: dict = {}
-
-    def target() -> None:
-        try:
-            out["summary"] = run.train()
-        except BaseException:  # noqa: BLE001 - reported by `finished`, with where it was raised
-            out["error"] = traceback.format_exc()
-
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    return th, out
-
-
-def finished(out: dict) -> dict:
-    """The run's summary; if train() raised or did not return, fail saying which and where."""
-    assert "error" not in out, f"run.train() raised:\n{out['error']}"
-    assert "summary" in out, "run.train() did not return within the join timeout after the stop was asked"
-    return out["summary"]
 
 
 def replay(cfg, island: int, batches: int) -> list[tuple[int, ...]]:
@@ -107,7 +84,7 @@ def test_an_elastic_pool_waits_for_its_minimum_fills_on_join_and_loses_nothing_o
     ids_dir.mkdir()
     cfg = build_config(config(corpus))
     run = Run(cfg, tmp_path / "run", workload=Workload(model=unique_ids_model, loss=WindowLog(str(ids_dir))))
-    th, out = train_in_thread(run)
+    th, out = start_training(run)
     added = []
     try:
         wait_for("the monitor", lambda: run.monitor is not None)
@@ -156,12 +133,11 @@ def test_an_elastic_pool_waits_for_its_minimum_fills_on_join_and_loses_nothing_o
         wait_for("the spot islands to fail and wait for room", lambda: all(
             snap()["slots"][i]["failures"] == 1 and snap()["slots"][i]["state"] == "vacant" for i in (1, 2)))
     finally:
-        run.request_stop()
-        th.join(120)
-        run.teardown()
-        for node in added:
-            cluster.remove_node(node)
-    summary = finished(out)
+        try:
+            summary = finish(run, th, out)
+        finally:
+            for node in added:
+                cluster.remove_node(node)
     assert summary["joins"] == 4 and summary["leaves"] == 2 and summary["leaves_merged"] == 2, summary
     assert summary["drained_tokens_lost"] == 0 and all(leave["tokens"] > 0 for leave in leaves), leaves
     assert summary["failures"] == 2  # S2's two islands; the drain was no failure
@@ -228,7 +204,7 @@ def test_chaos_tape_joins_a_node_and_drains_it_and_the_island_leaves_with_its_pr
         ],
     })
     run = Run(cfg, tmp_path / "run")
-    th, out = train_in_thread(run)
+    th, out = start_training(run)
     try:
         wait_for("the monitor", lambda: run.monitor is not None)
         snap = lambda: ray.get(actor(f"monitor-{run.run_id}").snapshot.remote(), timeout=10)  # noqa: E731
@@ -237,10 +213,7 @@ def test_chaos_tape_joins_a_node_and_drains_it_and_the_island_leaves_with_its_pr
         # GCS's draining list is no witness here).
         assert snap()["leaves"][0]["node"] == snap()["joins"][0]["node"], snap()
     finally:
-        run.request_stop()
-        th.join(120)
-        run.teardown()
-    summary = finished(out)
+        summary = finish(run, th, out)
     assert summary["faults_injected"] == 2 and summary["joins"] == 1 and summary["leaves"] == 1, summary
     assert summary["leaves_merged"] == 1 and summary["drained_tokens_lost"] == 0 and summary["failures"] == 0, summary
     assert_shown_everywhere(summary)

@@ -88,6 +88,7 @@ def finish(run: Run, th: threading.Thread, out: dict) -> dict:
     run.teardown()
     if "error" in out:
         raise out["error"]
+    assert "summary" in out, "run.train() did not return within the join timeout after the stop was asked"
     return out["summary"]
 
 
