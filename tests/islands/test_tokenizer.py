@@ -4,7 +4,6 @@ encoders (bytes, tokenizers, user functions), and corpora tokenized through them
 import importlib.util
 import pickle
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -243,13 +242,11 @@ def test_bytes_through_tokenize_corpus_equal_the_byte_parquet_corpus(tmp_path: P
 
 
 @needs_hf
-def test_one_megabyte_of_stdlib_tokenizes_in_seconds(bpe) -> None:
+def test_one_megabyte_of_stdlib_tokenizes_whole_and_in_order(bpe) -> None:
+    # How fast: benchmarks/tokenize_speed.py (timings are measured there, not asserted here).
     train_docs, heldout_docs, source = stdlib_texts(max_bytes=1_000_000)
     encoder = TokenizersEncoder(bpe)
-    start = time.perf_counter()
     corpus = tokenize_corpus(train_docs, heldout_docs, encoder, source)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 10, f"1 MB took {elapsed:.1f} s to tokenize"
     assert corpus.train.dtype == np.int32 and corpus.vocab_size == 1000
     assert corpus.train.max() < 1000 and "tokenizers BPE" in corpus.source
     # Documents joined by the end token, in order, nothing lost.
