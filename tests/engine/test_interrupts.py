@@ -75,7 +75,7 @@ def test_the_hard_stop_is_bounded():
     began = time.monotonic()
     with pytest.raises(_Exit):
         handler(signal.SIGINT)
-    assert time.monotonic() - began < 2.0
+    assert time.monotonic() - began < 10.0  # not the kill's 30 s
 
 
 def test_exit_codes_are_the_shells():
