@@ -17,9 +17,14 @@ on --final-eval-batches held-out batches of the final model, compare.py's `score
   python benchmarks/quality.py --repeats 3 --json /tmp/quality.json # 3M and 30M, three repeats (hours)
   python benchmarks/quality.py --repeats 3 --models small,llama --tokens 3000000 --islands 1,2,4
   python benchmarks/quality.py --tokens 200000 --islands 1 --models tiny --final-eval-batches 8   # a smoke run
+  python benchmarks/quality.py --repeats 3 --tokens 3000000 --islands 1 --variant plain:outer.lr=1.0,outer.momentum=0
+
+--variant NAME:KEY=VALUE,... (repeatable) adds a decoupled run with those overrides to every repeat, beside the
+defaults and against the same data-parallel run: a candidate default measured against today's in one invocation.
 
 --json writes {"rows": [{"islands": M, "model": name, "tokens": N, "decoupled": loss, "data_parallel": loss,
-"gap": rel, "repeats": [...]}, ...]} (losses are medians over the repeats, nats per token).
+"gap": rel, "repeats": [...], "variants": {NAME: {"decoupled": loss, "gap": rel, "gap_spread": [lo, hi]}}}, ...]}
+(losses are medians over the repeats, nats per token).
 """
 
 from __future__ import annotations
@@ -82,6 +87,15 @@ def row_config(model: str, m: int, tokens: int, extra: list[str]) -> dict:
     return data
 
 
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """`NAME:KEY=VALUE,KEY=VALUE` -> (NAME, ["KEY=VALUE", ...]); a clear error for anything else."""
+    name, sep, rest = text.partition(":")
+    items = [item for item in rest.split(",") if item]
+    if not sep or not name or not items or any("=" not in item for item in items):
+        raise SystemExit(f"--variant {text!r}: write NAME:KEY=VALUE[,KEY=VALUE...], e.g. plain:outer.lr=1.0,outer.momentum=0")
+    return name, items
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -95,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=None, help="comma-separated budgets (default 3000000,30000000; --quick 3000000)")
     ap.add_argument("--final-eval-batches", type=int, default=256, help="held-out batches scoring each final model")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                    help="a decoupled run with these overrides in every repeat, beside the defaults (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("runs") / f"quality-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
@@ -105,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     islands = [int(m) for m in args.islands.split(",")]
     tokens = [int(t) for t in (args.tokens or ("3000000" if args.quick else "3000000,30000000")).split(",")]
     repeats = 1 if args.quick else args.repeats
+    variants = [parse_variant(v) for v in args.variant]
     print("EMULATION: the slow pool's speed is emulated by throttling on one machine (x1.6 +-10%)", file=sys.stderr)
     start_local_ray()
     rows = []
@@ -119,17 +136,28 @@ def main(argv: list[str] | None = None) -> int:
                         dec = run_one(f"{name} decoupled", "engine", data, args.out / f"{name}-decoupled",
                                       args.final_eval_batches)
                         dp = run_one(f"{name} data-parallel", "dp", data, args.out / f"{name}-dp", args.final_eval_batches)
-                        reps.append({"decoupled": final_loss(dec), "data_parallel": final_loss(dp),
+                        others = {label: final_loss(run_one(f"{name} {label}", "engine",
+                                                            row_config(model, m, budget, args.set + items),
+                                                            args.out / f"{name}-{label}", args.final_eval_batches))
+                                  for label, items in variants}
+                        reps.append({"decoupled": final_loss(dec), "data_parallel": final_loss(dp), "variants": others,
                                      "tokens_decoupled": dec["tokens_processed"], "tokens_dp": dp["tokens_processed"],
                                      "bytes_ratio": (dp["bytes_sent"] / dp["tokens_processed"]) /
                                                     max(dec["bytes_sent"] / dec["tokens_processed"], 1e-12),
                                      "goodput": dec["goodput"]})
                     d, p = median([x["decoupled"] for x in reps]), median([x["data_parallel"] for x in reps])
                     gaps = [x["decoupled"] / x["data_parallel"] - 1 for x in reps]
+                    by_variant = {}
+                    for label, _ in variants:
+                        vg = [x["variants"][label] / x["data_parallel"] - 1 for x in reps]
+                        by_variant[label] = {"decoupled": median([x["variants"][label] for x in reps]),
+                                             "gap": median(vg), "gap_spread": [min(vg), max(vg)]}
                     rows.append({"islands": m, "model": model, "tokens": budget, "decoupled": d, "data_parallel": p,
-                                 "gap": median(gaps), "gap_spread": [min(gaps), max(gaps)], "repeats": reps})
+                                 "gap": median(gaps), "gap_spread": [min(gaps), max(gaps)], "repeats": reps,
+                                 "variants": by_variant})
                     print(f"ROW {model} {budget:,} tokens, {m} islands: decoupled {d:.4f}, data parallel {p:.4f}, "
-                          f"gap {median(gaps):+.2%} ({min(gaps):+.2%} to {max(gaps):+.2%}, {repeats} repeats)",
+                          f"gap {median(gaps):+.2%} ({min(gaps):+.2%} to {max(gaps):+.2%}, {repeats} repeats)"
+                          + "".join(f"; {label} {v['decoupled']:.4f}, gap {v['gap']:+.2%}" for label, v in by_variant.items()),
                           file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
@@ -143,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = r["gap_spread"]
         print(f"| {r['model']} | {r['tokens']:,} | {r['islands']} | {r['decoupled']:.4f} | {r['data_parallel']:.4f} | "
               f"{r['gap']:+.2%} ({lo:+.2%} to {hi:+.2%}) | {verdict} |")
+        for label, v in r["variants"].items():
+            vlo, vhi = v["gap_spread"]
+            print(f"| {r['model']} `{label}` | {r['tokens']:,} | {r['islands']} | {v['decoupled']:.4f} | "
+                  f"{r['data_parallel']:.4f} | {v['gap']:+.2%} ({vlo:+.2%} to {vhi:+.2%}) | |")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
     return 0
