@@ -207,12 +207,14 @@ class ProgressLine:
 def run_one(name: str, runner: str, data: dict, run_dir: Path, final_eval_batches: int = 0,
             progress_s: float = 0.0) -> dict:
     """One run in its own run dir; returns its summary.json, with `final_loss_wide` added when
-    `final_eval_batches` > 0 (see score_final). `progress_s` > 0 prints a progress line that often."""
+    `final_eval_batches` > 0 (see score_final). `progress_s` > 0 prints a progress line that often. `runner`:
+    "engine", "dp" (data parallel streaming the islands' data) or "dp-in-memory" (its random windows over the corpus
+    read whole, the baseline before 2026-12-03)."""
     cfg = build_config(data)
     t0 = time.monotonic()
     show = ProgressLine(name, cfg.run.token_budget, progress_s) if progress_s > 0 else None
-    summary = (train_data_parallel(cfg, run_dir, progress=show) if runner == "dp"
-               else train(cfg, run_dir, progress=show))
+    summary = (train_data_parallel(cfg, run_dir, progress=show, in_memory=runner == "dp-in-memory")
+               if runner in ("dp", "dp-in-memory") else train(cfg, run_dir, progress=show))
     wide = ""
     if final_eval_batches:
         summary.update(score_final(run_dir, final_eval_batches))

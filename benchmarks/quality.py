@@ -6,7 +6,9 @@ local Ray, it runs:
   decoupled       `diloco train` with the defaults and M islands (M = 1: pool fast alone; M = 2: fast and slow, one
                   island each; M = 4: the default run, fast 2 and slow 2, the slow pool EMULATED x1.6 +-10%)
   data-parallel   `diloco baseline-dp` on the same config: one Ray Train worker per island slot, so the same
-                  sequences per step and the same tokens (no network emulated)
+                  sequences per step, the same tokens and the same data (worker i streams island slot i's units;
+                  no network emulated); `--dp-in-memory` adds `diloco baseline-dp --in-memory` (random windows over
+                  the corpus read whole, the baseline before 2026-12-03) as a reference
 
 and reports each decoupled run's final held-out loss against the data-parallel run of the same repeat (both scored
 on --final-eval-batches held-out batches of the final model, compare.py's `score_final`), the medians over
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=None, help="comma-separated budgets (default 3000000,30000000; --quick 3000000)")
     ap.add_argument("--final-eval-batches", type=int, default=256, help="held-out batches scoring each final model")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run")
+    ap.add_argument("--dp-in-memory", action="store_true",
+                    help="also run data parallel over the corpus read whole (random windows), the baseline before 2026-12-03")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                     help="a decoupled run with these overrides in every repeat, beside the defaults (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("runs") / f"quality-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -136,11 +140,15 @@ def main(argv: list[str] | None = None) -> int:
                         dec = run_one(f"{name} decoupled", "engine", data, args.out / f"{name}-decoupled",
                                       args.final_eval_batches)
                         dp = run_one(f"{name} data-parallel", "dp", data, args.out / f"{name}-dp", args.final_eval_batches)
+                        if args.dp_in_memory:
+                            mem = run_one(f"{name} data-parallel in memory", "dp-in-memory", data,
+                                          args.out / f"{name}-dp-in-memory", args.final_eval_batches)
                         others = {label: final_loss(run_one(f"{name} {label}", "engine",
                                                             row_config(model, m, budget, args.set + items),
                                                             args.out / f"{name}-{label}", args.final_eval_batches))
                                   for label, items in variants}
                         reps.append({"decoupled": final_loss(dec), "data_parallel": final_loss(dp), "variants": others,
+                                     "data_parallel_in_memory": final_loss(mem) if args.dp_in_memory else None,
                                      "tokens_decoupled": dec["tokens_processed"], "tokens_dp": dp["tokens_processed"],
                                      "bytes_ratio": (dp["bytes_sent"] / dp["tokens_processed"]) /
                                                     max(dec["bytes_sent"] / dec["tokens_processed"], 1e-12),
@@ -152,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                         vg = [x["variants"][label] / x["data_parallel"] - 1 for x in reps]
                         by_variant[label] = {"decoupled": median([x["variants"][label] for x in reps]),
                                              "gap": median(vg), "gap_spread": [min(vg), max(vg)]}
+                    mems = [x["data_parallel_in_memory"] for x in reps if x["data_parallel_in_memory"] is not None]
                     rows.append({"islands": m, "model": model, "tokens": budget, "decoupled": d, "data_parallel": p,
+                                 "data_parallel_in_memory": median(mems) if mems else None,
                                  "gap": median(gaps), "gap_spread": [min(gaps), max(gaps)], "repeats": reps,
                                  "variants": by_variant})
                     print(f"ROW {model} {budget:,} tokens, {m} islands: decoupled {d:.4f}, data parallel {p:.4f}, "
@@ -171,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = r["gap_spread"]
         print(f"| {r['model']} | {r['tokens']:,} | {r['islands']} | {r['decoupled']:.4f} | {r['data_parallel']:.4f} | "
               f"{r['gap']:+.2%} ({lo:+.2%} to {hi:+.2%}) | {verdict} |")
+        if r["data_parallel_in_memory"] is not None:
+            print(f"| {r['model']} data parallel in memory | {r['tokens']:,} | {r['islands']} | "
+                  f"{r['data_parallel_in_memory']:.4f} | {r['data_parallel']:.4f} | "
+                  f"{r['data_parallel_in_memory'] / r['data_parallel'] - 1:+.2%} | reference |")
         for label, v in r["variants"].items():
             vlo, vhi = v["gap_spread"]
             print(f"| {r['model']} `{label}` | {r['tokens']:,} | {r['islands']} | {v['decoupled']:.4f} | "

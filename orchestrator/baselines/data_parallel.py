@@ -7,8 +7,12 @@ transformer of the preset), the same loss, the same inner optimizer (AdamW by de
 lr schedule at DP's exact progress, clip, betas, weight decay) on every step on the gradient averaged
 over all workers (one `all_reduce` of a flat buffer: DDP with one bucket; gloo on CPU pools, NCCL on GPU
 pools, each worker on the card Ray Train gave it), the same per-worker
-batch, disjoint shards (slot i reads shard i of n, as island i does) and the same global token
-budget. After each exchange every worker sleeps the EMULATED ring all-reduce time
+batch, the same data and the same global token budget: worker i streams island slot i's units in the order
+island i reads them (islands/stream.py, the run's data plan), so the two methods differ in how they merge, not in
+what they read. `in_memory=True` (`diloco baseline-dp --in-memory`) is the baseline of measurements before
+2026-12-03: the whole corpus read into every worker and random windows of shard i of n drawn from it, which at a
+short budget samples far more of the corpus than any stream does (benchmarks/RESULTS.md#dp-data-order).
+After each exchange every worker sleeps the EMULATED ring all-reduce time
 `network.allreduce_s(grad_bytes, regions)`; nothing is subtracted for the real gloo all-reduce
 (processes on one machine: ~free next to the emulated time).
 Gradients cross the emulated wire as bf16 by default (rounded locally so the math matches), or fp32.
@@ -50,6 +54,7 @@ from islands.data import unigram_bits_per_byte
 from islands.distributed import describe_device
 from islands.model_api import instantiate, state_tensors
 from islands.spec import InnerSettings, ModelRecipe
+from islands.stream import TokenStream
 from islands.trainer import InnerTrainer, forward_backward
 from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig
 from orchestrator.core.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
@@ -227,9 +232,10 @@ class _DPWorker:
         self.recipe, self.inner = settings.recipe, settings.inner
         inner = self.inner
         self.precision = slot.precision or inner.precision  # the pool's arithmetic, as its islands would step
-        train = ray.get(settings.train[0])
-        self.trainer = InnerTrainer(self.recipe, np.asarray(train), settings=inner, shard_index=slot.island,
-                                    num_shards=self.world, seed=settings.seed, device=self.device)
+        train = ray.get(settings.train[0])  # the run's data plan (a TokenStream, no tokens), or the corpus in memory
+        data = train if isinstance(train, TokenStream) else np.asarray(train)
+        self.trainer = InnerTrainer(self.recipe, data, settings=inner, shard_index=slot.island, num_shards=self.world,
+                                    seed=settings.seed, device=self.device, pool=slot.pool)
         self.model, self.opt = self.trainer.model, self.trainer.optimizer
         self.params = list(self.model.parameters())
         self.numel = sum(p.numel() for p in self.params)
@@ -403,15 +409,16 @@ class _Plan:
     steps: int
 
 
-def _plan(cfg: RunConfig, corpus: Any, wire: str) -> _Plan:
-    """The run's model recipe, network, slots, per-step wire bytes and time, and step count."""
-    from orchestrator.run.driver import build_run_network, measure_step_s
-    from orchestrator.run.workload import TrainingData, run_recipe
+def _plan(cfg: RunConfig, data: Any, wire: str) -> _Plan:
+    """The run's model recipe, network, slots, per-step wire bytes and time, and step count (`data`: the run's
+    orchestrator.run.workload.TrainingData)."""
+    from orchestrator.run.driver import build_run_network, measure_step_s, timing_data
+    from orchestrator.run.workload import run_recipe
 
-    recipe = run_recipe(cfg, TrainingData.of_corpus(corpus))  # model.factory / loss / optimizer, else the built-in model
+    recipe = run_recipe(cfg, data)  # model.factory / loss / optimizer, else the built-in model
     n_params = sum(p.numel() for p in instantiate(recipe.model, recipe.seed).parameters())  # every one all-reduced
     model_bytes = 4 * n_params  # float32: the network's scaling unit (policies.network)
-    network, _ = build_run_network(cfg, model_bytes, lambda: measure_step_s(cfg, recipe, corpus.train))
+    network, _ = build_run_network(cfg, model_bytes, lambda: measure_step_s(cfg, recipe, timing_data(data)))
     slots = worker_slots(cfg)
     regions = [s.region for s in slots]
     grad_bytes = WIRE_BYTES[wire] * n_params
@@ -424,15 +431,16 @@ def _plan(cfg: RunConfig, corpus: Any, wire: str) -> _Plan:
     return _Plan(recipe, network, slots, grad_bytes, delay_s, per_worker_bytes, steps)
 
 
-def _loop_config(cfg: RunConfig, plan: _Plan, corpus: Any, *, wire: str, queue: Any, gpu: bool) -> dict[str, Any]:
-    """Ray Train's train_loop_config: the settings every worker reads (the corpus as object refs)."""
+def _loop_config(cfg: RunConfig, plan: _Plan, data: Any, *, wire: str, queue: Any, gpu: bool) -> dict[str, Any]:
+    """Ray Train's train_loop_config: the settings every worker reads (the data plan or the corpus, and the held-out
+    tokens, as object refs)."""
     import ray
 
     from orchestrator.settings import inner_settings
 
     return {"settings": _WorkerSettings(
         slots=plan.slots, recipe=plan.recipe, inner=inner_settings(cfg), seed=cfg.run.seed,
-        train=[ray.put(corpus.train)], heldout=[ray.put(corpus.heldout)],
+        train=[ray.put(data.train)], heldout=[ray.put(data.heldout)],
         eval_batches=cfg.eval.batches, eval_batch_size=cfg.eval.batch_size, eval_interval_s=cfg.eval.interval_s,
         steps=plan.steps, max_wall_s=cfg.run.max_wall_s, stop_at_eval_loss=cfg.run.stop_at_eval_loss,
         allreduce_delay_s=plan.delay_s, wire=wire, average_window=cfg.run.average_window,
@@ -456,11 +464,14 @@ def _log_to(path: Path) -> logging.Handler:
 
 
 def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
-                        progress: Callable[[dict], None] | None = None, wire: str = "bf16") -> dict:
+                        progress: Callable[[dict], None] | None = None, wire: str = "bf16",
+                        in_memory: bool = False) -> dict:
     """Train `cfg` with synchronous data parallelism on Ray Train's TorchTrainer; write RUN_DIR; return the summary.
 
     `progress` gets a dict (wall_s, tokens_processed, eval_loss, eval_bits_per_byte, train_loss) at
     every evaluation. `wire` is the gradient's format on the EMULATED wire: 'bf16' (default) or 'fp32'.
+    Worker i streams island slot i's data as the engine would; `in_memory` reads the whole corpus into every
+    worker and samples random windows of its shard instead (the baseline before 2026-12-03; module docstring).
     Joins the running Ray if there is one (never calls ray.init then), else starts one as
     `diloco train` does and shuts it down after.
     """
@@ -471,6 +482,8 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     from ray.util.queue import Empty, Queue
 
     from orchestrator.run.driver import ensure_ray, load_corpus, with_measured_step
+    from orchestrator.run.streams import heldout_unigram_bits
+    from orchestrator.run.workload import TrainingData, training_data
 
     if wire not in WIRE_BYTES:
         raise ConfigError(f"wire={wire!r}: use one of {', '.join(WIRE_BYTES)}")
@@ -490,11 +503,11 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     queue = None
     try:
         (run_dir / "config.yaml").write_text(yaml.safe_dump({**cfg.model_dump(mode="json"), "mode": DATA_PARALLEL_MODE}, sort_keys=False))
-        corpus = load_corpus(cfg)
-        plan = _plan(cfg, corpus, wire)
+        data = TrainingData.of_corpus(load_corpus(cfg)) if in_memory else training_data(cfg)
+        plan = _plan(cfg, data, wire)
         here = ray.get_runtime_context().get_node_id()
         queue = Queue(maxsize=1000, actor_options={"num_cpus": 0, "label_selector": {"ray.io/node-id": here}}) if progress else None
-        loop_config = _loop_config(cfg, plan, corpus, wire=wire, queue=queue, gpu=gpu)
+        loop_config = _loop_config(cfg, plan, data, wire=wire, queue=queue, gpu=gpu)
         trainer = TorchTrainer(
             _dp_worker, train_loop_config=loop_config, scaling_config=scaling_config(cfg),
             torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
@@ -507,9 +520,11 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         out = result.return_value
         if out is None:
             raise RuntimeError(f"Ray Train finished without a result from rank 0 (error: {result.error})")
-        summary = _summary(cfg, out, plan, wire=wire, fit_s=fit_s, unigram=unigram_bits_per_byte(
-                               corpus.train, corpus.heldout, vocab_size=corpus.vocab_size),
-                           corpus=corpus.source, result_path=result.path)
+        unigram = (heldout_unigram_bits(data.heldout, data.vocab_size) if data.is_streamed else
+                   unigram_bits_per_byte(data.train, data.heldout, vocab_size=data.vocab_size))  # as the engine's run does
+        summary = _summary(cfg, out, plan, wire=wire, fit_s=fit_s, unigram=unigram,
+                           corpus=data.source + ("" if data.is_streamed else "; read whole into every worker"),
+                           result_path=result.path)
         _write_outputs(cfg, run_dir, ckpt_uri, out, summary)
         log.info("data-parallel done: loss %.4f after %d tokens, %.0f s (+%.0f s Ray Train start-up)",
                  summary["eval_loss"], summary["tokens_processed"], summary["wall_s"], summary["startup_s"])

@@ -56,7 +56,7 @@ def _cmd_baseline_dp(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or f"runs/dp-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         summary = train_data_parallel(cfg, run_dir, address=args.address or os.environ.get("RAY_ADDRESS"),
-                                      progress=None if args.quiet else _show, wire=args.wire)
+                                      progress=None if args.quiet else _show, wire=args.wire, in_memory=args.in_memory)
     except ConfigError as err:
         print(f"diloco baseline-dp: {err}", file=sys.stderr)
         return 2
@@ -82,6 +82,9 @@ def register(subparsers) -> None:
     p.add_argument("--run-dir", help="where to write summary.json and the event log (default: runs/dp-<timestamp>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)")
     p.add_argument("--wire", choices=WIRES, default="bf16", help="gradient format on the EMULATED wire (default bf16)")
+    p.add_argument("--in-memory", action="store_true",
+                   help="read the whole corpus into every worker and sample random windows of its shard, instead of "
+                        "streaming each island slot's units as `diloco train` does (the baseline before 2026-12-03)")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start a local Ray)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_cmd_baseline_dp)
