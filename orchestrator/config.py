@@ -240,8 +240,9 @@ class OuterSection(_Section):
                                       "None = H/P (H as sync_every_schedule has it at the time).")
     weighting: Literal["tokens", "uniform"] = Field("tokens", description="'tokens': w = tokens*tokens/steps; 'uniform'.")
     merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings) or 'mean'.")
-    lr: float = Field(0.7, gt=0, description="Outer SGD learning rate.")
-    momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain SGD.")
+    lr: float = Field(0.7, gt=0, description="Outer SGD learning rate; unset with one island: 1.0 (policies/outer_regime.py).")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain SGD; unset with one island: 0 "
+                            "(policies/outer_regime.py).")
     optimizer: str | None = Field(None, description="Import path of optimizer(params) -> torch.optim.Optimizer, each "
                                   "fragment's outer step (docs/outer.md); None = Nesterov SGD with lr and momentum.")
     max_staleness: int = Field(4, ge=0, description="Refuse submissions whose base is more than this many versions old; "
@@ -608,6 +609,20 @@ class RunConfig(_Section):
         k = self.outer.min_quorum
         if isinstance(k, int) and k > self.num_islands:
             raise ValueError(f"outer.min_quorum={k} exceeds the {self.num_islands} islands; lower it or use 'all'")
+        return self
+
+    @model_validator(mode="after")
+    def _outer_step_from_regime(self) -> RunConfig:
+        # outer.lr and outer.momentum the config leaves unset follow the run's shape (policies/outer_regime.py);
+        # set here, so the recorded config.yaml and every report show the values the run used.
+        from policies.outer_regime import regime_outer_step
+
+        o = self.outer
+        rule = regime_outer_step(islands=self.num_islands) if o.optimizer is None else None
+        if rule is not None:
+            for name in ("lr", "momentum"):
+                if name not in o.model_fields_set:
+                    setattr(o, name, getattr(rule, name))
         return self
 
     @model_validator(mode="after")

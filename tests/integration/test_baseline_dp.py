@@ -17,8 +17,8 @@ import pytest
 import ray
 import torch
 
-from islands.data import ShardSampler
 from islands.model import build_model, model_config
+from islands.trainer import make_sampler
 from orchestrator.baselines.data_parallel import (
     WorkerSlot,
     assign_slots,
@@ -32,8 +32,9 @@ from orchestrator.baselines.data_parallel import (
 from orchestrator.config import ConfigError, build_config
 from orchestrator.core.evaluation import Evaluator
 from orchestrator.core.eventlog import read_events
-from orchestrator.run.driver import load_corpus
+from orchestrator.run.streams import corpus_stream
 from orchestrator.run.trained import evaluate_trained, load_trained
+from orchestrator.run.workload import training_data
 from policies.network import NetworkModel, build_network
 from policies.stopping import target_reached
 
@@ -58,17 +59,17 @@ def dp_config() -> dict:
 
 
 def reference_loss(cfg, steps: int) -> tuple[float, float]:
-    """Single-process synchronous DP written out: mean of the three shards' gradients, clip, AdamW, at the
-    warmed-up cosine rate of the step's progress (step / steps). Returns the held-out loss of the model and of
-    its moving average, which after step s moves toward the model by min(1, 1 / (WINDOW * s)) (equal tokens
-    per step)."""
-    corpus = load_corpus(cfg)
+    """Single-process synchronous DP written out: mean of the three workers' gradients, each on its island slot's
+    next streamed batch (the run's data plan, as island w would read it), clip, AdamW, at the warmed-up cosine rate
+    of the step's progress (step / steps). Returns the held-out loss of the model and of its moving average, which
+    after step s moves toward the model by min(1, 1 / (WINDOW * s)) (equal tokens per step)."""
+    plan = corpus_stream(cfg)
     mc = model_config(cfg.model.preset)
     model = build_model(mc, seed=cfg.run.seed)
     i = cfg.inner
     opt = torch.optim.AdamW(model.parameters(), lr=i.lr, betas=(i.beta1, i.beta2), weight_decay=i.weight_decay)
     average = [p.detach().clone() for p in model.parameters()]
-    samplers = [ShardSampler(corpus.train, shard_index=w, num_shards=3, seq_len=mc.seq_len,
+    samplers = [make_sampler(plan.stream, shard_index=w, num_shards=3, seq_len=mc.seq_len,
                              batch_size=cfg.data.batch_size, seed=cfg.run.seed) for w in range(3)]
     for step in range(steps):
         for g in opt.param_groups:
@@ -77,7 +78,7 @@ def reference_loss(cfg, steps: int) -> tuple[float, float]:
         grads = []
         for s in samplers:
             model.zero_grad(set_to_none=True)
-            model.loss(*s.batch_at(step)).backward()
+            model.loss(*s.next_batch()).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for p, *gs in zip(model.parameters(), *grads):
             p.grad = sum(gs) / 3
@@ -85,7 +86,7 @@ def reference_loss(cfg, steps: int) -> tuple[float, float]:
         opt.step()
         w = min(1.0, 1.0 / (WINDOW * (step + 1)))
         average = [a + w * (p.detach() - a) for a, p in zip(average, model.parameters())]
-    ev = Evaluator(mc, corpus.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
+    ev = Evaluator(mc, plan.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size)
     names = [n for n, _ in model.named_parameters()]
     return ev.evaluate(dict(model.named_parameters()))[0], ev.evaluate(dict(zip(names, average)))[0]
 
@@ -113,7 +114,7 @@ def test_the_plan_trains_the_configs_model_factory_and_counts_its_gradient_bytes
     data["model"]["factory"] = "tests.api.zoo:tiny_llama"
     data["network"] = {"scenario": "none"}
     cfg = build_config(data)
-    plan = _plan(cfg, load_corpus(cfg), "bf16")
+    plan = _plan(cfg, training_data(cfg), "bf16")
     assert plan.recipe.model == "tests.api.zoo:tiny_llama" and plan.recipe.seed == 3 and plan.recipe.seq_len == 32
     n_params = sum(p.numel() for p in zoo.tiny_llama().parameters())
     assert n_params != sum(p.numel() for p in build_model(model_config("nano"), seed=0).parameters())
