@@ -192,7 +192,6 @@ SIZE_ALLOWED = {
     "orchestrator.cli.train._train": 82,
     "orchestrator.core.outer_optimizer.OuterOptimizer": 351,
     "orchestrator.core.round_merge.merge_round": 77,
-    "orchestrator.run.driver.Run": 429,
     "orchestrator.run.trained.load_trained": 69,
 }
 
