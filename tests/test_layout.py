@@ -189,10 +189,8 @@ SIZE_ALLOWED = {
     "islands.island.LearnerIsland": 374,
     "islands.island.LearnerIsland.__init__": 65,
     "orchestrator.actors.health_monitor.HealthMonitor": 394,
-    "orchestrator.cli.train._train": 82,
     "orchestrator.core.outer_optimizer.OuterOptimizer": 351,
     "orchestrator.core.round_merge.merge_round": 77,
-    "orchestrator.run.trained.load_trained": 69,
 }
 
 
