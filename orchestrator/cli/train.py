@@ -168,30 +168,17 @@ def _interrupted_before(run_dir: Path | None, cfg: RunConfig | None) -> str:
 
 
 def _train(args: argparse.Namespace, signals: SignalStop) -> int:
-    """`diloco train` itself; `signals` (orchestrator.cli.interrupts.SignalStop) handles SIGINT and SIGTERM."""
+    """`diloco train` itself; `signals` (orchestrator.cli.interrupts.SignalStop) handles SIGINT and SIGTERM.
+
+    In order, each step before the next imports more: the config checked (no torch, no Ray), the model built and
+    the data checked (torch), then the run (Ray)."""
     started = time.monotonic()
     # Not the driver yet: it imports torch and Ray (seconds); bad input and the first lines come before that.
-    from orchestrator.run.preflight import preflight, resume_config  # no Ray, no torch: bad input fails fast
+    from orchestrator.run.preflight import preflight  # no Ray, no torch: bad input fails fast
     from orchestrator.run.results import emulation_note
-    from policies.chaos import parse_chaos_spec
 
     try:
-        overrides = list(args.set)
-        if args.chaos:  # the chaos section's mode and params, validated with the rest (a horizon fixed does not use, ...)
-            spec = parse_chaos_spec(args.chaos)
-            overrides += [f"chaos.mode={spec.pop('mode')}", f"chaos.params={json.dumps(spec)}"]
-        if args.resume:
-            if args.config:
-                raise ConfigError("--resume takes the run directory's own config.yaml; drop --config")
-            saved = resume_config(args.resume)
-            cfg = with_model_flags(build_config(apply_overrides(saved.model_dump(mode="json"), overrides)), args)
-            conflict = resume_conflict(saved, cfg)
-            if conflict:
-                raise ConfigError(conflict)
-        else:
-            cfg = with_model_flags(load_config(args.config, overrides), args)
-        cfg = with_tracker_flags(cfg, args)
-        run_dir = Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        cfg, run_dir = _train_config(args)
         signals.run_dir = run_dir
         preflight(cfg, run_dir, resume=bool(args.resume))  # before Ray starts and before RUN_DIR exists
     except (ConfigError, ValueError) as err:
@@ -215,41 +202,70 @@ def _train(args: argparse.Namespace, signals: SignalStop) -> int:
         logging.getLogger(__name__).debug("bad model or data", exc_info=True)
         print(f"diloco train: {err}", file=sys.stderr)
         return 2
-    from orchestrator.run.driver import RayStartError, RunNotStarted, train  # Ray: after the checks
-    from orchestrator.run.stopping import RunInterrupted, resume_command
+    from orchestrator.run.driver import train  # Ray: after the checks
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     try:
         summary = train(cfg, run_dir, address=address, progress=_LinkLatestOnStart(run_dir, bar),
                         resume=bool(args.resume), stages=bar.stage if bar else None, prepared=prepared,
                         stop=signals.stop, on_ray=signals.reinstall_sigterm)
-    except RunInterrupted:  # stopped cleanly: summary.json says "interrupted", the last checkpoint holds the rest
+    except (KeyboardInterrupt, Exception) as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
         if bar:
             bar.close()
-        print(f"diloco train: interrupted: stopped cleanly; resume with: {resume_command(run_dir)}", file=sys.stderr)
-        return signals.exit_code
-    except KeyboardInterrupt:  # while the run started: train() abandoned it (and removed a fresh RUN_DIR)
-        if bar:
-            bar.close()
-        print(f"diloco train: {_interrupted_before(run_dir, cfg)}", file=sys.stderr)
-        return signals.exit_code
-    except Exception as err:  # noqa: BLE001 - one line for the user; the traceback is in driver.log
-        if bar:
-            bar.close()
-        logging.getLogger(__name__).debug("train failed", exc_info=True)
-        if isinstance(err, ConfigError):  # what only a started Ray could tell (check_local_fit): still bad input
-            print(f"diloco train: {err}", file=sys.stderr)
-            return 2
-        if isinstance(err, (RayStartError, RunNotStarted)):  # their messages name the cause already
-            print(f"diloco train: {err}", file=sys.stderr)
-            return 1
-        print(f"diloco train: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+        return _train_failed(err, run_dir, cfg, signals)
     if bar:
         bar.close()
     print(format_summary(summary))
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _train_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    """The run's config and RUN_DIR from `diloco train`'s arguments: --config (or a resumed run's own config.yaml),
+    then --chaos and every --set, then --model/--loss/--optimizer and --tracker. Raises ConfigError (one line)
+    for a resume that changes what its checkpoints depend on, ValueError for a bad --chaos."""
+    from orchestrator.run.preflight import resume_config
+    from policies.chaos import parse_chaos_spec
+
+    overrides = list(args.set)
+    if args.chaos:  # the chaos section's mode and params, validated with the rest (a horizon fixed does not use, ...)
+        spec = parse_chaos_spec(args.chaos)
+        overrides += [f"chaos.mode={spec.pop('mode')}", f"chaos.params={json.dumps(spec)}"]
+    if args.resume:
+        if args.config:
+            raise ConfigError("--resume takes the run directory's own config.yaml; drop --config")
+        saved = resume_config(args.resume)
+        cfg = with_model_flags(build_config(apply_overrides(saved.model_dump(mode="json"), overrides)), args)
+        conflict = resume_conflict(saved, cfg)
+        if conflict:
+            raise ConfigError(conflict)
+    else:
+        cfg = with_model_flags(load_config(args.config, overrides), args)
+    cfg = with_tracker_flags(cfg, args)
+    return cfg, Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _train_failed(err: BaseException, run_dir: Path, cfg: RunConfig, signals: SignalStop) -> int:
+    """What `diloco train` says (one line) and exits with when the run did not finish: an interrupt's (the resume
+    command where there is a checkpoint to resume from), 2 for bad input, else 1."""
+    from orchestrator.run.driver import RayStartError, RunNotStarted
+    from orchestrator.run.stopping import RunInterrupted, resume_command
+
+    if isinstance(err, RunInterrupted):  # stopped cleanly: summary.json says "interrupted", the last checkpoint holds the rest
+        print(f"diloco train: interrupted: stopped cleanly; resume with: {resume_command(run_dir)}", file=sys.stderr)
+        return signals.exit_code
+    if isinstance(err, KeyboardInterrupt):  # while the run started: train() abandoned it (and removed a fresh RUN_DIR)
+        print(f"diloco train: {_interrupted_before(run_dir, cfg)}", file=sys.stderr)
+        return signals.exit_code
+    logging.getLogger(__name__).debug("train failed", exc_info=err)
+    if isinstance(err, ConfigError):  # what only a started Ray could tell (check_local_fit): still bad input
+        print(f"diloco train: {err}", file=sys.stderr)
+        return 2
+    if isinstance(err, (RayStartError, RunNotStarted)):  # their messages name the cause already
+        print(f"diloco train: {err}", file=sys.stderr)
+        return 1
+    print(f"diloco train: {type(err).__name__}: {err}", file=sys.stderr)
+    return 1
 
 
 def register(subparsers) -> None:

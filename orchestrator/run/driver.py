@@ -6,6 +6,11 @@ Run directory: `config.yaml` (resolved), `run.json` (run id, sessions), `checkpo
 (Parquet event log), `summary.json`, `driver.log`. `train(..., resume=True)` continues a run whose
 driver died: the outer optimizer restores its newest valid checkpoint and the islands restart from
 their last merged data positions.
+
+`Run` coordinates one session; its concerns live beside it: the token ledger (ledger.py), the evaluations
+(evaluations.py), the control-plane actors (setup.py), the start-up wait (startup_wait.py), the stop rule
+(stopping.py) and the summary of the session's record (results.py). Here too: the inner-step measurement the
+emulated network is scaled to, the local Ray's start, and `train()`.
 """
 
 from __future__ import annotations
@@ -32,43 +37,36 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from islands.builtin import as_recipe
-from islands.data import unigram_bits_per_byte
 from islands.spec import ModelConfig, ModelRecipe
 from islands.trainer import InnerTrainer
 from orchestrator.actors.remote import (
-    NAMESPACE,
     WORKER_ENV,
-    OuterOptimizerActor,
     ignore_zero_copy_warnings,
 )
 from orchestrator.config import ConfigError, RunConfig
-from orchestrator.core.accounting import (
-    incarnation_tokens,
-    kept_accounting,
-    no_tokens,
-    resumed_ledger,
-    run_goodput,
-    session_received,
-    token_fates,
-)
 from orchestrator.core.evaluation import Evaluator
 from orchestrator.core.eventlog import EventLog
 from orchestrator.run.callbacks import Callback, Callbacks, RunInfo, check_callbacks, mean_train_loss
+from orchestrator.run.evaluations import RunEvaluations
+from orchestrator.run.ledger import SessionLedger, island_statuses
 from orchestrator.run.metrics import RunMetrics
 from orchestrator.run.notices import quiet_ray_notices
 from orchestrator.run.preflight import preflight, resume_config
-from orchestrator.run.results import emulation_note, record_stop_events, run_summary
+from orchestrator.run.results import SessionRecord, emulation_note, publish_outcome, run_summary
 from orchestrator.run.setup import (
-    here,
     kill_run_actors,
     prepare_run_dir,
     save_checkpoint_zero,
     start_injector,
     start_monitor,
+    start_outer,
+    start_timeout_s,
+    stop_session,
 )
-from orchestrator.run.startup import Stage, islands_ready, placing_text, stepped_islands
-from orchestrator.run.stopping import INTERRUPTED, STOP_REQUEST, RunInterrupted, StopRequest
-from orchestrator.run.streams import heldout_unigram_bits, loss_unit
+from orchestrator.run.startup import Stage, StartupStages, placing_text
+from orchestrator.run.startup_wait import wait_for_start
+from orchestrator.run.stopping import INTERRUPTED, STOP_REQUEST, RunInterrupted, StopRequest, tick_stop
+from orchestrator.run.streams import loss_unit
 from orchestrator.run.workload import (
     TOKENIZER_FILE,
     Prepared,
@@ -80,11 +78,10 @@ from orchestrator.run.workload import (
     run_recipe,
     training_data,
 )
-from orchestrator.settings import inner_settings, island_specs, outer_settings
+from orchestrator.settings import inner_settings, island_specs
 from policies.chaos import tape_from_config
-from policies.fragments import plan_fragments
+from policies.fragments import FragmentPlan, plan_fragments
 from policies.network import NetworkModel, build_network
-from policies.stopping import target_reached
 
 # Re-exported: callers import these from the driver (the CLI, benchmarks, tests).
 __all__ = [
@@ -137,6 +134,18 @@ class Progress:
     elapsed_s: float
     islands: dict[str, str] = field(default_factory=dict)  # "pool/island" -> state
     unit: str = "token"  # what the losses are per: "byte" for text read as bytes (a token is a byte), else "token"
+
+
+def progress_now(cfg: RunConfig, data: TrainingData, status: dict, snapshot: dict, *, tokens: int,
+                 eval_bpb: float | None, elapsed_s: float) -> Progress:
+    """The `Progress` of a run training on `data`, from the outer optimizer's `status` and the health monitor's
+    `snapshot` of one tick, with the ledger's `tokens` processed and the latest held-out bits per byte."""
+    return Progress(
+        tokens=tokens, budget=cfg.run.token_budget, versions=status["versions"], rounds=status["rounds"],
+        train_loss=mean_train_loss(island_statuses(snapshot)[0]), eval_bpb=eval_bpb, elapsed_s=elapsed_s,
+        islands={f"{s['pool']}/{i}": s["state"] for i, s in snapshot["slots"].items()},
+        unit=loss_unit(data.heldout) if data.is_tokens else "token",
+    )
 
 
 def step_concurrency(cfg: RunConfig, *, gpu: bool = False) -> int:
@@ -389,10 +398,56 @@ def check_local_fit(cfg: RunConfig) -> None:
         raise ConfigError(problems[0] + more)
 
 
+@dataclass(frozen=True)
+class World:
+    """What one driver session trains, built from the prepared workload before any actor starts (`build_world`):
+    the data, the model recipe and its state tensors' roles, the fragment plan, the network model with each
+    island's region, the evaluator of the held-out batches and the chaos tape. The initial state tensors are
+    not kept here: from checkpoint 0 on they are the outer optimizer's, and the driver holds them only until
+    it has scored the starting point."""
+
+    data: TrainingData
+    recipe: ModelRecipe
+    embedding_names: frozenset[str]
+    buffer_names: frozenset[str]
+    plan: FragmentPlan
+    network: NetworkModel
+    island_regions: dict[int, str]
+    evaluator: Evaluator
+    tape: Any
+
+
+def build_world(cfg: RunConfig, prepared: Prepared) -> World:
+    """The session's `World` from `prepared` (orchestrator/run/workload.py `prepare`), logged. The network's
+    links are scaled to the inner step, measured here for an emulated scenario without network.local_step_s."""
+    data, recipe, initial = prepared.data, prepared.recipe, prepared.initial
+    plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], cfg.outer.num_fragments)
+    model_bytes = sum(t.numel() * 4 for t in initial.values())  # float32 bytes: the network's scaling unit
+    network, island_regions = build_run_network(cfg, model_bytes, lambda: measure_step_s(cfg, recipe, timing_data(data)))
+    log.info("%s", network.describe())
+    evaluator = Evaluator(recipe, data.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size,
+                          threads=cfg.inner.torch_threads)
+    tape = tape_from_config(cfg.chaos.spec(), islands=cfg.num_islands, horizon_s=cfg.chaos.horizon_s)
+    log.info("data: %s; model %s (%d state elements); %d fragments; %d faults on the tape",
+             data.source, recipe.name, sum(t.numel() for t in initial.values()), plan.num_fragments, len(tape))
+    return World(data=data, recipe=recipe, embedding_names=prepared.embedding_names, buffer_names=prepared.buffer_names,
+                 plan=plan, network=network, island_regions=island_regions, evaluator=evaluator, tape=tape)
+
+
 class Run:
-    """One driver session of a training run, from placement to summary. `train()` is the entry point."""
+    """One driver session of a training run, from placement to summary. `train()` is the entry point.
+
+    Run coordinates, read top to bottom: the set-up (`_setup`), the loop (`_loop`, `_periodic`) and the finish
+    (`_finish`). What it coordinates lives beside it: the session's `World` (`build_world`), its token ledger
+    (`ledger`, orchestrator/run/ledger.py), its evaluations (`evals`, orchestrator/run/evaluations.py), the
+    start-up wait (orchestrator/run/startup_wait.py) and the summary of the `SessionRecord` the finish hands
+    over (orchestrator/run/results.py).
+    """
 
     callbacks = Callbacks(None, None)  # none; __init__ sets the run's (a Run built without it, a test's, has none)
+    world: World  # these three from the set-up on (_setup)
+    ledger: SessionLedger
+    evals: RunEvaluations
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: Callable[[Progress], None] | None = None,
                  resume: bool = False, stages: Callable[[Stage], None] | None = None,
@@ -411,24 +466,11 @@ class Run:
         # running cluster).
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.progress = progress
-        self.stages = stages  # start-up stages as they happen (orchestrator/run/startup.py)
+        self.startup = StartupStages(stages)  # start-up stages as they happen (orchestrator/run/startup.py)
         self.resume = resume
         self.run_id = f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}"
         self.events = EventLog(self.run_dir)
         self.outer = self.monitor = self.injector = None
-        self.eval_points: list[dict] = []
-        self.before_flush_loss: float | None = None  # held-out loss just before the final flush (summary)
-        self.raw_loss: float | None = None  # final held-out loss of the raw global model, under run.average_window
-        # A fresh run's starting point (parameters, versions, read time), scored once an island has stepped: off
-        # the start-up's critical path, where the driver's scoring took CPU from the island processes starting.
-        self._start_point: tuple[dict, list[int], float] | None = None
-        self._first_step_seen = False
-        # The token ledger (orchestrator/core/accounting.py): the earlier sessions' part as of the checkpoint a
-        # resume restored (a fresh run: nothing), and the run's as of the last tick, every count shown read from it.
-        self.before: dict[str, list[int]] | None = None
-        self.ledger: dict[str, list[int]] | None = None
-        self.useful_before = 0.0  # useful island seconds the restored checkpoint holds (earlier sessions')
-        self._acct_seen: dict | None = None  # the outer optimizer's accounting as this driver has read it (_accounting)
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self.stop = stop or StopRequest()
         self.training_began = False  # set once every island of the first placement trains
@@ -439,110 +481,62 @@ class Run:
 
             callbacks = [*(callbacks or ()), *config_trackers(cfg.run.trackers)]
         self.callbacks = Callbacks(callbacks, RunInfo(run_dir=self.run_dir, run_id=self.run_id, config=cfg,
-                                                      resumed=resume, request_stop=self._ask_stop))
-
-    def _stage(self, name: str, text: str, done: int = 0, of: int = 0) -> None:
-        if self.stages is not None:
-            self.stages(Stage(name, text, done, of))
+                                                      resumed=resume, request_stop=self.stop.ask))
 
     def request_stop(self) -> None:
         """Ask a running `train()` to finish now (from another thread, e.g. a notebook or a test)."""
         self.stop.ask(STOP_REQUEST)
 
-    def _ask_stop(self, reason: str) -> None:
-        """RunInfo.request_stop: a callback's clean stop, `reason` becoming summary.json's `stopped_by`."""
-        self.stop.ask(reason)
-
     # ------------------------------------------------------------------ setup
 
     def _setup(self) -> None:
-        """Start the session: run directory, model and network, checkpoint 0, then the outer optimizer, the
-        health monitor (which starts the islands) and the chaos injector, in the order that keeps start-up short."""
+        """Start the session: run directory, world, checkpoint 0, then the outer optimizer, the health monitor
+        (which starts the islands) and the chaos injector, in the order that keeps start-up short."""
         cfg = self.cfg
         address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
         ckpt_uri = prepare_run_dir(cfg, self.run_dir, self.run_id, resume=self.resume, address=address)
-        initial, embedding_names, island_regions = self._build_world()
-        if self.data.encoder is not None:  # sample, evaluate and a resume decode and encode with this very tokenizer
-            self.data.encoder.save(self.run_dir / TOKENIZER_FILE)
+        prepared = self.prepared or prepare(cfg, self.workload, self.run_dir)
+        self.prepared = None  # the initial tensors are the outer optimizer's from here: do not keep a second copy
+        world = self.world = build_world(cfg, prepared)
+        self.ledger = SessionLedger(world.plan.num_fragments)
+        self.evals = RunEvaluations(world.evaluator, world.data, self.events, self.callbacks)
+        if world.data.encoder is not None:  # sample, evaluate and a resume decode and encode with this very tokenizer
+            world.data.encoder.save(self.run_dir / TOKENIZER_FILE)
         if not self.resume:
-            save_checkpoint_zero(cfg, initial, self.plan, ckpt_uri)
-        self._stage("placing", placing_text(cfg))
-        self.outer_name = f"outer-{self.run_id}"
-        self.outer = OuterOptimizerActor.options(name=self.outer_name, namespace=NAMESPACE, num_cpus=0,
-                                                 scheduling_strategy=here()).remote(
-            self.plan, outer_settings(cfg, optimizer=self.workload.outer_optimizer if self.workload else None),
-            embedding_names,
-            ckpt_uri, cfg.checkpoint.every_s, cfg.checkpoint.keep, network=self.network, island_regions=island_regions,
-            buffer_names=self.buffer_names)
-        last_inc = self._restore()
-        specs = [s if s.island not in last_inc else replace(s, incarnation=last_inc[s.island] + 1)
-                 for s in island_specs(cfg, self.recipe, self.plan, self.run_id)]
-        self.first_inc = {s.island: s.incarnation for s in specs}
+            save_checkpoint_zero(cfg, prepared.initial, world.plan, ckpt_uri)
+        self.startup("placing", placing_text(cfg))
+        self.outer_name, self.outer = start_outer(
+            cfg, self.run_id, ckpt_uri, plan=world.plan, embedding_names=world.embedding_names,
+            buffer_names=world.buffer_names, network=world.network, island_regions=world.island_regions,
+            optimizer=self.workload.outer_optimizer if self.workload else None)
+        self._restore()
+        specs = self.ledger.continue_incarnations(island_specs(cfg, world.recipe, world.plan, self.run_id))
         # A stream is the data plan, no tokens; a token array from Python goes in as one object per unit (with_refs).
-        train = self.data.train
-        self.data_ref = ray.put(train.with_refs(ray.put) if self.data.is_streamed else train)
+        train = world.data.train
+        self.data_ref = ray.put(train.with_refs(ray.put) if world.data.is_streamed else train)
         self.monitor_name, self.monitor = start_monitor(cfg, self.run_id, specs, self.outer_name)
-        self._start_islands(initial)
+        self._start_islands(prepared.initial)
         self.training_began = True  # from here a failure leaves a run directory worth keeping (train())
         # Goodput's clock starts when every island of the first placement trains (startup is the same
         # for every method and is reported apart in driver.log); the chaos tape counts from here too.
         self.run_start = time.time()
-        if len(self.tape):
-            self.injector = start_injector(self.tape, self.run_id, self.monitor_name, self.run_start,
+        if len(world.tape):
+            self.injector = start_injector(world.tape, self.run_id, self.monitor_name, self.run_start,
                                            cfg.run.call_timeout_s, cfg.pools)
 
-    def _build_world(self) -> tuple[dict[str, torch.Tensor], frozenset[str], dict[int, str]]:
-        """Data, model recipe, fragment plan, network, evaluator and chaos tape of the run: (the initial
-        state tensors, the embedding parameters' names, island -> region)."""
-        cfg = self.cfg
-        prepared = self.prepared or prepare(cfg, self.workload, self.run_dir)
-        self.prepared = None  # the initial tensors are the outer optimizer's from here: do not keep a second copy
-        self.data: TrainingData = prepared.data
-        self.recipe = prepared.recipe
-        initial, self.buffer_names = prepared.initial, prepared.buffer_names
-        self.plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], cfg.outer.num_fragments)
-        model_bytes = sum(t.numel() * 4 for t in initial.values())  # float32 bytes: the network's scaling unit
-        self.network, island_regions = build_run_network(
-            cfg, model_bytes, lambda: measure_step_s(cfg, self.recipe, timing_data(self.data)))
-        log.info("%s", self.network.describe())
-        self.unigram_bpb: float | None = None  # scored with the starting point, after start-up (_score_start)
-        self.evaluator = Evaluator(self.recipe, self.data.heldout, batches=cfg.eval.batches, batch_size=cfg.eval.batch_size,
-                                   threads=cfg.inner.torch_threads)
-        self.tape = tape_from_config(cfg.chaos.spec(), islands=cfg.num_islands, horizon_s=cfg.chaos.horizon_s)
-        log.info("data: %s; model %s (%d state elements); %d fragments; %d faults on the tape",
-                 self.data.source, self.recipe.name, sum(t.numel() for t in initial.values()),
-                 self.plan.num_fragments, len(self.tape))
-        return initial, prepared.embedding_names, island_regions
-
-    def _restore(self) -> dict[int, int]:
-        """A resumed run's starting point from the restored outer optimizer (the earlier sessions' token ledger as
-        of its checkpoint, `resumed_ledger`) and each island's last incarnation, which new incarnations continue
-        above; a fresh run's: nothing."""
-        P = self.plan.num_fragments
-        if self.resume:
-            extra = self._get(self.outer.restored_extra.remote(), timeout=self._start_timeout_s())  # starts, restores
-            acct = self._get(self.outer.accounting.remote())
-            restored = self._get(self.outer.status.remote())["ledger"]  # the checkpoint's merged and refused
-            self.before = resumed_ledger(fragments=P, restored=restored, extra=extra)
-            self.useful_before = acct["useful_s"]
-            last_inc = {int(i): inc for i, inc in extra.get("incarnations", {}).items()}
-            for island, inc, _ in acct["received"]:
-                last_inc[island] = max(last_inc.get(island, 0), inc)
-            log.info("resumed: %d tokens processed before, as of the checkpoint (of them %d merged, %d lost)",
-                     self.before["processed"][0], sum(self.before["merged"]) // P, sum(self.before["lost"]) // P)
-        else:
+    def _restore(self) -> None:
+        """A resumed run's starting point from the restored outer optimizer: the earlier sessions' token ledger as
+        of its checkpoint and each island's last incarnation (SessionLedger.resume); a fresh run has none."""
+        if not self.resume:
             # A fresh run has nothing to ask the outer optimizer first: the monitor (and through it the
             # islands) starts while the outer's process is still importing, not after it (~5 s per run).
-            last_inc, self.before = {}, None
-        self.ledger = self.before or no_tokens(P)
-        if self.resume:  # before any checkpoint of this session: each one carries this session's records
-            self._get(self.outer.note.remote(**self._note_ledger()))
-        return last_inc
-
-    def _note_ledger(self) -> dict:
-        """The ledger as the outer optimizer keeps it with its next checkpoint (what a resume from it reads)."""
-        return {"tokens_processed": self._tokens(), "token_ledger": self.ledger,
-                "token_ledger_before": self.before, "useful_s_before": self.useful_before}
+            return
+        extra = self._get(self.outer.restored_extra.remote(), timeout=start_timeout_s(self.cfg))  # starts, restores
+        acct = self._get(self.outer.accounting.remote())
+        restored = self._get(self.outer.status.remote())["ledger"]  # the checkpoint's merged and refused
+        self.ledger.resume(restored=restored, extra=extra, acct=acct)
+        # Before any checkpoint of this session: each one carries this session's records.
+        self._get(self.outer.note.remote(**self.ledger.note()))
 
     def _start_islands(self, initial: dict[str, torch.Tensor]) -> None:
         """Have the monitor start the islands and wait for them (and a fresh run's outer optimizer), reporting
@@ -551,78 +545,18 @@ class Run:
         # The starting point, how far the loss fell from. A fresh run evaluates the parameters it seeded
         # (version 0 of every fragment): asking the outer optimizer raced the islands, which on a quick
         # start had merged a few rounds before it answered (seen in a notebook). It is scored once an island
-        # has stepped (_score_start). A resumed run's islands start only below, so the outer's restored
-        # parameters are the starting point, scored now.
+        # has stepped (RunEvaluations.score_start). A resumed run's islands start only below, so the outer's
+        # restored parameters are the starting point, scored now.
         if self.resume:
             self._evaluate(time.monotonic())
-            self.unigram_bpb = self._unigram()
+            self.evals.score_unigram()
         else:
-            self._start_point = (initial, [0] * self.plan.num_fragments, time.time())
+            self.evals.hold_start(initial, self.world.plan.num_fragments)
         # A fresh run's outer optimizer is up (or says why not) while islands start; a resumed run's was asked
-        # for its metadata above. Process starts, not control calls: on a loaded machine they can take longer
-        # than call_timeout_s.
-        waits = [started] + ([] if self.resume else [self.outer.restored_extra.remote()])
-        deadline, ready, need, said = time.monotonic() + self._start_timeout_s(), 0, self.cfg.required_islands, ""
-        elastic = need < self.cfg.num_islands
-        while waits:
-            left = max(0.0, deadline - time.monotonic())
-            done, waits = ray.wait(waits, num_returns=len(waits),
-                                   timeout=min(0.25 if self.stages else 1.0, left) if elastic or self.stages else left)
-            for ref in done:
-                try:
-                    self._get(ref, timeout=max(1.0, deadline - time.monotonic()))
-                except RayTaskError as err:
-                    if ref != started:
-                        raise
-                    cause = str(err).strip().splitlines()[-1]
-                    raise RuntimeError(f"islands failed to start: {cause}") from None
-            if self.stages is not None or elastic:
-                snap = self._get(self.monitor.snapshot.remote()) if started in waits else None
-                now_ready = need if snap is None else min(islands_ready(snap, self.first_inc), need)
-                if now_ready > ready and self.stages is not None:
-                    ready = now_ready
-                    self._stage("islands", f"islands ready {ready} of {need}" + (" (the elastic pools' minimum)" if elastic else ""),
-                                ready, need)
-                if snap is not None and snap.get("waiting"):
-                    # An elastic pool below its minimum waits for machines as long as it takes, and says for what.
-                    deadline = max(deadline, time.monotonic() + self._start_timeout_s())
-                    text = "; ".join(snap["waiting"])
-                    if text != said:
-                        log.warning("waiting for %s", text)
-                        said = text
-                if snap is not None and self.stages is not None:  # islands start at different times
-                    self._note_first_step(stepped_islands(snap, self.first_inc))
-            if waits and time.monotonic() > deadline:
-                raise GetTimeoutError(f"islands or the outer optimizer not up after {self._start_timeout_s():.0f} s")
-
-    def _unigram(self) -> float | None:
-        """The corpus's unigram baseline in bits per token; None for a dataset of examples (no token stream).
-
-        A streamed corpus's training tokens never reach the driver: its unigram is fitted on the first half of the
-        held-out sample and scored on the second (islands.data.unigram_bits_per_byte either way)."""
-        d = self.data
-        if not (d.is_tokens and d.vocab_size):
-            return None
-        if d.is_streamed:
-            return heldout_unigram_bits(d.heldout, d.vocab_size)
-        return unigram_bits_per_byte(d.train, d.heldout, vocab_size=d.vocab_size)
-
-    def _score_start(self) -> None:
-        """Score a fresh run's starting point (and the corpus's unigram baseline) if not done yet. Its `wall_s`
-        is 0 and `at` is when the islands were asked to start: the parameters are those the run seeded."""
-        if self._start_point is None:
-            return
-        params, versions, at = self._start_point
-        self._start_point = None
-        # 0 tokens: a fresh run's seeded parameters (a resume scores its restored start at once, _start_islands).
-        self._evaluate(self._t0, start=(params, versions), read=(self._t0, at, 0))
-        self.unigram_bpb = self._unigram()
-        if self.unigram_bpb is not None:
-            log.info("unigram baseline %.3f bits/byte", self.unigram_bpb)
-
-    def _start_timeout_s(self) -> float:
-        """How long a process start may take (the outer optimizer's, the first islands'): placement's bound."""
-        return self.cfg.run.placement_timeout_s + 60
+        # for its metadata above.
+        wait_for_start(started, [] if self.resume else [self.outer.restored_extra.remote()], cfg=self.cfg,
+                       monitor=self.monitor, first_inc=self.ledger.first_inc, timeout_s=start_timeout_s(self.cfg),
+                       get=self._get, stages=self.startup)
 
     def _get(self, ref: Any, timeout: float | None = None) -> Any:
         return ray.get(ref, timeout=timeout or self.cfg.run.call_timeout_s)
@@ -632,62 +566,21 @@ class Run:
     def _refresh(self) -> None:
         self._get(self.monitor.ensure_started.remote(data=[self.data_ref]))  # re-adopts islands after a monitor restart
         self.snapshot = self._get(self.monitor.snapshot.remote())
-        self.callbacks.island_events(self.snapshot, self._tokens())
-
-    def _statuses(self) -> tuple[list, list]:
-        live, dead = [], []
-        for slot in self.snapshot["slots"].values():
-            if slot["status"] is not None:
-                live.append(slot["status"])
-            dead.extend(slot["finals"])
-        return live, dead
-
-    def _account(self, status: dict) -> dict[str, list[int]]:
-        """The run's token ledger now, from the outer optimizer's `status` (its ledger and tokens received, of one
-        moment) and the monitor's last snapshot; kept as `self.ledger`, which every count shown is read from."""
-        live, dead = self._statuses()
-        self.ledger = token_fates(fragments=self.plan.num_fragments, ledger=status["ledger"], before=self.before,
-                                  received=session_received(status["received"], self.first_inc), live=live, dead=dead)
-        return self.ledger
-
-    def _tokens(self) -> int:
-        """Tokens processed so far, the ledger's (the same in every fragment)."""
-        assert self.ledger is not None, "the ledger starts in _restore"
-        return self.ledger["processed"][0]
-
-    def _evaluate(self, t0: float, start: tuple[dict, list[int]] | None = None,
-                  read: tuple[float, float, int] | None = None) -> dict:
-        """Evaluate the run's model now (the global parameters, or their moving average under
-        run.average_window), or `start` = (parameters, versions) before anything merged, read at `read` =
-        (monotonic time, wall time, tokens processed then; default now).
-
-        The point's `wall_s`/`at` are when the parameters were read, not when scoring them ended: the
-        first evaluation in a process is slow (seconds under load), and the starting point must sort first.
-        """
-        read_mono, read_at, tokens = read or (time.monotonic(), time.time(), 0)
-        if start is None:
-            params = self._get(self.outer.served_parameters.remote())
-            status = self._get(self.outer.status.remote())
-            fates = self._account(status)  # the point's token counts are the ledger's at this read
-            versions, merged = list(status["versions"]), sum(fates["merged"]) / len(fates["merged"])
-            if read is None:
-                tokens = self._tokens()
-        else:
-            (params, versions), merged = start, 0.0
-        loss, bpb = self.evaluator.evaluate(params)
-        point = {"wall_s": read_mono - t0, "at": read_at, "tokens_processed": tokens, "tokens_merged": merged,
-                 "versions": versions, "eval_loss": loss, "eval_bits_per_byte": bpb}
-        self.eval_points.append(point)
-        self.events.add("evals", [point])
-        self.callbacks.eval(point)
-        log.info("eval at %.0fs: loss %.4f, %.3f bits/byte (%d tokens processed)", point["wall_s"], loss, bpb, point["tokens_processed"])
-        return point
+        self.callbacks.island_events(self.snapshot, self.ledger.processed)
 
     def _accounting(self) -> dict:
-        """The outer optimizer's accounting(), with the version advances and first merges earlier reads saw: a
-        restarted outer optimizer's checkpoint holds neither, so uptime had counted only from its last restart."""
-        self._acct_seen = kept_accounting(self._acct_seen, self._get(self.outer.accounting.remote()))
-        return self._acct_seen
+        """The outer optimizer's accounting(), with what earlier reads saw (SessionLedger.keep_accounting)."""
+        return self.ledger.keep_accounting(self._get(self.outer.accounting.remote()))
+
+    def _evaluate(self, t0: float) -> dict:
+        """Evaluate the run's model now: the global parameters, or their moving average under run.average_window.
+        The point's token counts are the ledger's at this read, its `wall_s` (from `t0`) and `at` the read's."""
+        read_mono, read_at = time.monotonic(), time.time()
+        params = self._get(self.outer.served_parameters.remote())
+        status = self._get(self.outer.status.remote())
+        fates = self.ledger.account(status, self.snapshot)
+        return self.evals.score(params, versions=list(status["versions"]), tokens=self.ledger.processed,
+                                merged=sum(fates["merged"]) / len(fates["merged"]), wall_s=read_mono - t0, at=read_at)
 
     def _drain_events(self) -> int:
         """Take the rounds and refusals the outer optimizer recorded since the last call; returns how many rounds."""
@@ -698,24 +591,16 @@ class Run:
         return len(got["rounds"])
 
     def _report(self, t0: float, status: dict) -> None:
-        if self.progress is None:
-            return
-        live, _ = self._statuses()
-        self.progress(Progress(
-            tokens=self._tokens(), budget=self.cfg.run.token_budget, versions=status["versions"], rounds=status["rounds"],
-            train_loss=mean_train_loss(live),
-            eval_bpb=self.eval_points[-1]["eval_bits_per_byte"] if self.eval_points else None,
-            elapsed_s=time.monotonic() - t0,
-            islands={f"{s['pool']}/{i}": s["state"] for i, s in self.snapshot["slots"].items()},
-            unit=loss_unit(self.data.heldout) if self.data.is_tokens else "token",
-        ))
+        if self.progress is not None:
+            self.progress(progress_now(self.cfg, self.world.data, status, self.snapshot, tokens=self.ledger.processed,
+                                       eval_bpb=self.evals.last_bpb, elapsed_s=time.monotonic() - t0))
 
     def train(self) -> dict:
         """Run to the token budget (or max_wall_s, or a stop asked) and return the summary (also written to
         summary.json). A KeyboardInterrupt while it trains stops it the same way, `stopped_by` "interrupted"."""
         self.callbacks.start()
         self._setup()
-        t0 = self._t0 = time.monotonic()
+        t0 = time.monotonic()
         try:
             self.stop.stoppable = True  # from here a stop asked (a signal, another thread) is a clean one
             self._loop(t0)
@@ -730,49 +615,36 @@ class Run:
     def _loop(self, t0: float) -> None:
         """Tick until a stop rule or a stop asked ends the run, setting `stopped_by`."""
         next_eval, next_flush = t0 + self.cfg.eval.interval_s, t0 + 5.0
-        status = {"versions": [], "rounds": 0}
+        budget = self.cfg.run.token_budget
         while True:
             try:
                 self._refresh()
                 status = self._get(self.outer.status.remote())
-                self._account(status)
+                self.ledger.account(status, self.snapshot)
                 incarnations = {str(i): s["incarnation"] for i, s in self.snapshot["slots"].items()}
-                self._get(self.outer.note.remote(**self._note_ledger(), run_id=self.run_id, incarnations=incarnations,
-                                                 progress=self._tokens() / self.cfg.run.token_budget))
+                self._get(self.outer.note.remote(**self.ledger.note(), run_id=self.run_id, incarnations=incarnations,
+                                                 progress=self.ledger.processed / budget))
                 if self.injector is not None:  # a fixed tape's faults trigger on the run's progress: no reply awaited
-                    self.injector.note_progress.remote(self._tokens() / self.cfg.run.token_budget)
+                    self.injector.note_progress.remote(self.ledger.processed / budget)
             except _TRANSIENT as err:  # an actor restarting: Ray brings it back, try again next tick
                 _warn_transient(err)
                 time.sleep(0.5)
                 continue
-            self._note_first_step()
+            self.startup.first_step(sorted(s.island for s in island_statuses(self.snapshot)[0] if s.steps > 0))
             self._report(t0, status)
-            self.metrics.record_status(status, self.snapshot, ledger=self.ledger)
+            self.metrics.record_status(status, self.snapshot, ledger=self.ledger.current)
             now = time.monotonic()
-            if self._start_point is not None and (self._first_step_seen or now >= next_eval):
-                self._score_start()  # before any periodic evaluation: the starting point comes first
-            if self.stop.reason is not None or self._tokens() >= self.cfg.run.token_budget:
-                self.stopped_by = self.stop.reason or "token_budget"
-                break
-            if self.cfg.run.max_wall_s is not None and now - t0 >= self.cfg.run.max_wall_s:
-                log.warning("stopping on max_wall_s=%s before the token budget", self.cfg.run.max_wall_s)
-                self.stopped_by = "max_wall_s"
+            if self.evals.start_pending and (self.startup.first_step_seen or now >= next_eval):
+                self.evals.score_start()  # before any periodic evaluation: the starting point comes first
+            stopped_by = tick_stop(self.stop.reason, processed=self.ledger.processed, budget=budget, elapsed_s=now - t0,
+                                   max_wall_s=self.cfg.run.max_wall_s)
+            if stopped_by is not None:
+                self.stopped_by = stopped_by
                 break
             next_eval, next_flush, stop = self._periodic(t0, now, next_eval, next_flush, status)
             if stop:
                 break
             time.sleep(0.5)
-
-    def _note_first_step(self, stepped: list[int] | None = None) -> None:
-        """Report the "first_step" stage the first time an island has stepped: `stepped` as a monitor snapshot
-        shows it while other islands still start, else from the islands' statuses."""
-        if self._first_step_seen:
-            return
-        if stepped is None:
-            stepped = sorted(s.island for s in self._statuses()[0] if s.steps > 0)
-        if stepped:
-            self._first_step_seen = True
-            self._stage("first_step", f"first step (island {', '.join(map(str, stepped))})")
 
     def _periodic(self, t0: float, now: float, next_eval: float, next_flush: float, status: dict) -> tuple[float, float, bool]:
         """Evaluate and drain events when due: (next eval time, next drain time, whether the eval target stops the
@@ -782,7 +654,7 @@ class Run:
             if now >= next_eval:
                 self._evaluate(t0)
                 next_eval = now + self.cfg.eval.interval_s
-                if target_reached([p["eval_loss"] for p in self.eval_points], self.cfg.run.stop_at_eval_loss):
+                if self.evals.target_reached(self.cfg.run.stop_at_eval_loss):
                     log.warning("stopping on stop_at_eval_loss=%s before the token budget", self.cfg.run.stop_at_eval_loss)
                     self.stopped_by = "stop_at_eval_loss"
                     return next_eval, next_flush, True
@@ -790,19 +662,22 @@ class Run:
                 new_rounds = self._drain_events()
                 self.events.flush()
                 next_flush = now + 5.0
-                so_far = self.metrics.record_goodput_so_far(self._accounting, ledger=self.ledger,
+                so_far = self.metrics.record_goodput_so_far(self._accounting, ledger=self.ledger.current,
                                                             snapshot=self.snapshot, run_start=self.run_start,
-                                                            useful_before=self.useful_before) or {}
+                                                            useful_before=self.ledger.useful_before) or {}
                 if self.callbacks:  # the numbers the metrics just got
-                    self.callbacks.round(ledger=self.ledger, status=status, statuses=self._statuses()[0], new_rounds=new_rounds,
-                                         wall_s=now - t0, goodput=so_far.get("goodput"), uptime=so_far.get("uptime"))
+                    self.callbacks.round(ledger=self.ledger.current, status=status, statuses=island_statuses(self.snapshot)[0],
+                                         new_rounds=new_rounds, wall_s=now - t0, goodput=so_far.get("goodput"),
+                                         uptime=so_far.get("uptime"))
         except _TRANSIENT as err:
             _warn_transient(err)
         return next_eval, next_flush, False
 
+    # ------------------------------------------------------------------ finish
+
     def _finish(self, t0: float) -> dict:
         """Stop the islands, flush and stop the outer optimizer, record the outcome, write summary.json."""
-        self._score_start()  # a run stopped before any island stepped still has its starting point
+        self.evals.score_start()  # a run stopped before any island stepped still has its starting point
         flush = self.cfg.run.final_flush
         stop_began = time.time()  # uptime's clock ends here: from now on versions are held on purpose
         if flush:  # no round closes between the islands' last cuts and the final merge
@@ -810,63 +685,59 @@ class Run:
         t_stop = time.monotonic()
         self.snapshot = self._get(self.monitor.stop.remote(flush=flush), timeout=self.cfg.run.call_timeout_s + 30)
         log.info("islands stopped in %.1fs", time.monotonic() - t_stop)
-        run_end = time.time()
-        wall = time.monotonic() - t0
+        run_end, wall = time.time(), time.monotonic() - t0
         if flush:
-            # The global model as the last regular round left it, scored on the same held-out batches: what
-            # the final flush changes shows in the summary without another run's noise (RESULTS.md: a lead).
-            self.before_flush_loss, _ = self.evaluator.evaluate(self._get(self.outer.served_parameters.remote()))
-            closed = self._get(self.outer.finish.remote(self.cfg.run.call_timeout_s), timeout=self.cfg.run.call_timeout_s + 30)
-            log.info("final flush: %d rounds closed with the islands' last progress (%.1fs after stop began)",
-                     closed, time.monotonic() - t_stop)
-            self.snapshot = self._get(self.monitor.refresh_statuses.remote(), timeout=self.cfg.run.call_timeout_s + 30)
+            self._final_flush(t_stop)
         self._get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
+        record, new_rounds = self._record(t0, stop_began=stop_began, run_end=run_end, wall=wall)
+        publish_outcome(record, new_rounds, metrics=self.metrics, callbacks=self.callbacks, events=self.events)
+        summary = run_summary(record)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.callbacks.end(summary)
+        return summary
+
+    def _final_flush(self, t_stop: float) -> None:
+        """Merge the stopped islands' last progress (run.final_flush), scoring the model before it first."""
+        # The global model as the last regular round left it, scored on the same held-out batches: what
+        # the final flush changes shows in the summary without another run's noise (RESULTS.md: a lead).
+        self.evals.before_flush_loss = self.evals.loss(self._get(self.outer.served_parameters.remote()))
+        closed = self._get(self.outer.finish.remote(self.cfg.run.call_timeout_s), timeout=self.cfg.run.call_timeout_s + 30)
+        log.info("final flush: %d rounds closed with the islands' last progress (%.1fs after stop began)",
+                 closed, time.monotonic() - t_stop)
+        self.snapshot = self._get(self.monitor.refresh_statuses.remote(), timeout=self.cfg.run.call_timeout_s + 30)
+
+    def _record(self, t0: float, *, stop_began: float, run_end: float, wall: float) -> tuple[SessionRecord, int]:
+        """Gather the stopped session's outcome from the stopped actors: its record and the rounds drained last.
+        Checkpoints the final model and ledger on the way, and evaluates the final model."""
         acct = self._accounting()
         status = self._get(self.outer.status.remote())  # stopped: its ledger is final
-        fates = self._account(status)
-        live, dead = self._statuses()
+        fates = self.ledger.account(status, self.snapshot)
+        live, dead = island_statuses(self.snapshot)
         # The last checkpoint holds the final model (orchestrator.run.trained reads it) and the final ledger.
-        self._get(self.outer.note.remote(**self._note_ledger()))
+        self._get(self.outer.note.remote(**self.ledger.note()))
         self._get(self.outer.checkpoint.remote())
         faults = self._get(self.injector.report.remote()) if self.injector is not None else []
         new_rounds = self._drain_events()
         final_eval = self._evaluate(t0)
         if self.cfg.run.average_window is not None:  # the raw global model on the same batches: what averaging gave
-            self.raw_loss, _ = self.evaluator.evaluate(self._get(self.outer.global_parameters.remote()))
+            self.evals.raw_loss = self.evals.loss(self._get(self.outer.global_parameters.remote()))
         self._report(t0, status)
-        counted = incarnation_tokens(live, dead, session_received(status["received"], self.first_inc))
-        # Goodput is this session's: the useful time the restored checkpoint held was an earlier session's.
-        good = run_goodput(timeline=self.snapshot["timeline"], useful_s=max(0.0, acct["useful_s"] - self.useful_before),
-                           run_start=self.run_start, run_end=run_end, islands=self.cfg.num_islands,
-                           advances=acct["advances"], fates=fates, stop_began=stop_began, first_merged=acct["first_merged"])
-        self.metrics.record_status(status, self.snapshot, ledger=fates)
-        self.metrics.record_goodput(good["goodput"], good["uptime"])
-        self.callbacks.island_events(self.snapshot, fates["processed"][0])  # those of the stop itself
-        self.callbacks.round(ledger=fates, status=status, statuses=live, new_rounds=new_rounds, wall_s=wall,
-                             goodput=good["goodput"], uptime=good["uptime"])
-        record_stop_events(self.events, self.snapshot, live, dead, faults, counted)
-        self.events.flush()
-        summary = run_summary(self, live=live, dead=dead, fates=fates, counted=counted, good=good, status=status,
-                              final_eval=final_eval, wall=wall, faults=faults)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.callbacks.end(summary)
-        return summary
+        good = self.ledger.goodput(acct, fates=fates, timeline=self.snapshot["timeline"], run_start=self.run_start,
+                                   run_end=run_end, islands=self.cfg.num_islands, stop_began=stop_began)
+        return SessionRecord(
+            cfg=self.cfg, snapshot=self.snapshot, first_inc=self.ledger.first_inc, live=live, dead=dead, fates=fates,
+            counted=self.ledger.counted(status, live, dead), good=good, status=status, final_eval=final_eval,
+            wall=wall, faults=faults, eval_points=self.evals.points, before=self.ledger.before,
+            before_flush_loss=self.evals.before_flush_loss, raw_loss=self.evals.raw_loss,
+            unigram_bpb=self.evals.unigram_bpb, faults_planned=len(self.world.tape), network=self.world.network.describe(),
+            network_emulated=self.world.network.emulated, stopped_by=self.stopped_by, run_start=self.run_start,
+            resumed=self.resume, corpus=self.world.data.source,
+        ), new_rounds
 
     def teardown(self) -> None:
         """Kill the run's actors and placement groups (islands are detached: they would outlive us)."""
         self.callbacks.fail(None)  # a run that never reached the end of _finish: its trackers' runs end, not hang open
-        if self.monitor is not None:
-            try:
-                self._get(self.monitor.teardown.remote())
-            except Exception as err:
-                log.warning("monitor teardown: %s", err)
-        if self.injector is not None:  # the nodes its node_joins faults started must not outlive the run
-            try:
-                self._get(self.injector.stop.remote(), timeout=60)
-            except Exception as err:
-                log.warning("chaos injector stop: %s", err)
-        kill_run_actors(self.run_id)
-
+        stop_session(self.run_id, self.monitor, self.injector, self.cfg.run.call_timeout_s)
 
 def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
           progress: Callable[[Progress], None] | None = None, resume: bool = False,

@@ -1,7 +1,7 @@
 """What a finished driver session writes: the summary dict (summary.json) and the stop-time event tables.
 
-`Run._finish` (orchestrator/run/driver.py) gathers the outcome from the actors, then calls these.
-The summary's keys and order are what `diloco train`, the benchmarks and the notebooks read
+`Run._finish` (orchestrator/run/driver.py) gathers the outcome from the actors into a `SessionRecord`, then
+calls these. The summary's keys and order are what `diloco train`, the benchmarks and the notebooks read
 (docs/metrics.md names them).
 """
 
@@ -9,16 +9,56 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from islands.spec import IslandStatus
 from orchestrator.config import RunConfig
 from orchestrator.core.eventlog import EventLog
 
-# `run` below is the driver's Run (orchestrator/run/driver.py), read by attribute: typed Any so that this module,
-# which the driver imports, never imports the driver back.
-Run = Any
+if TYPE_CHECKING:  # the metrics import Ray, which `diloco train` imports only after its checks (emulation_note)
+    from orchestrator.run.callbacks import Callbacks
+    from orchestrator.run.metrics import RunMetrics
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """The outcome of one finished driver session, as `Run._finish` gathered it: all that `run_summary` reads.
+
+    snapshot: the health monitor's last snapshot (slots, timeline, detections, salvages). first_inc: island ->
+    this session's first incarnation. live, dead: the islands' last statuses. fates: the token ledger
+    (orchestrator/core/accounting.py token_fates, per fragment); counted: (island, incarnation) -> tokens
+    processed as the ledger counts them; before: the earlier sessions' part of the ledger (None for a fresh
+    run). good: goodput's outcome (accounting.run_goodput). status: the stopped outer optimizer's status.
+    final_eval: the final evaluation point; eval_points: every one of the session. The losses: before the final
+    flush (None without run.final_flush), the raw global model's (None without run.average_window), the
+    corpus's unigram baseline (None without a token stream). network: the network model's description.
+    """
+
+    cfg: RunConfig
+    snapshot: dict
+    first_inc: Mapping[int, int]
+    live: list[IslandStatus]
+    dead: list[IslandStatus]
+    fates: dict
+    counted: Mapping[tuple[int, int], int]
+    good: dict
+    status: dict
+    final_eval: dict
+    wall: float
+    faults: list
+    eval_points: list[dict]
+    before: dict | None
+    before_flush_loss: float | None
+    raw_loss: float | None
+    unigram_bpb: float | None
+    faults_planned: int
+    network: str
+    network_emulated: bool
+    stopped_by: str
+    run_start: float
+    resumed: bool
+    corpus: str
 
 
 def emulation_note(cfg: RunConfig) -> str | None:
@@ -48,26 +88,37 @@ def record_stop_events(events: EventLog, snapshot: dict, live: list[IslandStatus
                             for s in snapshot.get("salvages", [])])
 
 
-def run_summary(run: Run, *, live: list[IslandStatus], dead: list[IslandStatus], fates: dict,
-                counted: Mapping[tuple[int, int], int], good: dict, status: dict, final_eval: dict, wall: float,
-                faults: list) -> dict:
-    """The summary of a finished session of `run`: losses, token fates, goodput, recovery, traffic, islands.
+def publish_outcome(r: SessionRecord, new_rounds: int, *, metrics: RunMetrics, callbacks: Callbacks,
+                    events: EventLog) -> None:
+    """Hand a finished session's outcome to the run's `metrics` and `callbacks` (`new_rounds`: the rounds drained
+    last), and add its stop-time tables to `events`."""
+    metrics.record_status(r.status, r.snapshot, ledger=r.fates)
+    metrics.record_goodput(r.good["goodput"], r.good["uptime"])
+    callbacks.island_events(r.snapshot, r.fates["processed"][0])  # those of the stop itself
+    callbacks.round(ledger=r.fates, status=r.status, statuses=r.live, new_rounds=new_rounds, wall_s=r.wall,
+                    goodput=r.good["goodput"], uptime=r.good["uptime"])
+    record_stop_events(events, r.snapshot, r.live, r.dead, r.faults, r.counted)
+    events.flush()
 
-    `fates`: the run's token ledger (orchestrator/core/accounting.py token_fates), which every token count here
-    is read from: tokens_processed is its processed (one number in every fragment) and the tokens_* fates its
-    fragment means, which add up to it; `counted`: each incarnation's tokens processed, as it counts them (the
-    islands' rows); `live`, `dead`: the islands' last statuses."""
-    P = run.plan.num_fragments
+
+def run_summary(r: SessionRecord) -> dict:
+    """The summary of a finished session: losses, token fates, goodput, recovery, traffic, islands.
+
+    Every token count is read from the ledger `r.fates`: tokens_processed is its processed (one number in every
+    fragment) and the tokens_* fates its fragment means, which add up to it; the islands' rows count `r.counted`."""
+    fates = r.fates
+    P = len(fates["processed"])
     mean = lambda xs: sum(xs) / P  # noqa: E731 - tokens count once per fragment; report the fragment mean
     assert len(set(fates["processed"])) == 1, f"processed differs between fragments: {fates['processed']}"
+    good = r.good
     return {
-        "mode": run.cfg.mode,
-        "emulation": emulation_note(run.cfg),
-        "eval_loss": final_eval["eval_loss"],
-        "eval_loss_before_flush": run.before_flush_loss,  # None without run.final_flush
-        "eval_loss_raw": run.raw_loss,  # the raw global model's; None without run.average_window
-        "eval_bits_per_byte": final_eval["eval_bits_per_byte"],
-        "unigram_bits_per_byte": run.unigram_bpb,
+        "mode": r.cfg.mode,
+        "emulation": emulation_note(r.cfg),
+        "eval_loss": r.final_eval["eval_loss"],
+        "eval_loss_before_flush": r.before_flush_loss,  # None without run.final_flush
+        "eval_loss_raw": r.raw_loss,  # the raw global model's; None without run.average_window
+        "eval_bits_per_byte": r.final_eval["eval_bits_per_byte"],
+        "unigram_bits_per_byte": r.unigram_bpb,
         "tokens_processed": fates["processed"][0],
         "tokens_merged": mean(fates["merged"]),
         "tokens_refused": mean(fates["refused"]),
@@ -77,25 +128,25 @@ def run_summary(run: Run, *, live: list[IslandStatus], dead: list[IslandStatus],
         "token_ledger": fates,  # per fragment; processed = merged + refused + in_flight + lost + overwritten in each
         # A resumed run: the earlier driver sessions' part of token_ledger, as of the checkpoint it resumed from
         # (docs/architecture.md section 6); None for a run of one session.
-        "token_ledger_before": run.before,
-        **_unreadable(live + dead),
+        "token_ledger_before": r.before,
+        **_unreadable(r.live + r.dead),
         "goodput": good["goodput"],
         "uptime": good["uptime"],  # from the first advance after every island was merged (policies/goodput.py)
         "fill_s": good["fill_s"],  # run start to that advance: the pipeline fill
         "time_by_state_s": good["time_by_state_s"],
         "useful_s": good["useful_s"],
         "allocated_s": good["allocated_s"],
-        **_recovery(run.snapshot, live + dead, faults, mean),
-        "faults_planned": len(run.tape),  # faults on this session's chaos tape; a run may end before all fire
-        **_traffic(run, status),
-        "wall_s": wall,
-        "stopped_by": run.stopped_by,  # token_budget | max_wall_s | stop_at_eval_loss | stop request | interrupted | tune
-        "run_start": run.run_start,  # wall clock (time.time) that goodput, chaos tapes and `at` fields count from
+        **_recovery(r.snapshot, r.live + r.dead, r.faults, mean),
+        "faults_planned": r.faults_planned,  # faults on this session's chaos tape; a run may end before all fire
+        **_traffic(r.status, r.network, r.network_emulated),
+        "wall_s": r.wall,
+        "stopped_by": r.stopped_by,  # token_budget | max_wall_s | stop_at_eval_loss | stop request | interrupted | tune
+        "run_start": r.run_start,  # wall clock (time.time) that goodput, chaos tapes and `at` fields count from
         "run_end": good["run_end"],  # wall clock when the islands had stopped: goodput's allocation ends here
-        "resumed": run.resume,
-        "corpus": run.data.source,
-        "islands": _island_rows(run, counted),
-        "evals": run.eval_points,
+        "resumed": r.resumed,
+        "corpus": r.corpus,
+        "islands": _island_rows(r.cfg, r.snapshot["slots"], r.first_inc, r.counted),
+        "evals": r.eval_points,
     }
 
 
@@ -139,7 +190,7 @@ def _recovery(snapshot: dict, statuses: list[IslandStatus], faults: list,
     }
 
 
-def _traffic(run: Run, status: dict) -> dict:
+def _traffic(status: dict, network: str, emulated: bool) -> dict:
     """Rounds, versions and the bytes each direction and link carried, with the network that carried them."""
     return {
         "rounds": status["rounds"],
@@ -150,17 +201,19 @@ def _traffic(run: Run, status: dict) -> dict:
         "bytes_sent": status["bytes_up"] + status["bytes_down"],
         "bytes_by_link": status["bytes_by_link"],  # {region: {up, down}} bytes on each region's link to the hub
         "transfers_by_link": status["transfers_by_link"],  # {region: {up, down}} transfers, as docs/network.md says
-        "network": run.network.describe(),
-        "network_emulated": run.network.emulated,
+        "network": network,
+        "network_emulated": emulated,
         "network_wait_s": status["network_wait_s"],  # delivery delay the emulated links added, per direction
     }
 
 
-def _island_rows(run: Run, counted: Mapping[tuple[int, int], int] | None = None) -> list[dict]:
-    """One row per island slot: where and how it trained, its failures, and its steps and tokens over every
-    incarnation of this session. `counted`: tokens per (island, incarnation) of this session as the ledger counts
-    them (accounting.incarnation_tokens: the rows add up to the session's processed); without it, the statuses'."""
-    precision = {p.name: run.cfg.precision_of(p) for p in run.cfg.pools}
+def _island_rows(cfg: RunConfig, slots: Mapping, first_inc: Mapping[int, int],
+                 counted: Mapping[tuple[int, int], int] | None = None) -> list[dict]:
+    """One row per island slot of a monitor snapshot's `slots`: where and how it trained, its failures, and its
+    steps and tokens over every incarnation of this session (`first_inc`: island -> its first incarnation).
+    `counted`: tokens per (island, incarnation) of this session as the ledger counts them
+    (accounting.incarnation_tokens: the rows add up to the session's processed); without it, the statuses'."""
+    precision = {p.name: cfg.precision_of(p) for p in cfg.pools}
 
     def tokens(s: dict) -> int:
         if counted is not None:
@@ -169,11 +222,11 @@ def _island_rows(run: Run, counted: Mapping[tuple[int, int], int] | None = None)
 
     return [{"island": s["island"], "pool": s["pool"], "node": s["node"], "incarnation": s["incarnation"],
              # incarnations started this session, failed starts included (each one is a new process)
-             "incarnations": s["incarnation"] - run.first_inc.get(s["island"], 1) + 1,
+             "incarnations": s["incarnation"] - first_inc.get(s["island"], 1) + 1,
              "failures": s["failures"], "restarts": s["restarts"], "state": s["state"],
              "joins": s.get("joins", 0), "leaves": s.get("leaves", 0),
              "device": s["status"].device if s["status"] else None,  # where it trained: cpu, cuda:0 (card)
              "precision": precision[s["pool"]],  # its inner steps' arithmetic (pool's, else inner.precision)
              "steps": (s["status"].steps if s["status"] else 0) + sum(f.steps for f in s["finals"]),
              "tokens": tokens(s)}
-            for s in run.snapshot["slots"].values()]
+            for s in slots.values()]

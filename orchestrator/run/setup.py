@@ -1,8 +1,8 @@
-"""Setting up one driver session: the run directory, checkpoint 0, and the control-plane actors.
+"""Setting up one driver session and taking it down: the run directory, checkpoint 0, and the control-plane actors.
 
 The driver (orchestrator/run/driver.py) calls these in order from `Run._setup`; each does one step
-and returns what the next needs. The control plane (outer optimizer, health monitor, chaos
-injector) is pinned to the driver's node: losing a worker node must never take it along.
+and returns what the next needs; `Run.teardown` ends with `stop_session`. The control plane (outer optimizer,
+health monitor, chaos injector) is pinned to the driver's node: losing a worker node must never take it along.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from orchestrator.actors.remote import (
     IslandActor,
     IslandWorkerActor,
     NodeEnderActor,
+    OuterOptimizerActor,
     ProgressKeeperActor,
 )
 from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
@@ -93,6 +94,23 @@ def here() -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
+def start_timeout_s(cfg: RunConfig) -> float:
+    """How long a process start may take (the outer optimizer's, the first islands'): placement's bound."""
+    return cfg.run.placement_timeout_s + 60
+
+
+def start_outer(cfg: RunConfig, run_id: str, ckpt_uri: str, *, plan: FragmentPlan, embedding_names: frozenset[str],
+                buffer_names: frozenset[str], network: Any, island_regions: dict[int, str],
+                optimizer: Any = None) -> tuple[str, Any]:
+    """Start the run's outer optimizer on checkpoints under `ckpt_uri`: (its name, its handle). `optimizer`: the
+    public API's outer optimizer factory, in place of the config's; `network`: the links it delivers over."""
+    name = f"outer-{run_id}"
+    outer = OuterOptimizerActor.options(name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here()).remote(
+        plan, outer_settings(cfg, optimizer=optimizer), embedding_names, ckpt_uri, cfg.checkpoint.every_s,
+        cfg.checkpoint.keep, network=network, island_regions=island_regions, buffer_names=buffer_names)
+    return name, outer
+
+
 def start_monitor(cfg: RunConfig, run_id: str, specs: list[IslandSpec], outer_name: str) -> tuple[str, Any]:
     """Start the run's health monitor (which places and keeps the islands): (its name, its handle)."""
     name = f"monitor-{run_id}"
@@ -137,3 +155,19 @@ def start_injector(tape: Any, run_id: str, monitor_name: str, run_start: float, 
         protected_node=ray.get_runtime_context().get_node_id(), ender_cls=NodeEnderActor, join_nodes=join_nodes)
     ray.get(injector.start.remote(), timeout=timeout_s)
     return injector
+
+
+def stop_session(run_id: str, monitor: Any, injector: Any, timeout_s: float) -> None:
+    """Take a session's actors down: the monitor's islands and placement groups, the chaos injector's nodes, then
+    every named actor of the run (islands are detached: they would outlive the driver). Failures are logged."""
+    if monitor is not None:
+        try:
+            ray.get(monitor.teardown.remote(), timeout=timeout_s)
+        except Exception as err:
+            log.warning("monitor teardown: %s", err)
+    if injector is not None:  # the nodes its node_joins faults started must not outlive the run
+        try:
+            ray.get(injector.stop.remote(), timeout=60)
+        except Exception as err:
+            log.warning("chaos injector stop: %s", err)
+    kill_run_actors(run_id)

@@ -7,11 +7,12 @@ torch nor Ray, so the CLI can announce the first stage before it loads the drive
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.config import RunConfig
 
-__all__ = ["STAGES", "Stage", "islands_ready", "placing_text", "stepped_islands"]
+__all__ = ["STAGES", "Stage", "StartupStages", "islands_ready", "placing_text", "stepped_islands"]
 
 # In the order a run begins them; "islands" repeats as more islands come up, and "first_step" comes as soon as
 # one island has stepped, which may be before the last island is up.
@@ -30,6 +31,31 @@ class Stage:
     text: str
     done: int = 0
     of: int = 0
+
+
+class StartupStages:
+    """Hands a session's start-up stages to `stages` (the `stages` callable of `train()`; None: nobody listens),
+    and "first_step" once: `first_step_seen` says whether it came (kept whether anyone listens or not)."""
+
+    def __init__(self, stages: Callable[[Stage], None] | None) -> None:
+        self.stages = stages
+        self.first_step_seen = False
+
+    @property
+    def listening(self) -> bool:
+        """Whether a caller takes the stages (the driver then polls its islands while they start)."""
+        return self.stages is not None
+
+    def __call__(self, name: str, text: str, done: int = 0, of: int = 0) -> None:
+        """Report the stage `name` (one of STAGES) with `text`; `done` of `of` for "islands"."""
+        if self.stages is not None:
+            self.stages(Stage(name, text, done, of))
+
+    def first_step(self, stepped: list[int]) -> None:
+        """Report "first_step" the first time `stepped` (the islands that have stepped) names one."""
+        if stepped and not self.first_step_seen:
+            self.first_step_seen = True
+            self("first_step", f"first step (island {', '.join(map(str, stepped))})")
 
 
 def placing_text(cfg: RunConfig) -> str:

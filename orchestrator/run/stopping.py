@@ -1,5 +1,8 @@
 """Stopping a run before its budget: a request from another thread, Ctrl-C, SIGTERM. No Ray, no torch.
 
+`tick_stop` is the driver loop's stop rule at each tick: a stop asked, the token budget, run.max_wall_s (the
+held-out loss target, run.stop_at_eval_loss, is checked with each evaluation: orchestrator/run/evaluations.py).
+
 There is one stop, whatever asks for it: `StopRequest.ask(reason)` ends the driver's loop at its next tick and
 the run finishes as it does at the token budget (the islands stop with a final flush, the outer optimizer
 merges what they sent and checkpoints, every token keeps its fate in the ledger, `summary.json`'s
@@ -10,14 +13,28 @@ same stop with reason INTERRUPTED, and `train()` then raises RunInterrupted, a K
 
 from __future__ import annotations
 
+import logging
 import shlex
 from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 INTERRUPTED = "interrupted"
 """summary.json's `stopped_by` for a run stopped by Ctrl-C (KeyboardInterrupt), SIGINT or SIGTERM."""
 STOP_REQUEST = "stop request"
 """summary.json's `stopped_by` for a run stopped by `Run.request_stop()` (another thread: a test, a notebook)."""
+
+
+def tick_stop(asked: str | None, *, processed: int, budget: int, elapsed_s: float, max_wall_s: float | None) -> str | None:
+    """Why the run stops at this tick, summary.json's `stopped_by`: the reason of a stop `asked`, "token_budget"
+    once `processed` tokens reach `budget`, "max_wall_s" once `elapsed_s` reach it; None to go on."""
+    if asked is not None or processed >= budget:
+        return asked or "token_budget"
+    if max_wall_s is not None and elapsed_s >= max_wall_s:
+        log.warning("stopping on max_wall_s=%s before the token budget", max_wall_s)
+        return "max_wall_s"
+    return None
 
 
 def resume_command(run_dir: str | Path) -> str:

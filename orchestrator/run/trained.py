@@ -46,8 +46,15 @@ import yaml
 
 from islands.model import ModelConfig, build_model
 from islands.model_api import ModelError, instantiate, resolve_callable, state_tensors
+from islands.spec import ModelRecipe
 from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig, apply_overrides, build_config
-from orchestrator.core.checkpoint import CheckpointError, CheckpointStore, checkpoint_dirname, run_checkpoint_uri
+from orchestrator.core.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    checkpoint_dirname,
+    run_checkpoint_uri,
+)
 from orchestrator.run.import_paths import import_path_of, is_main_path
 from orchestrator.run.workload import TOKENIZER_FILE
 from orchestrator.settings import model_recipe
@@ -148,6 +155,24 @@ def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = Fa
     recorded = cfg.model.factory
     if model is not None:  # what export records and evaluate rebuilds from then on
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"factory": import_path_of(model)})})
+    step, ckpt = _checkpoint(cfg, run_dir, step)
+    recipe, built = _rebuild(cfg, ckpt, run_dir, model, recorded)
+    average = {} if raw else ckpt.average_parameters()
+    where = f"checkpoint {checkpoint_dirname(step)} of {run_dir}"
+    _load_into(built, average or ckpt.parameters(), where, *_mismatch_words(cfg, recipe, built, model))
+    built.eval()
+    meta = ckpt.meta
+    versions = meta.get("outer", {}).get("versions")
+    tokens = meta.get("tokens_processed", meta.get("extra", {}).get("tokens_processed"))
+    return TrainedModel(model=built, run_config=cfg, mode=mode, step=step, checkpoint=ckpt.path,
+                        versions=None if versions is None else list(versions),
+                        tokens_processed=None if tokens is None else int(tokens), averaged=bool(average),
+                        run_dir=Path(run_dir), rebuilt_by=model)
+
+
+def _checkpoint(cfg: RunConfig, run_dir: str | Path, step: int | None) -> tuple[int, Checkpoint]:
+    """(step, checkpoint) of the run's checkpoint `step` (None = the newest), its payload verified. Raises
+    TrainedModelError (one line) for a run without checkpoints, a step it does not hold, or a corrupt one."""
     uri = run_checkpoint_uri(cfg.checkpoint.uri, run_dir)
     if "://" not in uri and not Path(uri).is_dir():
         raise TrainedModelError(f"{run_dir} has no checkpoints at {uri}: the run failed before its first one, or it "
@@ -162,10 +187,15 @@ def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = Fa
         raise TrainedModelError(f"no checkpoint {step} under {uri}; it holds {', '.join(map(str, steps))} "
                                 "(older ones are pruned: checkpoint.keep)")
     try:
-        ckpt = store.load(step)
+        return step, store.load(step)
     except CheckpointError as err:
         raise TrainedModelError(str(err)) from None
 
+
+def _rebuild(cfg: RunConfig, ckpt: Checkpoint, run_dir: str | Path, model: Any,
+             recorded: str | None) -> tuple[ModelRecipe, torch.nn.Module]:
+    """The run's model recipe and a fresh model built from it (`model`: the factory given in place of the one
+    config.yaml records, `recorded`). Raises TrainedModelError (one line: what to pass) when it cannot be built."""
     shape = cfg.model.shape()
     rows = ckpt.parameters().get("tok_emb.weight")
     if model is None and cfg.model.factory is None and rows is not None:
@@ -174,24 +204,30 @@ def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = Fa
         shape = dataclasses.replace(shape, vocab_size=int(rows.shape[0]))
     recipe = model_recipe(cfg, shape=shape, model=model)
     try:
-        built = instantiate(recipe.model, recipe.seed)
+        return recipe, instantiate(recipe.model, recipe.seed)
     except ModelError as err:
         raise TrainedModelError(f"cannot rebuild the model of {run_dir}: {_unbuildable(model, recorded, err)}") from None
-    average = {} if raw else ckpt.average_parameters()
-    averaged = bool(average)
-    params = average or ckpt.parameters()
-    named = state_tensors(built)
-    where = f"checkpoint {checkpoint_dirname(step)} of {run_dir}"
-    # What a mismatch most likely means, and its fix: the model given, or the one config.yaml names.
+
+
+def _mismatch_words(cfg: RunConfig, recipe: ModelRecipe, built: torch.nn.Module, model: Any) -> tuple[str, str, str]:
+    """What a checkpoint that does not fit the rebuilt model most likely means, and its fix: (the model it was
+    checked against, that model named, the fix), for the model given or the one config.yaml names."""
     if model is not None:
-        cause, named_as, fix = "the model given to rebuild it", f"{recipe.name!r}, a {type(built).__name__}", \
+        return "the model given to rebuild it", f"{recipe.name!r}, a {type(built).__name__}", \
             "pass the factory the run trained"
-    else:
-        cause, named_as = "the model of its config.yaml", recipe.name
-        if cfg.model.factory is None:
-            named_as += ", the built-in model: it names no model factory"
-        fix = ("was config.yaml changed after the run? " + ("if the run trained a model of your own, " if
-               cfg.model.factory is None else "else ") + _pass_model(cfg.model.factory))
+    named_as = recipe.name
+    if cfg.model.factory is None:
+        named_as += ", the built-in model: it names no model factory"
+    fix = ("was config.yaml changed after the run? " + ("if the run trained a model of your own, " if
+           cfg.model.factory is None else "else ") + _pass_model(cfg.model.factory))
+    return "the model of its config.yaml", named_as, fix
+
+
+def _load_into(built: torch.nn.Module, params: dict[str, torch.Tensor], where: str, cause: str, named_as: str,
+               fix: str) -> None:
+    """Copy `params` into `built`'s state tensors; raises TrainedModelError (one line, naming the first mismatch,
+    `cause`, `named_as` and `fix`) for a missing, extra or reshaped tensor."""
+    named = state_tensors(built)
     missing, extra = sorted(set(named) - set(params)), sorted(set(params) - set(named))
     if missing or extra:
         which = f"the model has {missing[0]!r}, the checkpoint not" if missing else \
@@ -204,14 +240,6 @@ def load_trained(run_dir: str | Path, *, step: int | None = None, raw: bool = Fa
                 raise TrainedModelError(f"{where}: {name} has shape {tuple(t.shape)} but {cause} wants "
                                         f"{tuple(p.shape)}; {fix}")
             p.copy_(t)
-    built.eval()
-    meta = ckpt.meta
-    versions = meta.get("outer", {}).get("versions")
-    tokens = meta.get("tokens_processed", meta.get("extra", {}).get("tokens_processed"))
-    return TrainedModel(model=built, run_config=cfg, mode=mode, step=step, checkpoint=ckpt.path,
-                        versions=None if versions is None else list(versions),
-                        tokens_processed=None if tokens is None else int(tokens), averaged=averaged,
-                        run_dir=Path(run_dir), rebuilt_by=model)
 
 
 def _pass_model(recorded: str | None) -> str:

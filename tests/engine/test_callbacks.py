@@ -250,6 +250,7 @@ def test_the_drivers_flush_hands_the_rounds_and_goodput_to_on_round():
     """Run._periodic at a flush (no Ray: a Run without its set-up, stand-ins for the actor calls): on_round gets
     the ledger, the tick's status, the rounds just drained and the goodput the metrics just recorded."""
     from orchestrator.run.driver import Run
+    from orchestrator.run.ledger import SessionLedger
 
     class Events:
         def flush(self):
@@ -267,7 +268,9 @@ def test_the_drivers_flush_hands_the_rounds_and_goodput_to_on_round():
 
     run = Run.__new__(Run)
     run.cfg = build_config({"eval": {"interval_s": 10.0}})
-    run.events, run.metrics, run.ledger, run.run_start, run.useful_before = Events(), Metrics(), LEDGER, 0.0, 0.0
+    run.events, run.metrics, run.run_start = Events(), Metrics(), 0.0
+    run.ledger = SessionLedger(fragments=2)
+    run.ledger.current = LEDGER
     run.snapshot = {"slots": {0: {"status": status(0, 2.0), "finals": []}}}
     run.callbacks = Callbacks([Rounds()], info())
     run._drain_events = lambda: 3

@@ -11,7 +11,10 @@ from __future__ import annotations
 from ray.exceptions import ActorUnavailableError
 
 from orchestrator.config import build_config
+from orchestrator.run.callbacks import Callbacks
 from orchestrator.run.driver import Run
+from orchestrator.run.evaluations import RunEvaluations
+from orchestrator.run.ledger import SessionLedger
 
 
 class _Recorder:
@@ -28,9 +31,10 @@ class _Recorder:
 def _run(fail_evals: int, fail_drains: int = 0) -> Run:
     run = Run.__new__(Run)  # no set-up: only what _periodic touches
     run.cfg = build_config({"eval": {"interval_s": 10.0}})
-    run.eval_points, run.events, run.metrics = [], _Recorder(), _Recorder()
-    run.outer = run.snapshot = run.run_start = run.ledger = None
-    run.useful_before = 0.0
+    run.events, run.metrics = _Recorder(), _Recorder()
+    run.evals = RunEvaluations(None, None, None, Callbacks(None, None))  # its points: what _evaluate recorded
+    run.ledger = SessionLedger(fragments=1)
+    run.outer = run.snapshot = run.run_start = None
     run.stopped_by = None
     left = {"eval": fail_evals, "drain": fail_drains}
 
@@ -39,7 +43,7 @@ def _run(fail_evals: int, fail_drains: int = 0) -> Run:
             left[kind] -= 1
             raise ActorUnavailableError("The actor was restarted.", None)
         if point is not None:
-            run.eval_points.append(point)
+            run.evals.points.append(point)
 
     run._evaluate = lambda t0: flaky("eval", {"eval_loss": 3.0})
     run._drain_events = lambda: flaky("drain")
@@ -49,9 +53,9 @@ def _run(fail_evals: int, fail_drains: int = 0) -> Run:
 def test_a_failed_evaluation_stays_due_and_runs_at_the_next_tick():
     run = _run(fail_evals=1)
     next_eval, next_flush, stop = run._periodic(0.0, 10.0, 10.0, 100.0, {})
-    assert (next_eval, next_flush, stop) == (10.0, 100.0, False) and run.eval_points == []
+    assert (next_eval, next_flush, stop) == (10.0, 100.0, False) and run.evals.points == []
     next_eval, next_flush, stop = run._periodic(0.0, 10.5, next_eval, next_flush, {})
-    assert (next_eval, stop) == (20.5, False) and run.eval_points == [{"eval_loss": 3.0}]
+    assert (next_eval, stop) == (20.5, False) and run.evals.points == [{"eval_loss": 3.0}]
 
 
 def test_a_failed_drain_stays_due_and_nothing_after_it_runs():
@@ -65,6 +69,6 @@ def test_a_failed_drain_stays_due_and_nothing_after_it_runs():
 def test_the_eval_target_still_stops_the_run():
     run = _run(fail_evals=0)
     run.cfg = build_config({"eval": {"interval_s": 10.0}, "run": {"stop_at_eval_loss": 3.5}})
-    run.eval_points = [{"eval_loss": 3.2}]  # the rule wants two evaluations at or below the target in a row
+    run.evals.points = [{"eval_loss": 3.2}]  # the rule wants two evaluations at or below the target in a row
     _, _, stop = run._periodic(0.0, 10.0, 10.0, 100.0, {})
     assert stop and run.stopped_by == "stop_at_eval_loss"

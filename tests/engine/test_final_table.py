@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from islands.spec import IslandStatus
 from orchestrator.cli.train import ProgressBar
+from orchestrator.config import build_config
 from orchestrator.run.results import _island_rows
 from orchestrator.run.summary import faults_cell, format_summary
 
@@ -74,12 +75,11 @@ def test_the_summary_rows_of_an_island_sum_its_dead_incarnations():
     """Island 1 died twice (after 50 and 66 steps) and its third incarnation took 64: 180 steps, not 64."""
     slot = {"island": 1, "pool": "fast", "node": "n", "incarnation": 3, "failures": 2, "restarts": 2, "state": "stopped",
             "status": _island_status(3, 64), "finals": [_island_status(1, 50), _island_status(2, 66)]}
-    run = SimpleNamespace(cfg=SimpleNamespace(pools=[SimpleNamespace(name="fast")], precision_of=lambda p: "fp32"),
-                          snapshot={"slots": {1: slot}}, first_inc={1: 1})
-    (row,) = _island_rows(run)
+    cfg = build_config({})
+    (row,) = _island_rows(cfg, {1: slot}, first_inc={1: 1})
     assert (row["incarnations"], row["incarnation"], row["steps"], row["tokens"]) == (3, 3, 180, 180 * 512)
-    run.first_inc = {1: 3}  # a resumed session that started at incarnation 3 counts its own
-    assert _island_rows(run)[0]["incarnations"] == 1
+    # a resumed session that started at incarnation 3 counts its own
+    assert _island_rows(cfg, {1: slot}, first_inc={1: 3})[0]["incarnations"] == 1
 
 
 def _progress(**kw) -> SimpleNamespace:

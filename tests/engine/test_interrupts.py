@@ -18,8 +18,12 @@ from orchestrator.cli.interrupts import SignalStop, exit_code
 from orchestrator.cli.train import _interrupted_before
 from orchestrator.config import build_config
 from orchestrator.core.checkpoint import CheckpointStore
+from orchestrator.run.callbacks import Callbacks
 from orchestrator.run.driver import Run
-from orchestrator.run.stopping import INTERRUPTED, STOP_REQUEST, RunInterrupted, StopRequest, resume_command
+from orchestrator.run.evaluations import RunEvaluations
+from orchestrator.run.ledger import SessionLedger
+from orchestrator.run.startup import StartupStages
+from orchestrator.run.stopping import INTERRUPTED, STOP_REQUEST, RunInterrupted, StopRequest, resume_command, tick_stop
 from orchestrator.run.summary import faults_cell
 
 
@@ -128,10 +132,13 @@ def test_the_loop_stops_at_the_tick_after_a_stop_is_asked():
     """_loop itself: a stop asked by a signal handler ends it at the next tick, before the budget."""
     run = Run.__new__(Run)
     run.cfg = build_config({"run": {"token_budget": 10**9}})
-    run.stop, run.stopped_by, run.injector, run._start_point = StopRequest(), "token_budget", None, None
+    run.stop, run.stopped_by, run.injector = StopRequest(), "token_budget", None
+    run.evals = RunEvaluations(None, None, None, Callbacks(None, None))  # no starting point waits to be scored
+    run.startup = StartupStages(None)
     run.run_id = "r"
     run.snapshot = {"slots": {}}
-    run.ledger = {"processed": [10]}
+    run.ledger = SessionLedger(fragments=1)
+    run.ledger.current = {"processed": [10]}
     ticks = []
 
     class _Outer:
@@ -148,9 +155,9 @@ def test_the_loop_stops_at_the_tick_after_a_stop_is_asked():
     run.outer = _Outer()
     run._refresh = lambda: ticks.append(1) or (run.stop.ask(INTERRUPTED) if len(ticks) == 2 else None)
     run._get = lambda ref, timeout=None: ref
-    run._account = lambda status: run.ledger
-    run._note_ledger = dict
-    run._note_first_step = run._report = lambda *a: None
+    run.ledger.account = lambda status, snapshot: run.ledger.current
+    run.ledger.note = dict
+    run._report = lambda *a: None
     run.metrics = type("M", (), {"record_status": lambda *a, **kw: None})()
     run._periodic = lambda t0, now, e, f, s: (e, f, False)
     run._loop(time.monotonic())
@@ -172,3 +179,13 @@ def test_an_interrupted_start_up_names_the_resume_only_where_a_checkpoint_is(tmp
     assert _interrupted_before(run_dir, cfg).endswith("nothing to resume"), "a config.yaml but no checkpoint"
     CheckpointStore(str(run_dir / "checkpoints")).save(0, {"w": torch.zeros(1)}, {})
     assert _interrupted_before(run_dir, cfg) == f"interrupted while starting; resume with: diloco train --resume {run_dir}"
+
+
+def test_the_tick_stop_rule_names_why_the_run_stops():
+    kw = {"processed": 10, "budget": 100, "elapsed_s": 5.0, "max_wall_s": None}
+    assert tick_stop(None, **kw) is None
+    assert tick_stop(STOP_REQUEST, **kw) == STOP_REQUEST
+    assert tick_stop(None, **{**kw, "processed": 100}) == "token_budget"
+    assert tick_stop(INTERRUPTED, **{**kw, "processed": 100}) == INTERRUPTED, "a stop asked keeps its reason"
+    assert tick_stop(None, **{**kw, "max_wall_s": 5.0}) == "max_wall_s"
+    assert tick_stop(None, **{**kw, "max_wall_s": 6.0}) is None

@@ -10,7 +10,7 @@ orchestrator/run/results.py, orchestrator/run/summary.py, orchestrator/run/repor
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import pytest
 
@@ -25,8 +25,9 @@ from orchestrator.core.accounting import (
     shown_fates,
     token_fates,
 )
+from orchestrator.run.ledger import SessionLedger
 from orchestrator.run.report import _summary_rows
-from orchestrator.run.results import run_summary
+from orchestrator.run.results import SessionRecord, run_summary
 from orchestrator.run.summary import format_summary
 
 P = 2
@@ -72,18 +73,17 @@ def summarize(*, live: list[IslandStatus], dead: list[IslandStatus], ledger: dic
                  "incarnation": max([s.incarnation for s in live + dead if s.island == i], default=first_inc[i]),
                  "status": next((s for s in live if s.island == i), None),
                  "finals": [s for s in dead if s.island == i]} for i in (0, 1)}
-    run = SimpleNamespace(
-        cfg=cfg, plan=SimpleNamespace(num_fragments=P), before_flush_loss=None, raw_loss=None, unigram_bpb=4.8,
-        snapshot={"slots": slots, "timeline": [], "detect_s": [], "rejoin_s": []}, tape=[], stopped_by="token_budget",
-        network=SimpleNamespace(describe=lambda: "no network emulation", emulated=False), run_start=0.0,
-        resume=before is not None, data=SimpleNamespace(source="synthetic"), eval_points=[], first_inc=first_inc,
-        before=before)
     traffic = {"rounds": 4, "refusals": 0, "versions": [2, 2], "bytes_up": 1, "bytes_down": 1, "bytes_by_link": {},
                "transfers_by_link": {}, "network_wait_s": {}}
     good = {"goodput": 0.8, "uptime": 0.9, "fill_s": 1.0, "time_by_state_s": {}, "useful_s": 8.0, "allocated_s": 10.0,
             "run_end": 10.0}
-    return run_summary(run, live=live, dead=dead, fates=fates, counted=counted, good=good, status=traffic,
-                       final_eval={"eval_loss": 2.0, "eval_bits_per_byte": 2.9}, wall=10.0, faults=[])
+    record = SessionRecord(
+        cfg=cfg, snapshot={"slots": slots, "timeline": [], "detect_s": [], "rejoin_s": []}, first_inc=first_inc,
+        live=live, dead=dead, fates=fates, counted=counted, good=good, status=traffic,
+        final_eval={"eval_loss": 2.0, "eval_bits_per_byte": 2.9}, wall=10.0, faults=[], eval_points=[], before=before,
+        before_flush_loss=None, raw_loss=None, unigram_bpb=4.8, faults_planned=0, network="no network emulation",
+        network_emulated=False, stopped_by="token_budget", run_start=0.0, resumed=before is not None, corpus="synthetic")
+    return run_summary(record)
 
 
 def _table(summary: dict) -> dict[str, str]:
@@ -215,6 +215,33 @@ def test_a_resume_keeps_the_earlier_sessions_fates_and_loses_what_was_in_flight(
     # What was in flight when it stopped is lost: the restore drops pending submissions, islands restart afresh.
     assert before["in_flight"] == [0] * P and before["lost"] == [f["lost"][p] + f["in_flight"][p] for p in range(P)]
     assert_adds_up(before)
+
+
+@dataclass(frozen=True)
+class _Spec:  # the part of an IslandSpec that SessionLedger.continue_incarnations reads and replaces
+    island: int
+    incarnation: int
+
+
+def test_a_resumed_session_continues_each_islands_incarnations_above_the_checkpoints():
+    """SessionLedger.resume (Run._restore): the earlier part of the ledger as of the checkpoint, and each island's
+    incarnations above the last one the checkpoint's metadata or the outer optimizer's receipts know."""
+    restored, first = first_session()
+    extra = {**first["extra"], "incarnations": {"0": 1, "1": 1}}
+    received = [[0, 1, [4096, 3072]], [1, 1, [0, 0]], [1, 2, [2048, 1024]]]
+    book = SessionLedger(P)
+    book.resume(restored=restored, extra=extra, acct={"useful_s": 7.5, "received": received})
+    assert book.before == resumed_ledger(fragments=P, restored=restored, extra=extra) == book.current
+    assert book.note() == {"tokens_processed": book.before["processed"][0], "token_ledger": book.before,
+                           "token_ledger_before": book.before, "useful_s_before": 7.5}
+    specs = book.continue_incarnations([_Spec(0, 1), _Spec(1, 1), _Spec(2, 1)])
+    assert [(s.island, s.incarnation) for s in specs] == [(0, 2), (1, 3), (2, 1)]
+    assert book.first_inc == {0: 2, 1: 3, 2: 1}
+    # This session's receipts only: the earlier incarnations' are the checkpoint's, in `before`.
+    assert book.received({"received": received + [[1, 3, [512, 0]]]}) == {(1, 3): [512, 0]}
+    fresh = SessionLedger(P)
+    assert fresh.continue_incarnations([_Spec(0, 1)]) == [_Spec(0, 1)] and fresh.before is None
+    assert fresh.processed == 0 and fresh.first_inc == {0: 1}
 
 
 def test_a_resumed_runs_table_adds_up_and_shows_the_interruptions_loss():

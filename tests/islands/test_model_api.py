@@ -191,7 +191,7 @@ def test_a_tied_weight_is_one_parameter_in_the_plan_and_the_embedding_names(head
     shared = "lm_head.weight" if head_first else "embed.weight"
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert shared in initial and len(initial) == 3  # embed/lm_head (once), mix.weight, mix.bias
-    # The driver's plan, from the same expression (orchestrator/run/driver.py _build_world).
+    # The driver's plan, from the same expression (orchestrator/run/driver.py build_world).
     plan = plan_fragments([(n, t.numel() * t.element_size()) for n, t in initial.items()], 2)
     planned = [n for frag in plan.fragments for n in frag]
     assert sorted(planned) == sorted(initial)
