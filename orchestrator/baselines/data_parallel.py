@@ -481,9 +481,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Empty, Queue
 
-    from orchestrator.run.driver import ensure_ray, load_corpus, with_measured_step
-    from orchestrator.run.streams import heldout_unigram_bits
-    from orchestrator.run.workload import TrainingData, training_data
+    from orchestrator.run.driver import ensure_ray, with_measured_step
 
     if wire not in WIRE_BYTES:
         raise ConfigError(f"wire={wire!r}: use one of {', '.join(WIRE_BYTES)}")
@@ -503,7 +501,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
     queue = None
     try:
         (run_dir / "config.yaml").write_text(yaml.safe_dump({**cfg.model_dump(mode="json"), "mode": DATA_PARALLEL_MODE}, sort_keys=False))
-        data = TrainingData.of_corpus(load_corpus(cfg)) if in_memory else training_data(cfg)
+        data = _training_data(cfg, in_memory=in_memory)
         plan = _plan(cfg, data, wire)
         here = ray.get_runtime_context().get_node_id()
         queue = Queue(maxsize=1000, actor_options={"num_cpus": 0, "label_selector": {"ray.io/node-id": here}}) if progress else None
@@ -520,9 +518,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         out = result.return_value
         if out is None:
             raise RuntimeError(f"Ray Train finished without a result from rank 0 (error: {result.error})")
-        unigram = (heldout_unigram_bits(data.heldout, data.vocab_size) if data.is_streamed else
-                   unigram_bits_per_byte(data.train, data.heldout, vocab_size=data.vocab_size))  # as the engine's run does
-        summary = _summary(cfg, out, plan, wire=wire, fit_s=fit_s, unigram=unigram,
+        summary = _summary(cfg, out, plan, wire=wire, fit_s=fit_s, unigram=_unigram(data),
                            corpus=data.source + ("" if data.is_streamed else "; read whole into every worker"),
                            result_path=result.path)
         _write_outputs(cfg, run_dir, ckpt_uri, out, summary)
@@ -536,6 +532,22 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         handler.close()
         if started:
             ray.shutdown()
+
+
+def _training_data(cfg: RunConfig, *, in_memory: bool) -> Any:
+    """The run's data as the islands would read it (a TokenStream plan), or the corpus read whole (`in_memory`)."""
+    from orchestrator.run.workload import TrainingData, load_corpus, training_data
+
+    return TrainingData.of_corpus(load_corpus(cfg)) if in_memory else training_data(cfg)
+
+
+def _unigram(data: Any) -> float:
+    """The corpus's unigram baseline in bits per byte, as the engine's run scores it (orchestrator/run/driver.py)."""
+    from orchestrator.run.streams import heldout_unigram_bits
+
+    if data.is_streamed:  # the training units never reach the driver: fitted on half the held-out sample
+        return heldout_unigram_bits(data.heldout, data.vocab_size)
+    return unigram_bits_per_byte(data.train, data.heldout, vocab_size=data.vocab_size)
 
 
 def _write_outputs(cfg: RunConfig, run_dir: Path, ckpt_uri: str, out: dict, summary: dict) -> None:
