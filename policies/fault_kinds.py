@@ -29,16 +29,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
-
-if TYPE_CHECKING:
-    from policies.chaos import Fault
+from typing import Any, ClassVar, Protocol, TypedDict
 
 __all__ = [
     "CAPACITY_KINDS", "DRAIN_DEADLINE_S", "FAILURE_KINDS", "FAULT_KINDS", "ISLAND", "JOINED_NODE_DEADLINE_S",
     "KILL_KINDS", "NODE", "POISON_KINDS", "POISON_SCALE", "POOL", "RUN", "RUN_KINDS",
     "Drawn", "FaultKind", "IslandFaultKind", "IslandHooks", "PoisonKind", "RunKind", "TapeParams",
-    "fault_kind", "index", "kinds", "names", "poison_kind", "unregister", "until",
+    "fault_kind", "index", "island_kind", "kinds", "names", "poison_kind", "unregister", "until",
 ]
 
 # What a kind hits (FaultKind.target).
@@ -68,6 +65,19 @@ class TapeParams:
     slow_factor: float
     slow_duration_s: float
     drain_deadline_s: float
+
+
+class Fault(Protocol):
+    """What a kind's rules read of a fault (``policies.chaos.Fault``, which imports this module: no import back)."""
+
+    @property
+    def island(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def duration_s(self) -> float: ...
+    @property
+    def factor(self) -> float: ...
 
 
 class Drawn(TypedDict, total=False):
@@ -388,6 +398,16 @@ def fault_kind(name: str) -> FaultKind:
     kind = _REGISTRY.get(name) if isinstance(name, str) else None
     if kind is None:
         raise ValueError(f"unknown fault kind {name!r}; valid kinds are {', '.join(_REGISTRY)}")
+    return kind
+
+
+def island_kind(name: str) -> IslandFaultKind:
+    """The island kind called ``name`` (one an island injects into itself); anything else is a one-line
+    ``ValueError`` naming the island kinds."""
+    kind = _REGISTRY.get(name) if isinstance(name, str) else None
+    if not isinstance(kind, IslandFaultKind):
+        island_kinds = [k.name for k in _REGISTRY.values() if isinstance(k, IslandFaultKind)]
+        raise ValueError(f"unknown fault kind {name!r} for an island; use {', '.join(island_kinds)}")
     return kind
 
 
