@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Protocol, TypedDict
 __all__ = [
     "CAPACITY_KINDS", "DRAIN_DEADLINE_S", "FAILURE_KINDS", "FAULT_KINDS", "ISLAND", "JOINED_NODE_DEADLINE_S",
     "KILL_KINDS", "NODE", "POISON_KINDS", "POISON_SCALE", "POOL", "RUN", "RUN_KINDS",
-    "Drawn", "FaultKind", "IslandFaultKind", "IslandHooks", "PoisonKind", "RunKind", "TapeParams",
+    "Drawn", "FaultFields", "FaultKind", "IslandFaultKind", "IslandHooks", "PoisonKind", "RunKind", "TapeParams",
     "fault_kind", "index", "island_kind", "kinds", "names", "poison_kind", "unregister", "until",
 ]
 
@@ -67,7 +67,7 @@ class TapeParams:
     drain_deadline_s: float
 
 
-class Fault(Protocol):
+class FaultFields(Protocol):
     """What a kind's rules read of a fault (``policies.chaos.Fault``, which imports this module: no import back)."""
 
     @property
@@ -146,7 +146,7 @@ class FaultKind:
         """A run kind hits the run once, not each island: one target in a tape, its own Poisson stream."""
         return self.target == RUN
 
-    def check(self, fault: Fault) -> None:
+    def check(self, fault: FaultFields) -> None:
         """Refuse a fault of this kind whose parameters do not fit it (a one-line ``ValueError``)."""
         _require(self.takes_factor or fault.factor == 1.0,
                  f"Fault.factor only applies to kind {' or '.join(repr(k.name) for k in kinds() if k.takes_factor)}, got "
@@ -156,7 +156,7 @@ class FaultKind:
         """The ``Fault`` fields (``duration_s``, ``factor``) a drawn tape gives a fault of this kind; unset: 0 and 1."""
         return {}
 
-    def recovery_delay_s(self, fault: Fault) -> float:
+    def recovery_delay_s(self, fault: FaultFields) -> float:
         """Seconds the monitor waits before restarting the island this fault ends (the injector reports it)."""
         return fault.duration_s if self.kills else 0.0
 
@@ -218,7 +218,7 @@ class Slow(IslandFaultKind):
     name = "slow"
     takes_factor = True
 
-    def check(self, fault: Fault) -> None:
+    def check(self, fault: FaultFields) -> None:
         _require(fault.factor > 1.0, f"Fault.factor of a slow fault must be > 1, got {fault.factor}; use e.g. factor=4.0")
 
     def drawn(self, params: TapeParams) -> Drawn:
@@ -267,7 +267,7 @@ class DrainNode(FaultKind):
     injection = "drain_node"
     reported = False  # no failure to note: the monitor sees the drain itself (orchestrator/actors/drains.py)
 
-    def check(self, fault: Fault) -> None:
+    def check(self, fault: FaultFields) -> None:
         _require(fault.duration_s > 0, f"Fault.duration_s of a {self.name} fault is its node's deadline and must be > 0, "
                                        f"got {fault.duration_s}; use e.g. duration_s=20")
         super().check(fault)
@@ -357,7 +357,7 @@ class RunKind(FaultKind):
 
     target = RUN
 
-    def check(self, fault: Fault) -> None:
+    def check(self, fault: FaultFields) -> None:
         super().check(fault)
         # A run kind hits the run's one outer optimizer or monitor: an island number would read as a target it is not.
         _require(fault.island == 0, f"Fault.island of a {self.name} fault must be 0 (it names no island: the run has one), "
