@@ -44,12 +44,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 
 import orchestrator  # noqa: E402,F401 - before ray: it sets Ray's log filter (orchestrator/__init__.py)
-from islands.faults import POISON_KINDS  # noqa: E402
 from orchestrator.actors.remote import WORKER_ENV  # noqa: E402
 from orchestrator.config import ConfigError, RunConfig, load_config  # noqa: E402
 from orchestrator.core.eventlog import read_events  # noqa: E402
 from orchestrator.run.driver import train  # noqa: E402
 from policies.chaos import Fault, FaultTape  # noqa: E402
+from policies.fault_kinds import POISON_KINDS  # noqa: E402
 
 WHOLE_RUN_S = 1e7  # a drop window longer than any run
 GROUPS = ("clean", "clean-off", "guarded", "unguarded", "dropped")

@@ -1,12 +1,13 @@
-"""Faults injected into one island (chaos engineering): hang, slow down, drop, corrupt or poison a submission.
+"""Faults injected into one island (chaos engineering): the island's fault state and the hooks that read it.
 
-The chaos injector (orchestrator/actors/chaos_injector.py) calls `LearnerIsland.inject`; the inner
-loop asks `hung`/`slowdown` at each step and the outbox asks `take_drop`/`take_corrupt`/`poison` at each cut.
-Killing the island's actor is done from outside (ray.kill); killing its node is done here.
+The chaos injector (orchestrator/actors/chaos_injector.py) calls `LearnerIsland.inject`, which hands the fault to
+its kind (policies/fault_kinds.py, where every kind is declared): an island kind sets this state through the hooks
+of `policies.fault_kinds.IslandHooks` (hang, slow down, drop, corrupt or poison submissions, kill the node). The
+inner loop asks `hung`/`slowdown` at each step and the outbox asks `take_drop`/`take_corrupt`/`poison` at each cut.
+Killing the island's actor is done from outside (ray.kill).
 
 A poisoned island (POISON_KINDS) sends outer gradients that are finite and well shaped but wrong, for a while
-or for the rest of its incarnation: scaled 100x, sign-flipped, measured from the base it held when the fault
-began (so ever more stale), or random noise of the honest norm. The outer optimizer's poison guard
+or for the rest of its incarnation, as its poison kind makes them (`poisoned`). The outer optimizer's poison guard
 (policies/poison_guard.py) is what must refuse them.
 """
 
@@ -21,10 +22,11 @@ import time
 
 import torch
 
+from policies.fault_kinds import POISON_KINDS, POISON_SCALE, island_kind, poison_kind
+
 log = logging.getLogger(__name__)
 
-POISON_KINDS = ("scaled_submission", "flipped_submission", "stale_submission", "noise_submission")
-POISON_SCALE = 100.0  # scaled_submission's factor on the outer gradient
+__all__ = ["POISON_KINDS", "POISON_SCALE", "InjectedFaults", "corrupt", "poisoned"]  # the kinds' views, re-exported
 
 
 class InjectedFaults:
@@ -43,32 +45,47 @@ class InjectedFaults:
         self._poison_until = 0.0
 
     def inject(self, kind: str, *, now: float, duration_s: float = 0.0, factor: float = 1.0) -> None:
-        """Record fault `kind` at monotonic time `now` (duration 0: until the incarnation ends)."""
+        """Record fault `kind` at monotonic time `now` (duration 0: until the incarnation ends): its kind sets the
+        hooks below (policies/fault_kinds.py)."""
         self.count += 1
-        if kind == "hang":
-            self._hang_until = now + duration_s if duration_s > 0 else math.inf
-        elif kind == "slow":
-            if factor <= 1.0:
-                raise ValueError(f"slow fault needs factor > 1, got {factor}")
-            self._slow_factor, self._slow_until = factor, now + (duration_s if duration_s > 0 else math.inf)
-        elif kind == "drop_submission":  # duration 0: the next submission; else every one in the window
-            if duration_s > 0:
-                self._drop_until = max(self._drop_until, now + duration_s)
-            else:
-                self._drop_next += 1
-        elif kind == "corrupt_submission":
-            if duration_s > 0:
-                self._corrupt_until = max(self._corrupt_until, now + duration_s)
-            else:
-                self._corrupt_next += 1
-        elif kind in POISON_KINDS:  # duration 0: poisoned until the incarnation ends
-            self._poison_kind, self._poison_until = kind, now + duration_s if duration_s > 0 else math.inf
-        elif kind == "kill_node":
-            log.warning("island %d: killing its node's raylet (injected fault)", self.island)
-            os.kill(os.getppid(), signal.SIGKILL)  # a worker's parent process is its node's raylet
-        else:
-            raise ValueError(f"unknown fault kind {kind!r} for an island; use hang, slow, drop_submission, "
-                             f"corrupt_submission, {', '.join(POISON_KINDS)} or kill_node")
+        island_kind(kind).inject_island(self, now=now, duration_s=duration_s, factor=factor)
+
+    # ------------------------------------------------------------ hooks the kinds set (policies.fault_kinds.IslandHooks)
+
+    def hang_until(self, until: float) -> None:
+        """Hold the inner loop until `until`."""
+        self._hang_until = until
+
+    def slow_until(self, factor: float, until: float) -> None:
+        """Stretch each step by `factor` until `until`."""
+        self._slow_factor, self._slow_until = factor, until
+
+    def drop_next(self) -> None:
+        """Lose the next cut on the way."""
+        self._drop_next += 1
+
+    def drop_until(self, until: float) -> None:
+        """Lose every cut until `until` (an earlier window's later end stands)."""
+        self._drop_until = max(self._drop_until, until)
+
+    def corrupt_next(self) -> None:
+        """Send the next cut as NaN."""
+        self._corrupt_next += 1
+
+    def corrupt_until(self, until: float) -> None:
+        """Send every cut until `until` as NaN."""
+        self._corrupt_until = max(self._corrupt_until, until)
+
+    def poison_until(self, kind: str, until: float) -> None:
+        """Poison every cut until `until` as `kind`."""
+        self._poison_kind, self._poison_until = kind, until
+
+    def kill_node(self) -> None:
+        """Kill this island's node."""
+        log.warning("island %d: killing its node's raylet (injected fault)", self.island)
+        os.kill(os.getppid(), signal.SIGKILL)  # a worker's parent process is its node's raylet
+
+    # ------------------------------------------------------------ hooks the inner loop and the outbox read
 
     def hung(self, now: float) -> bool:
         """An injected hang holds the inner loop at `now`."""
@@ -105,26 +122,12 @@ class InjectedFaults:
 
 def poisoned(kind: str, owed: list[torch.Tensor], *, stale_base: list[torch.Tensor] | None,
              anchor: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
-    """A fragment's honest outer gradient `owed` (measured from `anchor`) as a poisoned island sends it.
+    """A fragment's honest outer gradient `owed` (measured from `anchor`) as an island poisoned as `kind` sends it
+    (`PoisonKind.poisoned`, policies/fault_kinds.py).
 
     `stale_base`: the fragment's base when the fault began (stale_submission measures from it instead of
     `anchor`); `seed`: noise_submission's generator seed (the cut's island and seq), so a run is reproducible."""
-    if kind == "scaled_submission":
-        return [o * POISON_SCALE for o in owed]
-    if kind == "flipped_submission":
-        return [-o for o in owed]
-    if kind == "stale_submission":
-        if stale_base is None or [t.shape for t in stale_base] != [t.shape for t in owed]:
-            return owed  # an FSDP worker's parts: the stale base is of whole tensors only
-        return [o + (b - a) for o, b, a in zip(owed, stale_base, anchor)]
-    if kind == "noise_submission":
-        gen = torch.Generator().manual_seed(seed)
-        out = []
-        for o in owed:
-            r = torch.randn(o.shape, generator=gen, dtype=o.dtype)
-            out.append(r * (torch.linalg.vector_norm(o) / torch.linalg.vector_norm(r).clamp_min(1e-30)))
-        return out
-    raise ValueError(f"unknown poison kind {kind!r}; use one of {', '.join(POISON_KINDS)}")
+    return poison_kind(kind).poisoned(owed, stale_base=stale_base, anchor=anchor, seed=seed)
 
 
 def corrupt(c):

@@ -505,8 +505,8 @@ class LearnerIsland:
         return self._state
 
     def inject(self, kind: str, *, duration_s: float = 0.0, factor: float = 1.0) -> None:
-        """Inject a fault into this island (chaos engineering). Kinds: hang, slow, drop_submission,
-        corrupt_submission, kill_node. Killing the island itself is done from outside (ray.kill)."""
+        """Inject a fault into this island (chaos engineering): an island kind of policies/fault_kinds.py (hang, slow,
+        drop, corrupt, poison, kill_node). Killing the island itself is done from outside (ray.kill)."""
         now = time.monotonic()
         with self._cv:
             self.faults.inject(kind, now=now, duration_s=duration_s, factor=factor)

@@ -26,6 +26,7 @@ from islands.spec import IslandSpec
 from policies.compression import FEEDBACK_SCHEMES, compress
 from policies.downlink import decode_fragment
 from policies.error_feedback import ErrorFeedback
+from policies.fault_kinds import poison_kind
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class Outbox:
         self._cv.notify_all()
 
     def _poisoned(self, kind: str, p: int, seq: int, owed: list[torch.Tensor]) -> list[torch.Tensor]:
-        if kind == "stale_submission" and p not in self._stale_bases:
+        if poison_kind(kind).needs_stale_base and p not in self._stale_bases:  # stale_submission measures from it
             self._stale_bases[p] = [t.detach().clone() for t in self._fragments.base[p]]
         if kind != self._poison_logged:  # once per kind: a poisoned island may send hundreds
             self._poison_logged = kind

@@ -7,6 +7,7 @@ adopts a published fragment (``adoption``), staleness checks (``staleness``),
 outer-gradient quantization and top-k (``compression``) with error feedback (``error_feedback``)
 and H over the run (``sync_schedule``).
 Every module is plain functions and small classes over tensors and numbers that take time and
-measurements as arguments; nothing here imports Ray, reads the clock or holds global state, so the
+measurements as arguments; nothing here imports Ray, reads the clock or holds global state (but for the
+fault kinds' registry, ``fault_kinds``: declarations, filled as its classes are defined), so the
 simulator and the unit tests use the same code as the cluster. Import what you need from its module explicitly.
 """

@@ -10,25 +10,10 @@ turns the CLI shorthand of ``diloco train --chaos ...`` into a config dict and
 :func:`tape_from_config` turns that dict into a tape. Nothing here reads the clock or injects
 anything; the injector in ``orchestrator/`` acts on the tape.
 
-Meaning of ``Fault.duration_s`` by kind:
-
-- ``kill_island`` / ``kill_node``: the *recovery delay*, seconds after the kill before the health
-  monitor may restart the island (models a replacement node arriving); 0 = restart at once.
-- ``hang``: seconds the inner loop hangs; 0 = until the health monitor kills the incarnation.
-- ``slow``: seconds each inner step is stretched by ``factor``; 0 = until the incarnation dies.
-- ``drop_submission`` / ``corrupt_submission``: every submission the island makes in
-  ``[at, at + duration_s)`` is dropped / corrupted; 0 = only its next submission.
-- ``drain_node``: the island's node is drained with a deadline ``duration_s`` seconds away (a preemption
-  notice), and ended at the deadline, as a cloud reclaims a VM; ``> 0``.
-- ``node_joins``: a node for the island's pool joins the cluster (``island`` names a slot of that pool: an
-  elastic pool's vacant slots fill from it); ``duration_s`` 0 = it stays, else it is drained with deadline
-  :data:`JOINED_NODE_DEADLINE_S` after that many seconds.
-- ``scaled_submission`` / ``flipped_submission`` / ``stale_submission`` / ``noise_submission``
-  (:data:`POISON_KINDS`): seconds the island stays poisoned, sending finite, well-shaped but wrong outer
-  gradients (scaled, sign-flipped, stale, noise); 0 = until the incarnation ends. ``factor`` is unused (1.0).
-- ``kill_outer`` / ``kill_monitor`` (:data:`RUN_KINDS`): the run's outer optimizer / health monitor actor is
-  killed and Ray restarts it (the outer optimizer from its newest checkpoint, the monitor re-adopting the
-  islands). They name no island: ``island`` must be 0, and ``duration_s`` is unused (0).
+Fault kinds are declared once, in :mod:`policies.fault_kinds`: what each hits, what ``duration_s`` and
+``factor`` mean for it and which values they take, what a drawn tape fills in for it and how it is injected (each
+kind's docstring there). The kind tuples this module exports (``FAULT_KINDS``, ``KILL_KINDS``, ...) are views of
+that registry.
 """
 
 from __future__ import annotations
@@ -44,28 +29,29 @@ from typing import Any
 import numpy as np
 import yaml
 
+from policies import fault_kinds
+from policies.fault_kinds import (
+    CAPACITY_KINDS,
+    DRAIN_DEADLINE_S,
+    FAILURE_KINDS,
+    FAULT_KINDS,
+    JOINED_NODE_DEADLINE_S,
+    KILL_KINDS,
+    POISON_KINDS,
+    RUN_KINDS,
+    TapeParams,
+    fault_kind,
+)
+
 __all__ = [
-    "CAPACITY_KINDS", "FAILURE_KINDS", "FAULT_KINDS", "KILL_KINDS", "POISON_KINDS", "RUN_KINDS", "Fault", "FaultTape", "poisson_tape",
+    "CAPACITY_KINDS", "DRAIN_DEADLINE_S", "FAILURE_KINDS", "FAULT_KINDS", "JOINED_NODE_DEADLINE_S", "KILL_KINDS",
+    "POISON_KINDS", "RUN_KINDS", "Fault", "FaultTape", "poisson_tape",
     "fixed_tape", "fixed_budget_tape",
     "parse_chaos_spec",
     "tape_from_config",
 ]
 
-# Appended only: a kind's index orders faults of equal time (Fault.sort_key), so old tapes sort as before.
-FAULT_KINDS = ("kill_island", "kill_node", "hang", "slow", "drop_submission", "corrupt_submission", "drain_node",
-               "node_joins", "scaled_submission", "flipped_submission", "stale_submission", "noise_submission",
-               "kill_outer", "kill_monitor")
-KILL_KINDS = ("kill_island", "kill_node")
-# Faults that end the island's incarnation (killed, hung until killed, refused as diverged): the monitor dates such a
-# failure at the fault. A slow island or a dropped submission goes on training, so a later failure of it is not theirs.
-FAILURE_KINDS = ("kill_island", "kill_node", "hang", "corrupt_submission")
-# Finite, well-shaped but wrong submissions (islands/faults.py makes them; the poison guard must refuse them).
-POISON_KINDS = ("scaled_submission", "flipped_submission", "stale_submission", "noise_submission")
-RUN_KINDS = ("kill_outer", "kill_monitor")  # the run's control-plane actors, not an island: `island` is 0
-CAPACITY_KINDS = ("drain_node", "node_joins")  # capacity that comes and goes (elastic pools), not island failures
 _RUN_STREAM = 2**32 - 1  # the run's Poisson stream's seed word, beside the islands' 0, 1, ... (poisson_tape)
-JOINED_NODE_DEADLINE_S = 20.0  # the deadline a node_joins node is drained with when its duration_s runs out
-DRAIN_DEADLINE_S = 20.0  # drain_node's deadline in Poisson and fixed tapes (drain_deadline_s)
 
 _FAULT_FIELDS = ("island", "kind", "at_s", "at_step", "incarnation", "duration_s", "factor", "at_progress")
 _TRIGGERS = ("at_s", "at_step", "at_progress")
@@ -95,13 +81,13 @@ class Fault:
 
     Attributes:
         island: island slot index, ``>= 0``; 0 for the run kinds (:data:`RUN_KINDS`), which name no island.
-        kind: one of :data:`FAULT_KINDS`.
+        kind: a registered kind's name (:func:`policies.fault_kinds.names`; the built-in ones: :data:`FAULT_KINDS`).
         at_s: trigger time in seconds since run start, ``>= 0``.
         at_step: trigger inner step of incarnation ``incarnation``, ``>= 0``.
         at_progress: trigger fraction of the run's token budget processed, ``0 <= at_progress < 1``.
         incarnation: incarnation ``at_step`` counts in, ``>= 1`` (informational for ``at_s``).
-        duration_s: ``>= 0``, meaning by kind as in the module docstring (recovery delay for kills).
-        factor: step-time multiplier of a ``slow`` fault, ``> 1``; must stay 1.0 for other kinds.
+        duration_s: ``>= 0``, meaning by kind (its class in policies/fault_kinds.py; recovery delay for kills).
+        factor: step-time multiplier of a ``slow`` fault, ``> 1``; must stay 1.0 for kinds that take none.
     """
 
     island: int
@@ -116,7 +102,8 @@ class Fault:
     def __post_init__(self) -> None:
         _require(_is_int(self.island) and self.island >= 0,
                  f"Fault.island must be an int >= 0, got {self.island!r}; use the island slot index")
-        _require(self.kind in FAULT_KINDS, f"Fault.kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+        _require(isinstance(self.kind, str) and self.kind in fault_kinds.names(),
+                 f"Fault.kind must be one of {fault_kinds.names()}, got {self.kind!r}")
         _require(sum(getattr(self, t) is not None for t in _TRIGGERS) == 1,
                  f"Fault needs exactly one of at_s / at_step / at_progress, got at_s={self.at_s!r}, "
                  f"at_step={self.at_step!r}, at_progress={self.at_progress!r}; set at_s for a time trigger, at_step "
@@ -140,18 +127,7 @@ class Fault:
                  f"Fault.duration_s must be a finite number >= 0, got {self.duration_s!r}; 0 = the kind's default")
         _require(_is_number(self.factor) and math.isfinite(self.factor),
                  f"Fault.factor must be a finite number, got {self.factor!r}")
-        _require(self.kind != "slow" or self.factor > 1.0,
-                 f"Fault.factor of a slow fault must be > 1, got {self.factor}; use e.g. factor=4.0")
-        _require(self.kind != "drain_node" or self.duration_s > 0,
-                 f"Fault.duration_s of a drain_node fault is its node's deadline and must be > 0, got "
-                 f"{self.duration_s}; use e.g. duration_s=20")
-        _require(self.kind == "slow" or self.factor == 1.0,
-                 f"Fault.factor only applies to kind 'slow', got factor={self.factor} for {self.kind!r}; leave it 1.0")
-        # A run kind hits the run's one outer optimizer or monitor: an island number would read as a target it is not.
-        _require(self.kind not in RUN_KINDS or self.island == 0,
-                 f"Fault.island of a {self.kind} fault must be 0 (it names no island: the run has one), got {self.island}")
-        _require(self.kind not in RUN_KINDS or self.duration_s == 0,
-                 f"Fault.duration_s of a {self.kind} fault must be 0 (Ray restarts the actor at once), got {self.duration_s}")
+        fault_kind(self.kind).check(self)  # the kind's own rules: a slow fault's factor, a drain's deadline, ...
         for name, cast in (("island", int), ("incarnation", int), ("duration_s", float), ("factor", float)):
             object.__setattr__(self, name, cast(getattr(self, name)))
 
@@ -164,7 +140,7 @@ class Fault:
             math.inf if self.at_step is None else self.at_step,
             self.island,
             self.incarnation,
-            FAULT_KINDS.index(self.kind),
+            fault_kinds.index(self.kind),
             self.duration_s,
             self.factor,
         )
@@ -274,10 +250,9 @@ def _check_seed(seed: int) -> None:
 def _check_kinds(kinds: Sequence[str], kind_weights: Sequence[float] | None) -> np.ndarray:
     kinds = tuple(kinds)
     if not kinds:
-        raise ValueError(f"kinds must name at least one of {FAULT_KINDS}, got none")
+        raise ValueError(f"kinds must name at least one of {fault_kinds.names()}, got none")
     for k in kinds:
-        if k not in FAULT_KINDS:
-            raise ValueError(f"unknown fault kind {k!r}; valid kinds are {', '.join(FAULT_KINDS)}")
+        fault_kind(k)  # an unknown one is a one-line error naming the valid kinds
     if kind_weights is None:
         return np.full(len(kinds), 1.0 / len(kinds))
     w = np.asarray(kind_weights, dtype=float)
@@ -358,7 +333,7 @@ def poisson_tape(
     # Each island's stream, then the run's (its own seed word, so island streams do not depend on it), when any
     # run kind is drawn at all.
     streams: list[tuple[int | None, list[int]]] = [(m, [seed, m]) for m in range(islands)]
-    if any(k in RUN_KINDS for k in kinds):
+    if any(fault_kind(k).per_run for k in kinds):
         streams.append((None, [seed, _RUN_STREAM]))
     for m, entropy in streams:
         rng = np.random.default_rng(entropy)
@@ -367,24 +342,18 @@ def poisson_tape(
         while True:
             t = t + gap + float(rng.exponential(mtbf_s))
             kind = kinds[min(int(np.searchsorted(cum, rng.random(), side="right")), len(kinds) - 1)]
-            delay = float(rng.uniform(lo, hi))
+            delay = float(rng.uniform(lo, hi))  # drawn for every kind: a stream's draws do not depend on the kinds
             if t >= horizon_s:
                 break
             if t <= start_s:  # an exponential draw of exactly 0; keep the window open
                 t = math.nextafter(start_s, math.inf)
-            if (kind in RUN_KINDS) != (m is None):  # thinning: this kind does not apply to this stream
+            of_kind = fault_kind(kind)
+            if of_kind.per_run != (m is None):  # thinning: this kind does not apply to this stream
                 gap = 0.0  # no fault, so no dead time after it
                 continue
-            if m is None:
-                faults.append(Fault(island=0, kind=kind, at_s=t))
-            elif kind in KILL_KINDS:
-                faults.append(Fault(island=m, kind=kind, at_s=t, duration_s=delay))
-            elif kind == "slow":
-                faults.append(Fault(island=m, kind=kind, at_s=t, duration_s=slow_duration_s, factor=slow_factor))
-            elif kind == "drain_node":
-                faults.append(Fault(island=m, kind=kind, at_s=t, duration_s=drain_deadline_s))
-            else:
-                faults.append(Fault(island=m, kind=kind, at_s=t))
+            params = TapeParams(recovery_delay_s=delay, slow_factor=slow_factor, slow_duration_s=slow_duration_s,
+                                drain_deadline_s=drain_deadline_s)
+            faults.append(Fault(island=0 if m is None else m, kind=kind, at_s=t, **of_kind.drawn(params)))
             gap = float(min_gap_s)
     return FaultTape(tuple(faults))
 
@@ -441,20 +410,21 @@ def fixed_tape(
     if not _is_int(failures_per_island) or failures_per_island < 1:
         raise ValueError(f"failures_per_island must be an int >= 1, got {failures_per_island!r}; "
                          "for no faults use mode 'none'")
-    if kind not in FAULT_KINDS:
-        raise ValueError(f"unknown fault kind {kind!r}; valid kinds are {', '.join(FAULT_KINDS)}")
+    fixed = fault_kind(kind)
     rng = np.random.default_rng(seed)
     rank = rng.permutation(islands)
     phase = float(rng.uniform(-0.5, 0.5))
     period = (horizon_s - start_s) / failures_per_island
-    factor = float(slow_factor) if kind == "slow" else 1.0
-    duration = DRAIN_DEADLINE_S if kind == "drain_node" else 0.0
-    targets = 1 if kind in RUN_KINDS else islands  # a run kind hits the run, one target, not each island
+    # Kills restart at once (no recovery delay), a slowdown lasts until the incarnation dies, a drain has the default
+    # deadline: what the kind fills in from these (policies/fault_kinds.py).
+    fields = fixed.drawn(TapeParams(recovery_delay_s=0.0, slow_factor=float(slow_factor), slow_duration_s=0.0,
+                                    drain_deadline_s=DRAIN_DEADLINE_S))
+    targets = 1 if fixed.per_run else islands  # a run kind hits the run, one target, not each island
     faults = []
     for m in range(targets):
         u = (int(rank[m]) + 0.5 + phase) / islands
         for j in range(failures_per_island):
-            faults.append(Fault(island=m, kind=kind, at_s=start_s + (j + u) * period, factor=factor, duration_s=duration))
+            faults.append(Fault(island=m, kind=kind, at_s=start_s + (j + u) * period, **fields))
     return FaultTape(tuple(faults))
 
 

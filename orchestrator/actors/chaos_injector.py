@@ -6,12 +6,19 @@ live then; step faults (`at_step`) hit the named incarnation once it has taken t
 Every executed fault is reported to the health monitor (so it can measure time to detect and honour a
 recovery delay) and kept for the run's event log, so tests can assert exact counts.
 
-Capacity that comes and goes (policies.chaos.CAPACITY_KINDS), for elastic pools:
+Each fault's kind (policies/fault_kinds.py) names the mechanism that injects it (`FaultKind.injection`); this
+class implements each mechanism once, as `_fire_<injection>`. A kind that hits an island or its node is fired at
+the island's live incarnation (`_fire_<injection>(fault, live)`, after the monitor has been told of it when the kind
+is `reported`); one that hits the run or a pool fires on its own (`_fire_<injection>(monitor, fault)`, returning
+whether it is done). The island kinds (hang, slow, drop, corrupt, the poisons) share one: `on_island`, the island's
+`inject`. The mechanisms that need more than the island:
 
+- `kill_island`: the island's actor is killed (`ray.kill(no_restart=True)`); `kill_node`: the island is asked to kill
+  its node's raylet (no reply awaited: it dies with the node). Never the driver's node.
 - `drain_node`: the island's node is drained through the GCS with a deadline (a preemption notice, as a cloud
   handler or the autoscaler gives it; orchestrator/actors/drains.py), and ended at the deadline by a `NodeEnder`
   placed on it first (a draining node takes no new work), as the cloud ends the VM. Never the driver's node.
-- `kill_outer` / `kill_monitor` (policies.chaos.RUN_KINDS): the run's outer optimizer / health monitor is killed
+- `kill_outer` / `kill_monitor` (run kinds): the run's outer optimizer / health monitor is killed
   with `ray.kill(no_restart=False)`, so Ray restarts it (both restart without limit, remote.py): the outer optimizer
   restores its newest checkpoint, the monitor re-adopts the islands. They name no island (a fault's `island` is 0).
 - `node_joins`: EMULATION on the injector's machine: a Ray node labelled for the island's pool is started there
@@ -33,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -40,13 +48,33 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.actors.drains import drain_node
 from orchestrator.actors.runtime import quiet_worker
-from policies.chaos import JOINED_NODE_DEADLINE_S, KILL_KINDS, RUN_KINDS, Fault, FaultTape
+from policies.chaos import Fault, FaultTape
+from policies.fault_kinds import ISLAND, JOINED_NODE_DEADLINE_S, NODE, FaultKind, fault_kind
 
 log = logging.getLogger(__name__)
 
 # A joined node's object store: small, as the islands' traffic is (a fragment at a time). The injector waits up to
 # JOIN_WAIT_S for one joined node to be up before it starts the next.
 JOINED_NODE_OBJECT_STORE_BYTES, JOIN_WAIT_S = 100 << 20, 60.0
+
+
+@dataclass(frozen=True)
+class LiveIsland:
+    """The live incarnation of the island a fault hits: its number, actor handle and node."""
+
+    incarnation: int
+    handle: Any
+    node: str | None
+
+
+def mechanism(injector: object, kind: FaultKind):
+    """`injector`'s implementation of `kind`'s injection mechanism (`_fire_<kind.injection>`); a kind naming one it
+    lacks is a one-line error."""
+    fire = getattr(injector, f"_fire_{kind.injection}", None)
+    if fire is None:
+        raise ValueError(f"fault kind {kind.name!r} is injected by {kind.injection!r}, which {type(injector).__name__} "
+                         f"does not implement; add _fire_{kind.injection} or use one of its mechanisms")
+    return fire
 
 
 class NodeEnder:
@@ -78,6 +106,8 @@ class ChaosInjector:
         self.ender_cls, self.join_nodes = ender_cls, join_nodes or {}
         self.joined: list[subprocess.Popen] = []  # node_joins nodes started on this machine, stopped by `stop`
         self.pending: list[Fault] = list(tape.faults)
+        for fault in self.pending:  # here, not at fire time: a mechanism this class lacks would be retried forever
+            mechanism(self, fault_kind(fault.kind))
         self.namespace, self.monitor_name = namespace, monitor_name
         self.run_start = run_start  # wall clock (time.time) the tape's at_s counts from
         self.protected_node = protected_node  # never kill this node (the driver's / head node)
@@ -136,10 +166,10 @@ class ChaosInjector:
         return max(self.tick_s, min(ahead))
 
     async def _maybe_fire(self, monitor, fault: Fault) -> bool:
-        if fault.kind == "node_joins":
-            return await self._join(fault)
-        if fault.kind in RUN_KINDS:  # no island to look up: the run's one outer optimizer or monitor
-            return self._kill_run_actor(monitor, fault)
+        kind = fault_kind(fault.kind)
+        fire = mechanism(self, kind)
+        if kind.target not in (ISLAND, NODE):  # the run's actors, a pool's new node: no incarnation to look up
+            return await fire(monitor, fault)
         inc, name, node = await monitor.current.remote(fault.island)
         if fault.at_step is not None and inc > fault.incarnation:
             self._record(fault, inc, "skipped: its incarnation is gone")
@@ -152,28 +182,46 @@ class ChaosInjector:
             if status.steps < fault.at_step:
                 return False
         now = time.time()
-        if fault.kind in ("kill_node", "drain_node") and node == self.protected_node:
+        if kind.target == NODE and node == self.protected_node:
             self._record(fault, inc, "skipped: island shares the driver's node")
             return True
-        if fault.kind == "drain_node":  # no failure to note: the monitor sees the drain itself (drains.py)
-            await self._drain(node, fault.duration_s, f"chaos: drain_node of island {fault.island}")
-            self._record(fault, inc, "fired", at=now)
-            return True
-        recovery = fault.duration_s if fault.kind in KILL_KINDS else 0.0
-        await monitor.note_fault.remote(fault.island, inc, fault.kind, now, recovery)
-        if fault.kind == "kill_island":
-            ray.kill(handle, no_restart=True)
-        elif fault.kind == "kill_node":
-            handle.inject.remote("kill_node")  # no reply: the node dies with it
-        else:
-            await handle.inject.remote(fault.kind, duration_s=fault.duration_s, factor=fault.factor)
+        if kind.reported:
+            await monitor.note_fault.remote(fault.island, inc, fault.kind, now, kind.recovery_delay_s(fault))
+        await fire(fault, LiveIsland(inc, handle, node))
         self._record(fault, inc, "fired", at=now)
-        log.info("%s on island %d incarnation %d", fault.kind, fault.island, inc)  # the monitor's line says it, once
+        if kind.reported:
+            log.info("%s on island %d incarnation %d", fault.kind, fault.island, inc)  # the monitor's line says it, once
         return True
 
-    def _kill_run_actor(self, monitor, fault: Fault) -> bool:
+    # ------------------------------------------------------------ mechanisms (FaultKind.injection)
+
+    async def _fire_on_island(self, fault: Fault, live: LiveIsland) -> None:
+        """An island kind: the island injects it into itself (LearnerIsland.inject, islands/faults.py)."""
+        await live.handle.inject.remote(fault.kind, duration_s=fault.duration_s, factor=fault.factor)
+
+    async def _fire_kill_island(self, fault: Fault, live: LiveIsland) -> None:
+        """Kill the island's actor for good: the monitor restarts the island as a new incarnation."""
+        ray.kill(live.handle, no_restart=True)
+
+    async def _fire_kill_node(self, fault: Fault, live: LiveIsland) -> None:
+        """The island kills its node's raylet."""
+        live.handle.inject.remote(fault.kind)  # no reply: the node dies with it
+
+    async def _fire_drain_node(self, fault: Fault, live: LiveIsland) -> None:
+        """Drain the island's node with deadline `duration_s`, and end it then."""
+        await self._drain(live.node, fault.duration_s, f"chaos: drain_node of island {fault.island}")
+
+    async def _fire_kill_outer(self, monitor, fault: Fault) -> bool:
+        return self._kill_run_actor(self._handle(self.outer_name), fault)  # restarts keep the actor's id
+
+    async def _fire_kill_monitor(self, monitor, fault: Fault) -> bool:
+        return self._kill_run_actor(monitor, fault)
+
+    async def _fire_node_joins(self, monitor, fault: Fault) -> bool:
+        return await self._join(fault)
+
+    def _kill_run_actor(self, target, fault: Fault) -> bool:
         """kill_outer / kill_monitor: kill the actor and let Ray restart it (as a crash of its process would)."""
-        target = monitor if fault.kind == "kill_monitor" else self._handle(self.outer_name)  # restarts keep the id
         now = time.time()
         # Asynchronous: the old process may answer a call or two more. A kill while the actor is still restarting
         # from the last one is one more restart, which is what a crash then would be.

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from orchestrator.actors.slots import SlotState
-from policies.chaos import FAILURE_KINDS
+from policies.fault_kinds import FAILURE_KINDS
 
 if TYPE_CHECKING:
     from orchestrator.actors.keepers import ProgressKeepers
@@ -69,8 +69,9 @@ class RecoveryRecord:
 
     def note_fault(self, island: int, incarnation: int, kind: str, at: float, recovery_delay_s: float) -> None:
         """Remember a fault the chaos injector caused (for time-to-detect and the recovery delay). Only a fault that
-        ends the incarnation (policies.chaos.FAILURE_KINDS): a slowdown or a dropped submission noted here had dated
-        a later death of the island (its node lost with another island's, say) back at that harmless fault."""
+        ends the incarnation (FAILURE_KINDS: the kinds whose `failure` is set, policies/fault_kinds.py): a slowdown
+        or a dropped submission noted here had dated a later death of the island (its node lost with another
+        island's, say) back at that harmless fault."""
         if kind in FAILURE_KINDS:
             self.faults[(island, incarnation)] = {"kind": kind, "at": at, "recovery_delay_s": recovery_delay_s}
 
