@@ -10,8 +10,9 @@ The rules, pure functions of the run's shape:
   outer step of lr 1 without momentum puts the global fragment where the island's cut was, and rebase adoption
   keeps the island's trajectory exactly its inner optimizer's (tests/engine/test_one_island_reference.py:
   AdamW written out, to 5e-5). The Nesterov step (lr 0.7, momentum 0.9) instead replays the island's last
-  progress on top of itself: measured at 3M tokens on the default model, 3 repeats each, it ended 3.8% above
-  the plain step (benchmarks/RESULTS.md#outer-regime).
+  progress on top of itself: measured at 3M tokens on the default model, 3 repeats each in two invocations, it
+  ended 3.0-4.6% above the plain step in every repeat, and the plain step within 0.1% of data parallel on the same
+  data (benchmarks/RESULTS.md#outer-regime).
 
 Two or more islands keep the config's defaults: averaging is what the outer step is for, and no rule measured
 better there yet (benchmarks/RESULTS.md#outer-regime).
