@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import policies.compression  # noqa: F401 - importing it registers the built-in compressors
 from islands.model_api import ModelError, first_line, resolve_callable
 from policies.compressor import Compressor, compressor_registry
 from policies.merge_rules import MergeRule, merge_rule_registry
@@ -23,16 +24,18 @@ __all__ = ["load_compressor", "load_merge_rule"]
 
 def load_merge_rule(spec: str) -> MergeRule:
     """The merge rule `spec` names (module docstring); a one-line ModelError if it does not load."""
-    return _load(spec, merge_rule_registry(), "merge_into(out, column, weights)")
+    return _load(spec, merge_rule_registry(), "merge rule", "merge_into(out, column, weights)")
 
 
 def load_compressor(spec: str) -> Compressor:
     """The compressor `spec` names (module docstring); a one-line ModelError if it does not load."""
-    return _load(spec, compressor_registry(), "encode(t, block_size, density) and decode(c)")
+    return _load(spec, compressor_registry(), "compressor", "encode(t, block_size=, density=) and decode(c)",
+                 unknown="compression")
 
 
-def _load(spec: str, registry: Registry[Any], methods: str) -> Any:
-    kind = registry.kind
+def _load(spec: str, registry: Registry[Any], kind: str, methods: str, unknown: str | None = None) -> Any:
+    """`spec` from `registry`, or resolved, built, checked and registered there. `kind` names the plug-in in
+    messages, `unknown` (default `kind`) in the one a name that is not registered gets (as the config calls it)."""
     if not isinstance(spec, str):
         raise ModelError(f"{kind} is a {type(spec).__name__}; give a registered name or an import path "
                          f"{registry.path_form}")
@@ -41,7 +44,7 @@ def _load(spec: str, registry: Registry[Any], methods: str) -> Any:
         return registry.get(spec)
     if ":" not in spec:
         try:
-            registry.get(spec)  # raises the line that names what is registered
+            registry.get(spec, kind=unknown or kind)  # raises the line that names what is registered
         except ValueError as err:
             raise ModelError(str(err)) from None
     make = resolve_callable(spec, kind)  # a path that does not import or resolve: its one line already
