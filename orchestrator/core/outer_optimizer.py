@@ -1,15 +1,17 @@
 """OuterOptimizer: the single source of truth for the global parameters (docs/architecture.md section 3).
 
 A plain class, stepped with submissions and the current time. Per fragment p it keeps the global
-tensors, a Nesterov outer optimizer, the version and the pending submissions (its resident memory, as
+tensors, an outer optimizer, the version and the pending submissions (its resident memory, as
 a formula: docs/outer.md). A round closes on quorum + grace (policies.quorum), merges with token
-weights (policies.weighting) and RDA (policies.merge), applies the outer step and yields a
-`RoundResult` for the shell to publish. Bad submissions are refused, counted and logged; they never touch state.
+weights (policies.weighting) and the run's merge rule (RDA by default; a plug-in, policies.merge_rules),
+applies the outer step and yields a `RoundResult` for the shell to publish. Bad submissions are refused,
+counted and logged; they never touch state.
 
 Its pieces live beside it in orchestrator/core/: the checks a submission passes (submission_check.py),
-the merge and outer step of one round (round_merge.py), the served moving average (served_average.py),
-each fragment's open round and the round records (rounds.py). The Ray shell that polls islands and
-publishes lives in orchestrator/actors/outer.py.
+the poison guard's judgments (poison_checks.py), each fragment's merge state and the merge and outer step of
+one round (round_merge.py), the served moving average (served_average.py), each fragment's open round and
+the round records (rounds.py), and what its checkpoint holds (outer_checkpoint.py). The Ray shell that
+polls islands and publishes lives in orchestrator/actors/outer.py.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from islands.cursor import DataCursor
 from islands.messages import Submission
-from orchestrator.core.outer_state import load_outer_state, outer_state
+from orchestrator.core.outer_checkpoint import checkpoint_of, restore_checkpoint
 from orchestrator.core.poison_checks import judge_arrival, judge_opening_round
 from orchestrator.core.round_merge import FragmentMerges
 from orchestrator.core.rounds import OpenRound, Pending, Refusal, RoundRecord, RoundResult
@@ -324,8 +326,8 @@ class OuterOptimizer:
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors, JSON metadata) for a checkpoint: parameters, outer optimizer state, versions, ledger, cursors
-        (core/outer_state.py)."""
-        return outer_state(self)
+        (core/outer_checkpoint.py)."""
+        return checkpoint_of(self)
 
     def build_optimizers(self) -> None:
         """Build each fragment's torch optimizer now (see FragmentOuterOptimizer.build): the actor does this at
@@ -335,7 +337,7 @@ class OuterOptimizer:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore from `state_dict()` output; refuses a checkpoint of another model or fragment plan."""
-        load_outer_state(self, tensors, meta)
+        restore_checkpoint(self, tensors, meta)
 
     def ledger(self) -> dict[str, list[int]]:
         """Per-fragment token ledger: merged, refused, pending."""

@@ -10,7 +10,7 @@ resumed run loads the same plug-ins again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -18,15 +18,16 @@ from islands.cursor import DataCursor
 from orchestrator.core.checkpoint import PARAM_PREFIX
 from orchestrator.core.fragment_optimizers import load_optimizer, save_optimizer
 
-if TYPE_CHECKING:
-    from orchestrator.core.outer_optimizer import OuterOptimizer
+# `core` below is an orchestrator.core.outer_optimizer.OuterOptimizer, typed Any: that module imports this one,
+# and an import back, even for typing, would be a circle (tests/test_layout.py).
+OuterOptimizer = Any
 
-__all__ = ["load_outer_state", "outer_state"]
+__all__ = ["checkpoint_of", "restore_checkpoint"]
 
 RDA_WINDOW_PREFIX = "rda_window/"
 
 
-def outer_state(core: OuterOptimizer) -> tuple[dict[str, torch.Tensor], dict]:
+def checkpoint_of(core: OuterOptimizer) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, JSON metadata) of `core` for a checkpoint (module docstring)."""
     tensors: dict[str, torch.Tensor] = {}
     windows = [None if w is None else w.state_dict() for w in core._rda_windows]
@@ -65,8 +66,8 @@ def _received_without_pending(core: OuterOptimizer) -> dict[tuple[int, int], lis
     return out
 
 
-def load_outer_state(core: OuterOptimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    """Restore into `core` what :func:`outer_state` wrote; refuses a checkpoint of another model or fragment plan."""
+def restore_checkpoint(core: OuterOptimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Restore into `core` what :func:`checkpoint_of` wrote; refuses a checkpoint of another model or fragment plan."""
     if [list(f) for f in core.plan.fragments] != meta.get("fragments"):
         raise ValueError("checkpoint was written for another model or fragment plan; start a new run directory")
     fragments = len(core.plan.fragments)
