@@ -253,7 +253,7 @@ class OuterOptimizer:
         pending = round_.pending
         subs = [e.sub for e in pending]
         refused = round_.refused
-        merged = self.merges.merge(p, pending, live_islands=self._live_islands(), final=final)
+        merged = self.merges.merge(p, pending, settings=self.settings, live_islands=self._live_islands(), final=final)
         self.versions[p] += 1
         version = self.versions[p]
         record = RoundRecord.of(

@@ -84,7 +84,6 @@ class FragmentMerges:
 
     def __init__(self, params: Sequence[Sequence[torch.Tensor]], fragments: Sequence[Sequence[str]], settings: OuterSettings,
                  *, embedding_names: Set[str], buffer_names: Set[str]) -> None:
-        self.settings = settings
         self.embedding_mask = [[n in embedding_names or n in buffer_names for n in frag] for frag in fragments]
         self.buffer_mask = [[n in buffer_names for n in frag] for frag in fragments]
         # The built-in Nesterov SGD, or the user's torch optimizer (settings.optimizer).
@@ -98,9 +97,11 @@ class FragmentMerges:
         # One tensor's merged outer gradient at a time: the largest tensor's size.
         self.workspace = MergeWorkspace(max((t.numel() for frag in params for t in frag), default=1))
 
-    def merge(self, p: int, pending: Sequence[Pending], *, live_islands: int, final: bool) -> MergedRound:
-        """`merge_round` of fragment `p`'s `pending` submissions with its optimizer, window and masks."""
-        return merge_round(pending, opt=self.opts[p], window=self.windows[p], settings=self.settings,
+    def merge(self, p: int, pending: Sequence[Pending], *, settings: OuterSettings, live_islands: int,
+              final: bool) -> MergedRound:
+        """`merge_round` of fragment `p`'s `pending` submissions with its optimizer, window and masks, under the
+        outer optimizer's `settings` as they are now (the ones it was built with may have been replaced)."""
+        return merge_round(pending, opt=self.opts[p], window=self.windows[p], settings=settings,
                            embedding_mask=self.embedding_mask[p], buffer_mask=self.buffer_mask[p],
                            live_islands=live_islands, final=final, workspace=self.workspace)
 
