@@ -222,6 +222,12 @@ class InnerSection(_Section):
         "'bf16' = forward pass under bfloat16 autocast. Weights, optimizer state and what islands send stay fp32.")
 
 
+def _recorded_plugin(spec: str, info: ValidationInfo) -> bool:
+    """Whether `spec` is a plug-in's import path in a config read back from a run directory: the run loaded it
+    when it started, and a reader of its results (``diloco report``) need not have the user's package."""
+    return isinstance(spec, str) and ":" in spec and bool((info.context or {}).get("recorded"))
+
+
 class OuterSection(_Section):
     """The outer optimizer: quorum, grace, weighting, merge, outer step, staleness, adoption, wire format.
 
@@ -296,10 +302,11 @@ class OuterSection(_Section):
 
     @field_validator("merge_rule")
     @classmethod
-    def _merge_rule(cls, v: str) -> str:
+    def _merge_rule(cls, v: str, info: ValidationInfo) -> str:
         from islands.plugins import load_merge_rule
 
-        load_merge_rule(v)  # a registered name or an import path; else one line naming what exists and the fix
+        if not _recorded_plugin(v, info):
+            load_merge_rule(v)  # a registered name or an import path; else one line naming what exists and the fix
         return v.strip()
 
     @field_validator("adoption")
@@ -312,10 +319,11 @@ class OuterSection(_Section):
 
     @field_validator("compression")
     @classmethod
-    def _compression(cls, v: str) -> str:
+    def _compression(cls, v: str, info: ValidationInfo) -> str:
         from islands.plugins import load_compressor
 
-        load_compressor(v)  # a registered name or an import path; else one line naming what exists and the fix
+        if not _recorded_plugin(v, info):
+            load_compressor(v)  # a registered name or an import path; else one line naming what exists and the fix
         return v.strip()
 
     @field_validator("sync_every_schedule", mode="before")
@@ -704,11 +712,11 @@ def _compressor(name: str) -> Any:
 
 
 def _compressor_names(has: Callable[[Any], bool], last: str = "or") -> str:
-    """The registered compressors (the built-ins, and any loaded) that `has` holds for, as prose ("a, b or c")."""
-    from policies.compressor import compressor_registry
+    """The built-in compressors that `has` holds for, as prose ("a, b or c"): what a message suggests (a user's
+    plug-in loaded in this process is left out, so a message does not depend on what ran before)."""
+    from policies.compression import SCHEMES
 
-    _compressor("none")  # the built-ins register on import
-    chosen = [n for n in compressor_registry().names() if has(_compressor(n))]
+    chosen = [n for n in SCHEMES if has(_compressor(n))]
     return ", ".join(chosen[:-1]) + f" {last} " + chosen[-1] if len(chosen) > 1 else (chosen or ["none"])[0]
 
 

@@ -47,7 +47,8 @@ class Registry(Generic[T]):
         (`kind` names the entry there instead, as the config calls it)."""
         entry = self._entries.get(name) if isinstance(name, str) else None
         if entry is None:
-            raise ValueError(f"unknown {kind or self.kind} {name!r}; use one of {', '.join(self._entries)} or an import path "
+            named = [n for n in self._entries if ":" not in n]  # the loaded plug-ins' import paths go unlisted
+            raise ValueError(f"unknown {kind or self.kind} {name!r}; use one of {', '.join(named)} or an import path "
                              f"{self.path_form}")
         return entry
 

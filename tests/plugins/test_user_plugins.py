@@ -49,6 +49,14 @@ def test_the_config_names_the_plugins_and_the_core_loads_them():
     assert (again.outer.merge_rule, again.outer.compression) == (RULE, WIRE)
 
 
+def test_a_run_directory_names_a_plugin_its_reader_need_not_import():
+    recorded = {"outer": {"merge_rule": "gone.pkg:Rule", "compression": "gone.pkg:Wire"}}
+    cfg = build_config(recorded, recorded=True)  # diloco report on a machine without the user's package
+    assert (cfg.outer.merge_rule, cfg.outer.compression) == ("gone.pkg:Rule", "gone.pkg:Wire")
+    with pytest.raises(ConfigError, match="cannot import module 'gone.pkg'"):
+        build_config(recorded)  # a run that starts loads it
+
+
 def test_a_users_rule_and_compressor_train_through_the_engine_core():
     settings = outer_from_config(_config(), grace_gamma=0.0, grace_cap_s=0.0)
     w = nano_world(settings)
