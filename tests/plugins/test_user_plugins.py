@@ -14,9 +14,11 @@ import torch
 
 from islands.island import LearnerIsland
 from islands.messages import FragmentUpdate, Submission
+from islands.model_api import ModelError
 from islands.plugins import load_compressor, load_merge_rule
 from orchestrator.config import SYNC_DILOCO_OUTER, ConfigError, RunConfig, apply_overrides, build_config
 from orchestrator.core.outer_optimizer import OuterOptimizer
+from orchestrator.run.workload import _check_plugins
 from policies.compression import compress, decompress
 from policies.fragments import plan_fragments
 from policies.merge_rules import merge_rule_names
@@ -55,6 +57,8 @@ def test_a_run_directory_names_a_plugin_its_reader_need_not_import():
     assert (cfg.outer.merge_rule, cfg.outer.compression) == ("gone.pkg:Rule", "gone.pkg:Wire")
     with pytest.raises(ConfigError, match="cannot import module 'gone.pkg'"):
         build_config(recorded)  # a run that starts loads it
+    with pytest.raises(ModelError, match="cannot import module 'gone.pkg' of merge rule 'gone.pkg:Rule'"):
+        _check_plugins(cfg)  # and so does one that resumes, in prepare() before Ray (a ConfigError there)
 
 
 def test_a_users_rule_and_compressor_train_through_the_engine_core():
