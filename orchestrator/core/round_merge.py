@@ -87,7 +87,7 @@ class FragmentMerges:
         self.embedding_mask = [[n in embedding_names or n in buffer_names for n in frag] for frag in fragments]
         self.buffer_mask = [[n in buffer_names for n in frag] for frag in fragments]
         # The built-in Nesterov SGD, or the user's torch optimizer (settings.optimizer).
-        self.opts = [fragment_optimizer(list(frag), settings) for frag in params]
+        self.opts = [fragment_optimizer(frag, settings) for frag in params]
         rule = load_merge_rule(settings.merge_rule)
         load_compressor(settings.compression)  # registers a user's in this process, for the wire tensors it decodes
         # RDA's norm rule across partial rounds, where the rule carries it (its across_rounds) and the run enables it.
