@@ -22,8 +22,9 @@ from islands.cursor import DataCursor
 from islands.faults import InjectedFaults, corrupt, poisoned
 from islands.fragment_state import FragmentState
 from islands.messages import Submission, SubmissionKey
+from islands.plugins import load_compressor
 from islands.spec import IslandSpec
-from policies.compression import FEEDBACK_SCHEMES, compress
+from policies.compression import compress
 from policies.downlink import decode_fragment
 from policies.error_feedback import ErrorFeedback
 from policies.fault_kinds import poison_kind
@@ -92,10 +93,11 @@ class Outbox:
         self._faults = faults
         self._readings = readings
         self._assemble = assemble
-        # Top-k, int2 and sign drop much of each outer gradient: what a cut does not carry is owed to the next.
+        # Top-k, int2 and sign (any compressor that needs_feedback) drop much of each outer gradient: what a cut
+        # does not carry is owed to the next. Loading it here also registers a user's in this process.
         P = fragments.num_fragments
         self.feedback = (ErrorFeedback(P, settings.feedback_decay)
-                         if settings.compression in FEEDBACK_SCHEMES else None)
+                         if load_compressor(settings.compression).needs_feedback else None)
         self.next_seq = 0  # submissions cut so far: the next cut's seq
         self.inflight: dict[SubmissionKey, InFlight] = {}
         self._ready: collections.deque[Submission] = collections.deque()

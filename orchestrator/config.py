@@ -222,6 +222,12 @@ class InnerSection(_Section):
         "'bf16' = forward pass under bfloat16 autocast. Weights, optimizer state and what islands send stay fp32.")
 
 
+def _recorded_plugin(spec: str, info: ValidationInfo) -> bool:
+    """Whether `spec` is a plug-in's import path in a config read back from a run directory: the run loaded it
+    when it started, and a reader of its results (``diloco report``) need not have the user's package."""
+    return isinstance(spec, str) and ":" in spec and bool((info.context or {}).get("recorded"))
+
+
 class OuterSection(_Section):
     """The outer optimizer: quorum, grace, weighting, merge, outer step, staleness, adoption, wire format.
 
@@ -239,7 +245,8 @@ class OuterSection(_Section):
     tau_steps: float | None = Field(None, gt=0, description="tau: inner steps a submission may be in flight; "
                                       "None = H/P (H as sync_every_schedule has it at the time).")
     weighting: Literal["tokens", "uniform"] = Field("tokens", description="'tokens': w = tokens*tokens/steps; 'uniform'.")
-    merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings) or 'mean'.")
+    merge_rule: str = Field("rda", description="'rda' (radial-directional, mean for embeddings), 'mean', or a user's "
+                            "MergeRule by import path 'package.module:Name' (docs/outer.md).")
     lr: float = Field(0.7, gt=0, description="Outer SGD learning rate; unset with one island: 1.0 (policies/outer_regime.py).")
     momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain SGD; unset with one island: 0 "
                             "(policies/outer_regime.py).")
@@ -265,8 +272,8 @@ class OuterSection(_Section):
         "recent rounds, capped at 1/sqrt(s); none under merge 'mean' or step_scale 'none'. Costs a float32 model copy.")
 
     # Wire format: how outer gradients go up and published fragments come down (docs/config.md).
-    compression: str = Field("none", description="Outer-gradient (uplink) wire format: none (float32) | bf16 | int8 | "
-                             "int4 | int2 | sign | topk; int2, sign and topk owe what they leave out to the next submission.")
+    compression: str = Field("none", description="Uplink wire format: none (float32) | bf16 | int8 | int4 | int2 | sign | "
+                             "topk (these three owe what they drop to the next submission) | 'package.module:Name'.")
     compression_block_size: int = Field(256, gt=0, description="Elements per quantization scale block (uplink and downlink; "
         "topk uses chunks of 4,096).")
     topk_density: float = Field(1 / 64, gt=0, le=1, description="Fraction of each 4,096-element chunk that topk keeps, "
@@ -296,12 +303,12 @@ class OuterSection(_Section):
 
     @field_validator("merge_rule")
     @classmethod
-    def _merge_rule(cls, v: str) -> str:
-        from policies.merge import MERGE_RULES
+    def _merge_rule(cls, v: str, info: ValidationInfo) -> str:
+        from islands.plugins import load_merge_rule
 
-        if v not in MERGE_RULES:
-            raise ValueError(f"unknown merge rule {v!r}; use one of {', '.join(MERGE_RULES)}")
-        return v
+        if not _recorded_plugin(v, info):
+            load_merge_rule(v)  # a registered name or an import path; else one line naming what exists and the fix
+        return v.strip()
 
     @field_validator("adoption")
     @classmethod
@@ -313,12 +320,12 @@ class OuterSection(_Section):
 
     @field_validator("compression")
     @classmethod
-    def _compression(cls, v: str) -> str:
-        from policies.compression import SCHEMES
+    def _compression(cls, v: str, info: ValidationInfo) -> str:
+        from islands.plugins import load_compressor
 
-        if v not in SCHEMES:
-            raise ValueError(f"unknown compression {v!r}; use one of {', '.join(SCHEMES)}")
-        return v
+        if not _recorded_plugin(v, info):
+            load_compressor(v)  # a registered name or an import path; else one line naming what exists and the fix
+        return v.strip()
 
     @field_validator("sync_every_schedule", mode="before")
     @classmethod
@@ -646,12 +653,10 @@ class RunConfig(_Section):
             raise ValueError(f"pools {fsdp} shard 'fsdp' but health.salvage_every_steps is "
                              f"{self.health.salvage_every_steps}: a progress snapshot covers every fragment, the whole "
                              f"model on one worker; set health.salvage_every_steps: 0 or shard: none")
-        from policies.compression import FEEDBACK_SCHEMES
-
-        if self.outer.compression in FEEDBACK_SCHEMES:
+        if _compressor(self.outer.compression).needs_feedback:
             raise ValueError(f"pools {fsdp} shard 'fsdp' but outer.compression {self.outer.compression!r} keeps an "
-                             f"error-feedback residual of every fragment on the leader; use none, bf16, int8 or int4, "
-                             f"or shard: none")
+                             f"error-feedback residual of every fragment on the leader; use "
+                             f"{_compressor_names(lambda c: not c.needs_feedback)}, or shard: none")
 
     @property
     def num_islands(self) -> int:
@@ -714,10 +719,30 @@ def _src(*sources: str) -> Callable[[RunConfig], bool]:
     return lambda cfg: cfg.data.source in sources
 
 
+def _compressor(name: str) -> Any:
+    """The compressor plug-in `name` names (policies/compressor.py): config checks read its properties."""
+    from islands.plugins import load_compressor  # torch, only once a config is checked
+
+    return load_compressor(name)
+
+
+def _compressor_names(has: Callable[[Any], bool], last: str = "or") -> str:
+    """The built-in compressors that `has` holds for, as prose ("a, b or c"): what a message suggests (a user's
+    plug-in loaded in this process is left out, so a message does not depend on what ran before)."""
+    from policies.compression import SCHEMES
+
+    chosen = [n for n in SCHEMES if has(_compressor(n))]
+    return ", ".join(chosen[:-1]) + f" {last} " + chosen[-1] if len(chosen) > 1 else (chosen or ["none"])[0]
+
+
 def _blocked_formats(cfg: RunConfig) -> bool:
     o = cfg.outer
-    return (o.compression in ("int8", "int4", "int2", "sign") or o.downlink == "int8"
-            or o.downlink_delta in ("int8", "int4", "int2", "sign"))
+    return any(_compressor(f).blocked for f in (o.compression, o.downlink, o.downlink_delta) if f is not None)
+
+
+def _density_formats(cfg: RunConfig) -> bool:
+    o = cfg.outer
+    return any(_compressor(f).uses_density for f in (o.compression, o.downlink_delta) if f is not None)
 
 
 def _plugin(cfg: RunConfig, what: str) -> str | None:
@@ -771,12 +796,12 @@ INERT_RULES: tuple[InertRule, ...] = (
               f"no wire format in use has blocks (outer.compression '{c.outer.compression}', outer.downlink "
               f"'{c.outer.downlink}', outer.downlink_delta {c.outer.downlink_delta or 'null'})",
               "use int8, int4, int2 or sign for one of them, or drop outer.compression_block_size"),
-    InertRule("outer.topk_density", lambda c: None if "topk" in (c.outer.compression, c.outer.downlink_delta) else
+    InertRule("outer.topk_density", lambda c: None if _density_formats(c) else
               "neither outer.compression nor outer.downlink_delta is topk",
               "set one of them to topk, or drop outer.topk_density"),
-    InertRule("outer.feedback_decay", lambda c: None if c.outer.compression in ("int2", "sign", "topk") else
-              f"outer.compression is '{c.outer.compression}', which owes nothing to later submissions (int2, sign and "
-              f"topk do)", "set outer.compression to int2, sign or topk, or drop outer.feedback_decay"),
+    InertRule("outer.feedback_decay", lambda c: None if _compressor(c.outer.compression).needs_feedback else
+              f"outer.compression is '{c.outer.compression}', which owes nothing to later submissions "
+              f"({_compressor_names(lambda k: k.needs_feedback, 'and')} do)", "set outer.compression to int2, sign or topk, or drop outer.feedback_decay"),
     InertRule("outer.lr", lambda c: _plugin(c, "learning rate"), "drop outer.lr (give the factory its lr), or drop outer.optimizer"),
     InertRule("outer.momentum", lambda c: _plugin(c, "momentum"),
               "drop outer.momentum (give the factory its momentum), or drop outer.optimizer"),

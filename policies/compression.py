@@ -33,24 +33,17 @@ arXiv:2508.15706), which reports 1-3% densities at no loss in quality on their m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-__all__ = ["SCHEMES", "DENSE_SCHEMES", "FEEDBACK_SCHEMES", "WIRE_DTYPES", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed", "compress", "decompress",
-           "error_bound", "topk_keep", "check_density", "FUSED_SCHEMES", "finite_without_decoding", "decode_into"]
+from policies.compressor import Compressed, Compressor, compressor_registry
 
-SCHEMES = ("none", "bf16", "int8", "int4", "int2", "sign", "topk")
-# Formats precise enough to carry whole weights (the downlink's full format): every element, >= 4 bits.
-DENSE_SCHEMES = ("none", "bf16", "int8", "int4")
-# Formats that drop too much of each message to lose it: an island's uplink under them keeps what a
-# submission did not carry and owes it to the next (policies/error_feedback.py); the downlink's
-# differences have that built in. int8/int4 lose a percent or less of a block's energy and go without.
-FEEDBACK_SCHEMES = ("int2", "sign", "topk")
-# The payload dtype of each format, for receivers that check what arrives.
-WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8,
-               "int2": torch.uint8, "sign": torch.uint8, "topk": torch.uint8}
+__all__ = ["SCHEMES", "DENSE_SCHEMES", "FEEDBACK_SCHEMES", "WIRE_DTYPES", "TOPK_CHUNK", "DEFAULT_DENSITY", "Compressed",
+           "Compressor", "compress", "decompress", "compressor", "error_bound", "topk_keep", "check_density",
+           "FUSED_SCHEMES", "finite_without_decoding", "decode_into"]
+
 # Elements per top-k chunk: an index within it fits the 12 bits next to a 4-bit value in two bytes.
 TOPK_CHUNK = 4096
 DEFAULT_DENSITY = 1 / 64
@@ -60,48 +53,17 @@ _QMAX = {"int8": 127, "int4": 7}
 _INT4_OFFSET = 8
 
 
-@dataclass(frozen=True)
-class Compressed:
-    """One compressed tensor, as sent over the wire; plain fields so it pickles cleanly.
-
-    Attributes:
-        scheme: one of ``SCHEMES``.
-        shape: shape of the original tensor.
-        payload: float32 (none), bfloat16 (bf16), int8 with ``numel`` values (int8) or uint8
-            with ``ceil(numel / 2)`` packed bytes, low nibble first (int4), ``ceil(numel / 4)`` bytes
-            of 2-bit codes, lowest bits first (int2), or ``ceil(numel / 8)`` bytes of sign bits, 1 for
-            ``+scale``, lowest bit first (sign); topk's two bytes per kept entry.
-        scales: float32 per-block scales, ``ceil(numel / block_size)`` of them, or ``None``.
-        block_size: elements per quantization block (topk: per chunk).
-        keep: topk only: entries kept per chunk (0 for the other schemes).
-    """
-
-    scheme: str
-    shape: tuple[int, ...]
-    payload: Tensor
-    scales: Tensor | None
-    block_size: int
-    keep: int = 0
-
-    @property
-    def numel(self) -> int:
-        """Number of elements of the original tensor."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Exact bytes on the wire: ``payload.numel() * payload.element_size()`` plus the scales'."""
-        total = self.payload.numel() * self.payload.element_size()
-        if self.scales is not None:
-            total += self.scales.numel() * self.scales.element_size()
-        return total
+def compressor(scheme: str) -> Compressor:
+    """The registered compressor `scheme` (a built-in's name, or the import path a user's was loaded under)."""
+    return compressor_registry().get(scheme)
 
 
-def _check(scheme: str, block_size: int) -> None:
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown compression scheme {scheme!r}; use one of {SCHEMES}")
+def _check(scheme: str, block_size: int) -> Compressor:
+    """The compressor of `scheme`, after checking `block_size`."""
+    comp = compressor(scheme)
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}; use e.g. 256")
+    return comp
 
 
 def check_density(density: float) -> None:
@@ -136,7 +98,9 @@ def _absmax_scales(blocks: Tensor, qmax: int) -> Tensor:
 
 
 def compress(t: Tensor, scheme: str, *, block_size: int = 256, density: float = DEFAULT_DENSITY) -> Compressed:
-    """Compress ``t`` with ``scheme``.
+    """Compress ``t`` with the compressor registered as ``scheme``; the wire tensor carries that name.
+
+    The built-ins:
 
     - none: float32 contiguous copy.
     - bf16: ``t.to(bfloat16)``.
@@ -152,36 +116,105 @@ def compress(t: Tensor, scheme: str, *, block_size: int = 256, density: float = 
         ValueError: on an unknown scheme, ``block_size <= 0``, a density outside (0, 1], or a
             non-finite value under an int or topk scheme (its scale would be meaningless).
     """
-    _check(scheme, block_size)
-    shape = tuple(t.shape)
-    if scheme == "topk":
-        return _compress_topk(t, density)
-    if scheme == "none":
-        payload = t.detach().to(torch.float32).contiguous().clone()
-        return Compressed(scheme, shape, payload, None, block_size)
-    if scheme == "bf16":
-        payload = t.detach().to(torch.bfloat16).contiguous().clone()
-        return Compressed(scheme, shape, payload, None, block_size)
-    if scheme in _LOW_BITS:
-        return _compress_low_bits(t, scheme, block_size)
+    c = _check(scheme, block_size).encode(t, block_size=block_size, density=density)
+    return c if c.scheme == scheme else replace(c, scheme=scheme)
 
-    qmax = _QMAX[scheme]
-    n = t.numel()
-    blocks = _blocks(t, block_size)  # (num_blocks, block_size)
-    scales = _absmax_scales(blocks, qmax)  # (num_blocks,)
-    if not bool(torch.isfinite(scales).all()):
-        raise _non_finite(scheme, shape)
-    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    q = torch.round(blocks / scales[:, None]).clamp_(-qmax, qmax).reshape(-1)[:n]
-    if scheme == "int8":
-        # clone() so the pickled storage holds exactly n values, not the padded blocks.
-        payload = q.to(torch.int8).clone()
-    else:
-        nibbles = (q + _INT4_OFFSET).to(torch.uint8)
-        if n % 2:
-            nibbles = torch.cat([nibbles, nibbles.new_full((1,), _INT4_OFFSET)])
-        payload = (nibbles[0::2] | (nibbles[1::2] << 4)).contiguous()  # (ceil(n/2),)
-    return Compressed(scheme, shape, payload, scales.contiguous(), block_size)
+
+class _Lossless(Compressor):
+    """``none``: the float32 values themselves."""
+
+    wire_dtype = torch.float32
+    dense = True
+
+    def encode(self, t: Tensor, *, block_size: int, density: float) -> Compressed:
+        """A float32 contiguous copy."""
+        return Compressed("none", tuple(t.shape), t.detach().to(torch.float32).contiguous().clone(), None, block_size)
+
+    def decode(self, c: Compressed) -> Tensor:
+        """The payload viewed in its shape (no copy: the merge reads it where it lies)."""
+        return c.payload.to(torch.float32).reshape(c.shape)
+
+    def error_bound(self, t: Tensor, *, block_size: int, density: float) -> Tensor:
+        """0."""
+        return torch.zeros_like(t.detach().to(torch.float32))
+
+
+class _Bf16(Compressor):
+    """``bf16``: each value rounded to bfloat16."""
+
+    wire_dtype = torch.bfloat16
+    dense = True
+
+    def encode(self, t: Tensor, *, block_size: int, density: float) -> Compressed:
+        """``t.to(bfloat16)``."""
+        return Compressed("bf16", tuple(t.shape), t.detach().to(torch.bfloat16).contiguous().clone(), None, block_size)
+
+    def decode(self, c: Compressed) -> Tensor:
+        """The payload as float32 (exact)."""
+        return c.payload.to(torch.float32).reshape(c.shape)
+
+    def error_bound(self, t: Tensor, *, block_size: int, density: float) -> Tensor:
+        """``|x| * 2**-8`` (8 significant bits, round to nearest; normal range)."""
+        return t.detach().to(torch.float32).abs() * 2.0**-8
+
+
+class _AbsmaxInt(Compressor):
+    """``int8`` / ``int4``: blockwise absmax scales, levels ``-qmax..qmax``; decodes in place (module docstring)."""
+
+    dense = True
+    blocked = True
+    decodes_in_place = True
+
+    def __init__(self, scheme: str) -> None:
+        self.scheme, self.qmax = scheme, _QMAX[scheme]
+        self.wire_dtype = torch.int8 if scheme == "int8" else torch.uint8
+
+    def encode(self, t: Tensor, *, block_size: int, density: float) -> Compressed:
+        """``q = clamp(round(x / scale_b), -qmax, qmax)``, ``scale_b = absmax_b / qmax`` (1 for an all-zero block)."""
+        scheme, qmax, shape = self.scheme, self.qmax, tuple(t.shape)
+        n = t.numel()
+        blocks = _blocks(t, block_size)  # (num_blocks, block_size)
+        scales = _absmax_scales(blocks, qmax)  # (num_blocks,)
+        if not bool(torch.isfinite(scales).all()):
+            raise _non_finite(scheme, shape)
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        q = torch.round(blocks / scales[:, None]).clamp_(-qmax, qmax).reshape(-1)[:n]
+        if scheme == "int8":
+            # clone() so the pickled storage holds exactly n values, not the padded blocks.
+            payload = q.to(torch.int8).clone()
+        else:
+            nibbles = (q + _INT4_OFFSET).to(torch.uint8)
+            if n % 2:
+                nibbles = torch.cat([nibbles, nibbles.new_full((1,), _INT4_OFFSET)])
+            payload = (nibbles[0::2] | (nibbles[1::2] << 4)).contiguous()  # (ceil(n/2),)
+        return Compressed(scheme, shape, payload, scales.contiguous(), block_size)
+
+    def decode(self, c: Compressed) -> Tensor:
+        """``q * scale_b``."""
+        assert c.scales is not None, "int schemes always carry scales"
+        if self.scheme == "int8":
+            q = c.payload.to(torch.float32)
+        else:
+            low = (c.payload & 0x0F).to(torch.float32)
+            high = (c.payload >> 4).to(torch.float32)
+            q = torch.stack([low, high], dim=1).reshape(-1)[: c.numel] - _INT4_OFFSET
+        return _scaled(q, c)
+
+    def decode_into(self, c: Compressed, out: Tensor) -> Tensor:
+        """:func:`decode_into`'s arithmetic for this format."""
+        return _decode_int_into(c, out)
+
+    def finite_without_decoding(self, c: Compressed) -> bool:
+        """:func:`finite_without_decoding` for this format."""
+        return _int_finite(c)
+
+    def error_bound(self, t: Tensor, *, block_size: int, density: float) -> Tensor:
+        """``scale_b / 2 + (|x| + scale_b) * 2**-21``: half a level, plus float32 rounding of ``x / scale``
+        and ``q * scale`` (0 for all-zero blocks, which are exact)."""
+        x, n = t.detach().to(torch.float32), t.numel()
+        scales = _absmax_scales(_blocks(t, block_size), self.qmax)  # (num_blocks,)
+        per_elem = scales.repeat_interleave(block_size)[:n].reshape(x.shape)
+        return per_elem / 2 + (x.abs() + per_elem) * 2.0**-21
 
 
 # Bits per element of the spread-scaled formats.
@@ -281,28 +314,13 @@ def _decompress_topk(c: Compressed) -> Tensor:
 
 
 def decompress(c: Compressed) -> Tensor:
-    """The float32 tensor of shape ``c.shape`` that ``c`` encodes (``q * scale_b`` for int schemes; zeros
-    but at the kept entries for topk).
+    """The float32 tensor of shape ``c.shape`` that ``c`` encodes, by the compressor its scheme names
+    (``q * scale_b`` for int schemes; zeros but at the kept entries for topk).
 
     Raises:
-        ValueError: on a topk payload whose sizes or indices do not fit its shape (malformed).
+        ValueError: on an unknown scheme, or a payload whose sizes or indices do not fit its shape (malformed).
     """
-    _check(c.scheme, c.block_size)
-    if c.scheme == "topk":
-        return _decompress_topk(c)
-    if c.scheme in ("none", "bf16"):
-        return c.payload.to(torch.float32).reshape(c.shape)
-    if c.scheme in _LOW_BITS:
-        return _decompress_low_bits(c)
-    assert c.scales is not None, "int schemes always carry scales"
-    n = c.numel
-    if c.scheme == "int8":
-        q = c.payload.to(torch.float32)
-    else:
-        low = (c.payload & 0x0F).to(torch.float32)
-        high = (c.payload >> 4).to(torch.float32)
-        q = torch.stack([low, high], dim=1).reshape(-1)[:n] - _INT4_OFFSET
-    return _scaled(q, c)
+    return _check(c.scheme, c.block_size).decode(c)
 
 
 def _scaled(levels: Tensor, c: Compressed) -> Tensor:
@@ -316,9 +334,6 @@ def _scaled(levels: Tensor, c: Compressed) -> Tensor:
     return out.reshape(-1)[: c.numel].reshape(c.shape).contiguous()
 
 
-# Formats whose decode writes straight into a caller's float32 buffer (decode_into), and whose finiteness
-# shows in their scales alone (finite_without_decoding): the outer optimizer's hot path.
-FUSED_SCHEMES = ("int8", "int4")
 # Largest level magnitude a well-formed int8 or int4 payload can decode to (int8 -128; an int4 nibble 0 is -8).
 _MAX_LEVEL = 128.0
 # A scale below this cannot overflow float32 at any level: 128 * 1e36 < 3.4e38.
@@ -327,7 +342,7 @@ _SAFE_SCALE = 1e36
 
 def _fused_sizes_ok(c: Compressed) -> bool:
     """Whether an int8 or int4 `c` holds exactly the payload bytes and float32 scales its shape needs."""
-    if c.scheme not in FUSED_SCHEMES or c.scales is None or c.scales.dtype != torch.float32 or c.block_size <= 0:
+    if c.scheme not in _QMAX or c.scales is None or c.scales.dtype != torch.float32 or c.block_size <= 0:
         return False
     n = c.numel
     payload = n if c.scheme == "int8" else math.ceil(n / 2)
@@ -335,6 +350,30 @@ def _fused_sizes_ok(c: Compressed) -> bool:
 
 
 def finite_without_decoding(c: Compressed) -> bool:
+    """True when ``decompress(c)`` is sure to decode without error to finite values, known from its sizes and
+    scales alone (no pass over the payload): its compressor vouches for it (int8 and int4 do, from their scales).
+    False means only that decoding is needed to know."""
+    registry = compressor_registry()
+    return c.scheme in registry and registry.get(c.scheme).finite_without_decoding(c)
+
+
+def decode_into(c: Compressed, out: Tensor) -> Tensor:
+    """``decompress(c)`` for a format that decodes in place (int8, int4: ``FUSED_SCHEMES``), written into `out`
+    (float32, contiguous, ``c.numel`` elements) and returned viewed as ``c.shape``: bitwise the same values,
+    without allocating a float32 tensor.
+
+    Raises:
+        ValueError: when `c`'s format does not decode in place or `c` is malformed, or `out` does not fit it.
+    """
+    registry = compressor_registry()
+    comp = registry.get(c.scheme) if c.scheme in registry else None
+    if comp is None or not comp.decodes_in_place:
+        raise ValueError(f"decode_into takes a well-formed {' or '.join(FUSED_SCHEMES)} tensor, got {c.scheme!r} "
+                         f"with {c.payload.numel()} payload values; use decompress()")
+    return comp.decode_into(c, out)
+
+
+def _int_finite(c: Compressed) -> bool:
     """True when ``decompress(c)`` is sure to decode without error to finite values, known from its sizes and
     scales alone (no pass over the payload): an int8 or int4 tensor, well formed, every scale finite and small
     enough that no level times it overflows. False means only that decoding is needed to know."""
@@ -347,7 +386,7 @@ def finite_without_decoding(c: Compressed) -> bool:
     return float(c.scales.abs().max()) < _SAFE_SCALE
 
 
-def decode_into(c: Compressed, out: Tensor) -> Tensor:
+def _decode_int_into(c: Compressed, out: Tensor) -> Tensor:
     """``decompress(c)`` for an int8 or int4 `c`, written into `out` (float32, contiguous, ``c.numel``
     elements) and returned viewed as ``c.shape``: bitwise the same values, without allocating a float32 tensor.
 
@@ -401,9 +440,56 @@ def error_bound(t: Tensor, scheme: str, *, block_size: int = 256, density: float
       kept entries include the chunk's absmax) and the ``keep``-th largest magnitude of the chunk,
       which no dropped entry exceeds.
     """
-    _check(scheme, block_size)
-    x = t.detach().to(torch.float32)
-    if scheme == "topk":
+    return _check(scheme, block_size).error_bound(t, block_size=block_size, density=density)
+
+
+class _SpreadScaled(Compressor):
+    """``int2`` / ``sign``: blockwise spread scales, 2 bits or 1 an element; lossy, so owed by error feedback."""
+
+    needs_feedback = True
+    blocked = True
+
+    def __init__(self, scheme: str) -> None:
+        self.scheme = scheme
+
+    def encode(self, t: Tensor, *, block_size: int, density: float) -> Compressed:
+        """int2: codes ``clamp(floor(x / rms_b) + 2, 0, 3)``; sign: bits ``x >= 0`` (module docstring)."""
+        return _compress_low_bits(t, self.scheme, block_size)
+
+    def decode(self, c: Compressed) -> Tensor:
+        """int2: ``(c - 1.5) * step_b``; sign: ``+-scale_b``."""
+        return _decompress_low_bits(c)
+
+    def error_bound(self, t: Tensor, *, block_size: int, density: float) -> Tensor:
+        """int2: ``max(step_b / 2, |x| - 1.5 step_b)`` (clipped beyond the outer levels); sign: ``| |x| - scale_b |``
+        (0 decodes to ``+scale_b``); each plus ``(|x| + scale_b) * 2**-21``."""
+        x, n = t.detach().to(torch.float32), t.numel()
+        s = _spread_scales(_blocks(t, block_size), n, self.scheme).repeat_interleave(block_size)[:n].reshape(x.shape)
+        rounding = (x.abs() + s) * 2.0**-21
+        if self.scheme == "int2":
+            return torch.maximum(s / 2, x.abs() - 1.5 * s) + rounding
+        return (x.abs() - s).abs() + rounding
+
+
+class _TopK(Compressor):
+    """``topk``: each chunk's largest magnitudes at int4 with their indices; the rest owed by error feedback."""
+
+    needs_feedback = True
+    uses_density = True
+
+    def encode(self, t: Tensor, *, block_size: int, density: float) -> Compressed:
+        """Per chunk (``topk_keep``; ``block_size`` is not used), the ``keep`` largest magnitudes, int4-quantized
+        against ``absmax(kept) / 7``."""
+        return _compress_topk(t, density)
+
+    def decode(self, c: Compressed) -> Tensor:
+        """Zeros but at the kept entries."""
+        return _decompress_topk(c)
+
+    def error_bound(self, t: Tensor, *, block_size: int, density: float) -> Tensor:
+        """Per chunk, the larger of int4's bound for a kept entry (``scale_c = absmax_c / 7``: the kept entries
+        include the chunk's absmax) and the ``keep``-th largest magnitude, which no dropped entry exceeds."""
+        x = t.detach().to(torch.float32)
         chunk, keep = topk_keep(t.numel(), density)
         mags = _blocks(t, chunk).abs()
         absmax = mags.amax(dim=1)
@@ -411,17 +497,23 @@ def error_bound(t: Tensor, scheme: str, *, block_size: int = 256, density: float
         kth = mags.topk(keep, dim=1).values[:, -1]
         per_chunk = torch.maximum(scale / 2 + (absmax + scale) * 2.0**-21, kth)
         return per_chunk.repeat_interleave(chunk)[: t.numel()].reshape(x.shape)
-    if scheme == "none":
-        return torch.zeros_like(x)
-    if scheme == "bf16":
-        return x.abs() * 2.0**-8
-    n = t.numel()
-    if scheme in _LOW_BITS:
-        s = _spread_scales(_blocks(t, block_size), n, scheme).repeat_interleave(block_size)[:n].reshape(x.shape)
-        rounding = (x.abs() + s) * 2.0**-21
-        if scheme == "int2":
-            return torch.maximum(s / 2, x.abs() - 1.5 * s) + rounding
-        return (x.abs() - s).abs() + rounding
-    scales = _absmax_scales(_blocks(t, block_size), _QMAX[scheme])  # (num_blocks,)
-    per_elem = scales.repeat_interleave(block_size)[:n].reshape(x.shape)
-    return per_elem / 2 + (x.abs() + per_elem) * 2.0**-21
+
+
+# The built-ins, registered as a user's compressor is (policies/compressor.py).
+for _name, _comp in (("none", _Lossless()), ("bf16", _Bf16()), ("int8", _AbsmaxInt("int8")), ("int4", _AbsmaxInt("int4")),
+                     ("int2", _SpreadScaled("int2")), ("sign", _SpreadScaled("sign")), ("topk", _TopK())):
+    compressor_registry().register(_name, _comp)
+
+# The built-ins' names by what their plug-ins say of themselves (a user's registers later, under its import path).
+SCHEMES = compressor_registry().names()
+# Formats precise enough to carry whole weights (the downlink's full format): every element, >= 4 bits.
+DENSE_SCHEMES = tuple(n for n in SCHEMES if compressor(n).dense)
+# Formats that drop too much of each message to lose it: an island's uplink under them keeps what a
+# submission did not carry and owes it to the next (policies/error_feedback.py); the downlink's
+# differences have that built in. int8/int4 lose a percent or less of a block's energy and go without.
+FEEDBACK_SCHEMES = tuple(n for n in SCHEMES if compressor(n).needs_feedback)
+# Formats whose decode writes straight into a caller's float32 buffer (decode_into), and whose finiteness
+# shows in their scales alone (finite_without_decoding): the outer optimizer's hot path.
+FUSED_SCHEMES = tuple(n for n in SCHEMES if compressor(n).decodes_in_place)
+# The payload dtype of each format, for receivers that check what arrives.
+WIRE_DTYPES = {n: compressor(n).wire_dtype for n in SCHEMES}

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from policies.compression import DEFAULT_DENSITY, DENSE_SCHEMES, Compressed, check_density, compress, decompress
+from policies.compression import DEFAULT_DENSITY, DENSE_SCHEMES, Compressed, check_density, compress, compressor, decompress
 
 __all__ = ["DELTA_SCHEMES", "Encoded", "DownlinkCopies", "decode_fragment", "apply_delta"]
 
+# outer.downlink_delta's choices (a Literal in the config), each a registered compressor (policies/compression.py).
 # A float32 difference would cost as much as the whole fragment: no reason to send one.
 # int2 / sign: 2 bits or 1 an element, their rounding carried by the next difference like topk's remainder.
 # topk: the largest few percent of each chunk of the difference; the rest stays in the next one's (error feedback).
@@ -68,11 +69,20 @@ def apply_delta(copy: Sequence[Tensor], delta: Sequence[Tensor]) -> list[Tensor]
     return out
 
 
+def _is_dense(name: str) -> bool:
+    """Whether `name` is a registered compressor precise enough to carry whole weights."""
+    try:
+        return compressor(name).dense
+    except ValueError:
+        return False
+
+
 class DownlinkCopies:
     """What every island holds of every fragment, so that each send can be a difference.
 
     Args:
-        full: format of a whole fragment (``outer.downlink``): one of ``policies.compression.DENSE_SCHEMES``.
+        full: format of a whole fragment (``outer.downlink``): a compressor that is ``dense`` (the built-ins:
+            ``policies.compression.DENSE_SCHEMES``).
         delta: format of a difference (``outer.downlink_delta``): one of ``DELTA_SCHEMES``, or None
             to send every version whole (then nothing is kept).
         block_size: elements per quantization block, both formats.
@@ -83,7 +93,7 @@ class DownlinkCopies:
 
     def __init__(self, full: str = "none", delta: str | None = None, *, block_size: int = 256,
                  density: float = DEFAULT_DENSITY) -> None:
-        if full not in DENSE_SCHEMES:
+        if not _is_dense(full):
             raise ValueError(f"unknown downlink format {full!r} for whole fragments; use one of {DENSE_SCHEMES}")
         if delta is not None and delta not in DELTA_SCHEMES:
             raise ValueError(f"unknown downlink_delta format {delta!r}; use one of {DELTA_SCHEMES} or null (send whole fragments)")

@@ -2,9 +2,10 @@
 
 Top-k compression (``policies/compression.py``) sends a few percent of each fragment's outer gradient, and
 int2 and sign send every element at 2 bits or 1, losing 12% and 36% of a Gaussian block's energy
-(``FEEDBACK_SCHEMES``). An island keeps the rest in an accumulator ``e`` per fragment and adds it to its next outer gradient of that
-fragment, so progress is delayed, never dropped (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019,
-"Error Feedback Fixes SignSGD"; in DiLoCo-style training, SparseLoCo, arXiv:2508.15706)::
+(``FEEDBACK_SCHEMES``; any compressor whose ``needs_feedback`` is set). An island keeps the rest in an
+accumulator ``e`` per fragment and adds it to its next outer gradient of that fragment, so progress is
+delayed, never dropped (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "Error Feedback Fixes
+SignSGD"; in DiLoCo-style training, SparseLoCo, arXiv:2508.15706)::
 
     a = decay * e + delta       what is owed: the new progress and everything not sent before
     sent = decode(encode(a))    what the submission carries

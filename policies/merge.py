@@ -1,10 +1,11 @@
-"""Merge rules: how the outer gradients of one round become one (docs/architecture.md section 3, step 5).
+"""Merging one round: the rule's checked entry point, whole fragments, segments, and RDA across rounds
+(docs/architecture.md section 3, step 5).
 
-Radial-directional averaging (RDA) averages the norms and the unit directions separately, so
-near-orthogonal island updates keep their typical size instead of shrinking like ``1/sqrt(M)``
-under a plain mean. Embedding tensors use the plain weighted mean, as the design specifies
-(docs/architecture.md section 3, outer step 5); the plain mean for every tensor is the other policy.
-:class:`RdaAcrossRounds` carries RDA's norm rule across the rounds that merge fewer than every island.
+The rules themselves are plug-ins (policies/merge_rules.py: radial-directional averaging ``rda``, the weighted
+``mean``, or a user's); :func:`merge_into` checks a round's column and runs a rule on it in place, decoding wire
+tensors as it goes, and :func:`merge_fragment` merges a whole fragment the same way (embeddings by the mean where
+the rule says so). :class:`RdaAcrossRounds` carries RDA's norm rule across the rounds that merge fewer than every
+island.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from policies.compression import FUSED_SCHEMES, Compressed, decode_into, decompress
+from policies.compression import Compressed, compressor
+from policies.merge_rules import Column, MergeRule, merge_rule, merge_rule_names
 
-__all__ = ["MERGE_RULES", "RdaAcrossRounds", "rda_merge", "mean_merge", "merge_fragment", "merge_into", "join_segments", "segment_groups"]
+__all__ = ["MERGE_RULES", "RdaAcrossRounds", "rda_merge", "mean_merge", "merge_fragment", "merge_into", "join_segments",
+           "segment_groups", "rule_of", "rules_per_tensor"]
 
-MERGE_RULES = ("rda", "mean")
+MERGE_RULES = merge_rule_names()  # the built-in rules' names (a user's registers later, by its import path)
 
 
 def _check_inputs(deltas: Sequence[Tensor], weights: Sequence[float]) -> None:
@@ -35,48 +38,44 @@ def _check_inputs(deltas: Sequence[Tensor], weights: Sequence[float]) -> None:
                 f"delta {m} has shape {tuple(d.shape)} but delta 0 has {tuple(shape)}; "
                 "merge the same tensor from every submission"
             )
+    _check_weights(weights)
+
+
+def _check_weights(weights: Sequence[float]) -> None:
     for m, w in enumerate(weights):
         if math.isnan(w) or w < 0:
             raise ValueError(f"weights[{m}] must be >= 0, got {w}; use merge_weights()")
 
 
+def rule_of(rule: str | MergeRule) -> MergeRule:
+    """A registered rule's object (a rule passes through); one line naming the registered ones for an unknown name."""
+    return rule if isinstance(rule, MergeRule) else merge_rule(rule)
+
+
+def rules_per_tensor(rule: str | MergeRule, embedding_mask: Sequence[bool],
+                     buffer_mask: Sequence[bool] = ()) -> list[MergeRule]:
+    """The rule each tensor of a fragment merges by: `rule`, but the weighted mean for trained buffers
+    (`buffer_mask`) and, where the rule's ``mean_for_embeddings`` says so, for embeddings (`embedding_mask`)."""
+    chosen, mean = rule_of(rule), merge_rule("mean")
+    is_buffer = list(buffer_mask) + [False] * (len(embedding_mask) - len(buffer_mask))
+    return [mean if buf or (emb and chosen.mean_for_embeddings) else chosen
+            for emb, buf in zip(embedding_mask, is_buffer)]
+
+
 def mean_merge(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
-    """Weighted mean ``sum_m w_m * d_m``, in float32.
+    """Weighted mean ``sum_m w_m * d_m``, in float32, in a new tensor: the ``mean`` rule (policies.merge_rules).
 
     Weights are used as given (normalize them first, e.g. with ``merge_weights``).
     """
     _check_inputs(deltas, weights)
-    out = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
-    for d, w in zip(deltas, weights):
-        out.add_(d.to(torch.float32), alpha=float(w))
-    return out
+    return merge_rule("mean").merged(deltas, weights)
 
 
 def rda_merge(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
-    """Radial-directional average of same-shape tensors, in float32.
-
-    With Frobenius norms over the whole tensor:
-
-    - ``r = sum_m w_m * ||d_m||`` (weighted mean norm),
-    - ``u = sum_m w_m * d_m / ||d_m||`` (weighted mean direction; ``d_m = 0`` adds nothing),
-    - result ``= r * u / ||u||``, or zeros if ``||u|| == 0``.
-
-    A single delta with weight 1 comes back unchanged (up to float error).
-    """
+    """Radial-directional average of same-shape tensors, in float32, in a new tensor: the ``rda`` rule
+    (policies.merge_rules.RdaRule has the formula). A single delta with weight 1 comes back unchanged."""
     _check_inputs(deltas, weights)
-    u = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
-    r = 0.0
-    for d, w in zip(deltas, weights):
-        d32 = d.to(torch.float32)
-        norm = float(torch.linalg.vector_norm(d32))
-        if norm == 0.0:
-            continue
-        r += float(w) * norm
-        u.add_(d32, alpha=float(w) / norm)
-    u_norm = float(torch.linalg.vector_norm(u))
-    if u_norm == 0.0:
-        return torch.zeros_like(u)
-    return u.mul_(r / u_norm)
+    return merge_rule("rda").merged(deltas, weights)
 
 
 def merge_into(
@@ -84,20 +83,19 @@ def merge_into(
     column: Sequence[Tensor | Compressed],
     weights: Sequence[float],
     *,
-    rda: bool,
+    rule: str | MergeRule,
     norms: Sequence[float | None] | None = None,
     scratch: Tensor | None = None,
 ) -> Tensor:
-    """``rda_merge(column, weights)`` (``rda``) or ``mean_merge(column, weights)`` written into `out`: the
-    same operations in the same order, so bitwise the same values, without allocating a tensor of the
-    merged size. The outer optimizer's hot path (orchestrator/core/round_merge.py) calls it per tensor.
+    """`rule` (a registered name or a :class:`MergeRule`) run on `column` into `out`, after checking what it is
+    given, without allocating a tensor of the merged size. The outer optimizer's hot path
+    (orchestrator/core/round_merge.py) calls it per tensor.
 
     Args:
         out: contiguous float32, the column's shape; overwritten.
         column: one outer gradient per submission, float32 tensors (read where they lie) or wire tensors
             (``Compressed``: ``none`` read in place, int8/int4 decoded into `scratch`, others decompressed).
         weights: one normalized weight per entry.
-        rda: radial-directional average; False: the weighted mean.
         norms: ``norms[m]`` is ``float(torch.linalg.vector_norm(value of column[m]))`` when the caller
             already has it (the outer optimizer's finite check computes it), or None to compute it here.
         scratch: contiguous float32 with at least ``out.numel()`` elements, for decoding; allocated when
@@ -113,69 +111,45 @@ def merge_into(
         if tuple(d.shape) != shape:
             raise ValueError(f"delta {m} has shape {tuple(d.shape)} but the output has {shape}; "
                              "merge the same tensor from every submission")
-    for m, w in enumerate(weights):
-        if math.isnan(w) or w < 0:
-            raise ValueError(f"weights[{m}] must be >= 0, got {w}; use merge_weights()")
+    _check_weights(weights)
     if out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be contiguous float32, got {out.dtype}; pass a view of the merge buffer")
-    # Zeros, then += w * d per entry, exactly as mean_merge and rda_merge accumulate (signed zeros included).
-    out.zero_()
-    if not rda:
-        for m, w in enumerate(weights):
-            out.add_(_value(column[m], out, scratch), alpha=float(w))
-        return out
-    r = 0.0
-    for m, w in enumerate(weights):
-        d = _value(column[m], out, scratch)
-        known = None if norms is None else norms[m]
-        norm = float(torch.linalg.vector_norm(d)) if known is None else known
-        if norm == 0.0:
-            continue
-        r += float(w) * norm
-        out.add_(d, alpha=float(w) / norm)
-    u_norm = float(torch.linalg.vector_norm(out))
-    if u_norm == 0.0:
-        return out.zero_()
-    return out.mul_(r / u_norm)
+    return rule_of(rule).merge_into(out, Column(column, norms, decode=_decoded, scratch=scratch), weights)
 
 
-def _value(d: Tensor | Compressed, out: Tensor, scratch: Tensor | None) -> Tensor:
-    """The float32 values of one column entry: in place where they already are float32, else decoded."""
-    if isinstance(d, Tensor):
-        return d.to(torch.float32)
-    if d.scheme == "none":
-        return d.payload.to(torch.float32).reshape(d.shape)  # decompress's view, no copy
-    if d.scheme in FUSED_SCHEMES:
+def _decoded(d: Compressed, scratch: Tensor | None) -> Tensor:
+    """The float32 values of one wire tensor by its compressor: into `scratch` where the format decodes in place
+    (int8, int4), else its decode (``none``'s is a view of the payload, no copy)."""
+    comp = compressor(d.scheme)
+    if comp.decodes_in_place:
         if scratch is None:
-            scratch = torch.empty(out.numel(), dtype=torch.float32)
-        return decode_into(d, scratch.view(-1)[: out.numel()])
-    return decompress(d)
+            scratch = torch.empty(d.numel, dtype=torch.float32)
+        return comp.decode_into(d, scratch.view(-1)[: d.numel])
+    return comp.decode(d)
 
 
 def merge_fragment(
     submissions: Sequence[Sequence[Tensor]],
     weights: Sequence[float],
     *,
-    rule: str,
+    rule: str | MergeRule,
     embedding_mask: Sequence[bool],
 ) -> list[Tensor]:
-    """Merge one fragment tensor by tensor.
+    """Merge one fragment tensor by tensor, each into a new tensor.
 
-    ``out[t] = rda_merge([s[t] for s in submissions], weights)`` for rule ``"rda"``, except
-    ``mean_merge`` where ``embedding_mask[t]`` is True; rule ``"mean"`` uses ``mean_merge`` for
-    every tensor.
+    ``out[t]`` is `rule`'s merge of ``[s[t] for s in submissions]``, except the weighted mean where
+    ``embedding_mask[t]`` is True and the rule's ``mean_for_embeddings`` is.
 
     Args:
         submissions: ``submissions[m][t]`` is tensor ``t`` of submission ``m``.
         weights: one normalized weight per submission.
-        rule: one of ``MERGE_RULES``.
+        rule: a registered rule's name (``MERGE_RULES`` for the built-ins) or a :class:`MergeRule`.
         embedding_mask: ``embedding_mask[t]`` is True for embedding tensors.
 
     Returns:
         One float32 tensor per tensor of the fragment.
     """
-    if rule not in MERGE_RULES:
-        raise ValueError(f"unknown merge rule {rule!r}; use one of {MERGE_RULES}")
+    by = rules_per_tensor(rule, embedding_mask)
     if len(submissions) == 0:
         raise ValueError("merge_fragment got no submissions; a round merges at least one")
     if len(weights) != len(submissions):
@@ -198,10 +172,8 @@ def merge_fragment(
                     f"tensor {t} of submission {m} has shape {tuple(d.shape)} but submission 0 has "
                     f"{tuple(column[0].shape)}; submissions must come from the same fragment plan"
                 )
-        if rule == "rda" and not embedding_mask[t]:
-            out.append(rda_merge(column, weights))
-        else:
-            out.append(mean_merge(column, weights))
+        _check_inputs(column, weights)
+        out.append(by[t].merged(column, weights))
     return out
 
 
@@ -275,8 +247,8 @@ class RdaAcrossRounds:
 
     Args:
         num_tensors: tensors of the fragment.
-        tracked: ``tracked[t]`` is True where the round's merge rule is RDA (not embeddings, not the
-            ``mean`` rule); other tensors always get factor 1.
+        tracked: ``tracked[t]`` is True where the round's merge rule carries its norms across rounds (RDA's
+            ``across_rounds``, not embeddings, not the ``mean`` rule); other tensors always get factor 1.
     """
 
     DECAY = 2.0  # per full round of clock time: exp(-2 * 0.25) = 0.61 per quarter round, see above

@@ -189,8 +189,6 @@ SIZE_ALLOWED = {
     "islands.island.LearnerIsland": 374,
     "islands.island.LearnerIsland.__init__": 65,
     "orchestrator.actors.health_monitor.HealthMonitor": 394,
-    "orchestrator.core.outer_optimizer.OuterOptimizer": 351,
-    "orchestrator.core.round_merge.merge_round": 77,
 }
 
 

@@ -1,15 +1,17 @@
 """OuterOptimizer: the single source of truth for the global parameters (docs/architecture.md section 3).
 
 A plain class, stepped with submissions and the current time. Per fragment p it keeps the global
-tensors, a Nesterov outer optimizer, the version and the pending submissions (its resident memory, as
+tensors, an outer optimizer, the version and the pending submissions (its resident memory, as
 a formula: docs/outer.md). A round closes on quorum + grace (policies.quorum), merges with token
-weights (policies.weighting) and RDA (policies.merge), applies the outer step and yields a
-`RoundResult` for the shell to publish. Bad submissions are refused, counted and logged; they never touch state.
+weights (policies.weighting) and the run's merge rule (RDA by default; a plug-in, policies.merge_rules),
+applies the outer step and yields a `RoundResult` for the shell to publish. Bad submissions are refused,
+counted and logged; they never touch state.
 
 Its pieces live beside it in orchestrator/core/: the checks a submission passes (submission_check.py),
-the merge and outer step of one round (round_merge.py), the served moving average (served_average.py),
-each fragment's open round and the round records (rounds.py). The Ray shell that polls islands and
-publishes lives in orchestrator/actors/outer.py.
+the poison guard's judgments (poison_checks.py), each fragment's merge state and the merge and outer step of
+one round (round_merge.py), the served moving average (served_average.py), each fragment's open round and
+the round records (rounds.py), and what its checkpoint holds (outer_checkpoint.py). The Ray shell that
+polls islands and publishes lives in orchestrator/actors/outer.py.
 """
 
 from __future__ import annotations
@@ -22,23 +24,19 @@ import torch
 
 from islands.cursor import DataCursor
 from islands.messages import Submission
-from orchestrator.core.checkpoint import PARAM_PREFIX
-from orchestrator.core.fragment_optimizers import fragment_optimizer, load_optimizer, save_optimizer
-from orchestrator.core.round_merge import MergeWorkspace, decoded, merge_round
+from orchestrator.core.outer_checkpoint import checkpoint_of, restore_checkpoint
+from orchestrator.core.poison_checks import judge_arrival, judge_opening_round
+from orchestrator.core.round_merge import FragmentMerges
 from orchestrator.core.rounds import OpenRound, Pending, Refusal, RoundRecord, RoundResult
 from orchestrator.core.served_average import ServedAverage
 from orchestrator.core.settings import OuterSettings  # re-exported: the outer optimizer's settings
 from orchestrator.core.submission_check import check_submission
 from policies.fragments import FragmentPlan
-from policies.merge import RdaAcrossRounds
 from policies.poison_guard import (
     POISONED,
     PoisonGuard,
-    Reading,
     RefusalStreaks,
     first_round_quorum,
-    judge_first_round,
-    reading_of,
 )
 from policies.quorum import MovingAverage, decide_round, grace_window_s, membership_quorum
 from policies.sync_schedule import sync_every_at
@@ -72,23 +70,16 @@ class OuterOptimizer:
         P = plan.num_fragments
         self.params = [[initial[n].detach().to(torch.float32).clone() for n in frag] for frag in plan.fragments]
         self._shapes = [[tuple(t.shape) for t in frag] for frag in self.params]
-        # Embeddings and buffers are merged by the plain mean; buffers then skip the Nesterov step.
-        self._embedding_mask = [[n in embedding_names or n in buffer_names for n in frag] for frag in plan.fragments]
-        self._buffer_mask = [[n in buffer_names for n in frag] for frag in plan.fragments]
-        # The built-in Nesterov SGD, or the user's torch optimizer (settings.optimizer; core/fragment_optimizers.py).
-        self._opts = [fragment_optimizer(self.params[p], settings) for p in range(P)]
-        # Per fragment: RDA's norm rule across partial rounds (policies.merge.RdaAcrossRounds), if enabled.
-        tracked = [[settings.merge_rule == "rda" and not emb for emb in mask] for mask in self._embedding_mask]
-        self._rda_windows = [RdaAcrossRounds(len(tracked[p]), tracked[p]) if settings.rda_across_rounds else None
-                             for p in range(P)]
+        # Each fragment's masks, outer optimizer and RDA window, the run's merge rule and compressor (core/round_merge.py).
+        self.merges = FragmentMerges(self.params, plan.fragments, settings, embedding_names=embedding_names,
+                                     buffer_names=buffer_names)
+        self._opts, self._rda_windows = self.merges.opts, self.merges.windows
         # The served model (run.average_window): a moving average of each fragment's global tensors, or None.
         self.average = None if settings.average_window is None else ServedAverage(self.params, settings.average_window)
         self.versions = [0] * P
         # No copy of older versions is kept: an island's outer gradient is measured from the version it holds,
         # so a stale submission needs only its base version's number to be accepted or refused.
         self.copy_results = copy_results
-        # One tensor's merged outer gradient at a time (core/round_merge.py): the largest tensor's size.
-        self._workspace = MergeWorkspace(max((t.numel() for frag in self.params for t in frag), default=1))
         self._open = [OpenRound(opened_at=now) for _ in range(P)]  # per fragment: its round, collecting
         self.islands: dict[int, int] = {}  # live island -> current incarnation
         self._last_incarnation: dict[int, int] = {}  # island slot -> newest incarnation ever registered
@@ -148,13 +139,9 @@ class OuterOptimizer:
             return self.poll(now), self._refuse(sub, verdict.reason)
         p = sub.fragment
         if self.guard is not None and self.versions[p] > 0:  # a first round is judged as a whole when it closes
-            reading = reading_of(sub.island, [decoded(d) for d in verdict.deltas], verdict.norms, sub.inner_steps,
-                                 self._opts[p].momentum_buffers())
-            poisoned = self.guard.judge(p, reading)
+            poisoned = judge_arrival(p, sub, verdict, self.guard, self.streaks, self._opts[p].momentum_buffers())
             if poisoned is not None:
                 return self.poll(now), self._refuse(sub, poisoned)
-            self.guard.record(p, reading)
-            self.streaks.accepted(sub.island, sub.incarnation)
         self.bytes_received += sub.nbytes
         if sub.step_time_s > 0:
             self.step_time.update(sub.step_time_s)
@@ -239,31 +226,9 @@ class OuterOptimizer:
     def _judged_first_round(self, p: int) -> bool:
         """Judge fragment p's first round by its submissions against each other (policies.poison_guard), refuse
         the poisoned ones and record the rest; whether any remain to merge. Later rounds pass unchanged."""
-        round_ = self._open[p]
         if self.guard is None or self.versions[p] > 0:
-            return bool(round_.pending)
-        deltas = [[decoded(d) for d in e.deltas] for e in round_.pending]
-        sq = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in ds) for ds in deltas]
-        n = len(deltas)
-        dots = [[sum(float(torch.dot(a.reshape(-1), b.reshape(-1))) for a, b in zip(deltas[i], deltas[j]))
-                 for j in range(n)] for i in range(n)]
-        cosines = [[dots[i][j] / math.sqrt(sq[i] * sq[j]) if sq[i] > 0 and sq[j] > 0 else 0.0 for j in range(n)]
-                   for i in range(n)]
-        sizes = [math.sqrt(sq[i]) / math.sqrt(max(1, e.sub.inner_steps)) for i, e in enumerate(round_.pending)]
-        elements = sum(t.numel() for t in deltas[0]) if deltas else 0
-        verdicts = judge_first_round([e.sub.island for e in round_.pending], sizes, cosines, elements)
-        kept = []
-        for e, size, (reason, alignment) in zip(round_.pending, sizes, verdicts):
-            if reason is not None:
-                self._refuse(e.sub, reason)
-                round_.refused.append(e.sub.key)
-                continue
-            kept.append(e)
-            self.guard.record(p, Reading(e.sub.island, size, alignment, elements))
-            self.streaks.accepted(e.sub.island, e.sub.incarnation)
-        round_.pending = kept
-        round_.voters &= {e.sub.island for e in kept}
-        return bool(kept)
+            return bool(self._open[p].pending)
+        return judge_opening_round(self._open[p], p, self.guard, self.streaks, self._refuse)
 
     def _pending_islands(self, p: int) -> int:
         # Quorum counts islands, not submissions: a fast island's second submission is not a second vote.
@@ -288,9 +253,7 @@ class OuterOptimizer:
         pending = round_.pending
         subs = [e.sub for e in pending]
         refused = round_.refused
-        merged = merge_round(pending, opt=self._opts[p], window=self._rda_windows[p], settings=self.settings,
-                             embedding_mask=self._embedding_mask[p], buffer_mask=self._buffer_mask[p],
-                             live_islands=self._live_islands(), final=final, workspace=self._workspace)
+        merged = self.merges.merge(p, pending, settings=self.settings, live_islands=self._live_islands(), final=final)
         self.versions[p] += 1
         version = self.versions[p]
         record = RoundRecord.of(
@@ -362,40 +325,9 @@ class OuterOptimizer:
         return out
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, JSON metadata) for a checkpoint: parameters, outer optimizer state, versions, ledger, cursors."""
-        tensors: dict[str, torch.Tensor] = {}
-        windows = [None if w is None else w.state_dict() for w in self._rda_windows]
-        outer_state = []
-        for p, (names, frag) in enumerate(zip(self.plan.fragments, self.params)):
-            for name, t in zip(names, frag):
-                tensors[PARAM_PREFIX + name] = t.clone()
-            outer_state.append(save_optimizer(self._opts[p], p, names, tensors))
-            if self.average is not None:
-                self.average.save(p, names, tensors)
-            if windows[p] is not None:
-                for name, v in zip(names, windows[p]["sums"]):
-                    if v is not None:
-                        tensors[f"rda_window/{name}"] = v
-        meta = {
-            "versions": list(self.versions), "tokens_merged": list(self.tokens_merged),
-            "tokens_refused": list(self.tokens_refused), "bytes_received": self.bytes_received,
-            # Pending submissions are not saved: after a restore they were never received (and so lost).
-            "received": [[i, inc, toks] for (i, inc), toks in self._received_without_pending().items()],
-            "useful_s": self.useful_s, "resume_cursor": {str(k): list(v) for k, v in self.resume_cursor.items()},
-            "rounds": len(self.rounds), "fragments": [list(f) for f in self.plan.fragments],
-            "rda_window_norms": [None if w is None else w["norms"] for w in windows],
-            "poison_guard": None if self.guard is None else self.guard.state_dict(),
-        }
-        if any(m is not None for m in outer_state):  # a plug-in's (the built-in's checkpoint is as it was)
-            meta["outer_state"] = outer_state
-        return tensors, meta
-
-    def _received_without_pending(self) -> dict[tuple[int, int], list[int]]:
-        out = {k: list(v) for k, v in self.received.items()}
-        for r in self._open:
-            for e in r.pending:
-                out[(e.sub.island, e.sub.incarnation)][e.sub.fragment] -= e.sub.tokens
-        return out
+        """(tensors, JSON metadata) for a checkpoint: parameters, outer optimizer state, versions, ledger, cursors
+        (core/outer_checkpoint.py)."""
+        return checkpoint_of(self)
 
     def build_optimizers(self) -> None:
         """Build each fragment's torch optimizer now (see FragmentOuterOptimizer.build): the actor does this at
@@ -405,30 +337,7 @@ class OuterOptimizer:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore from `state_dict()` output; refuses a checkpoint of another model or fragment plan."""
-        if [list(f) for f in self.plan.fragments] != meta.get("fragments"):
-            raise ValueError("checkpoint was written for another model or fragment plan; start a new run directory")
-        for p, names in enumerate(self.plan.fragments):
-            with torch.no_grad():
-                for t, name in zip(self.params[p], names):
-                    t.copy_(tensors[PARAM_PREFIX + name])
-            outer_state = (meta.get("outer_state") or [None] * len(self.plan.fragments))[p]  # None: the built-in's
-            load_optimizer(self._opts[p], p, names, tensors, outer_state)
-            norms = (meta.get("rda_window_norms") or [None] * len(self.plan.fragments))[p]
-            if self._rda_windows[p] is not None and norms is not None:  # else the window starts empty
-                self._rda_windows[p].load_state_dict(
-                    {"norms": norms, "sums": [tensors.get(f"rda_window/{n}") for n in names]})
-            if self.average is not None:  # a checkpoint written without averaging starts it at its global model
-                self.average.load(p, names, tensors, self.params[p])
-            self._open[p].clear()
-        self.versions = list(meta["versions"])
-        self.tokens_merged = list(meta["tokens_merged"])
-        self.tokens_refused = list(meta["tokens_refused"])
-        self.bytes_received = meta["bytes_received"]
-        self.received = {(i, inc): list(toks) for i, inc, toks in meta["received"]}
-        self.useful_s = meta["useful_s"]
-        self.resume_cursor = {int(k): DataCursor.of(v) for k, v in meta["resume_cursor"].items()}
-        if self.guard is not None and meta.get("poison_guard") is not None:  # else its windows fill again
-            self.guard.load_state_dict(meta["poison_guard"])
+        restore_checkpoint(self, tensors, meta)
 
     def ledger(self) -> dict[str, list[int]]:
         """Per-fragment token ledger: merged, refused, pending."""

@@ -1,8 +1,8 @@
 """The checks a submission passes before it may join a round (docs/architecture.md section 3).
 
 In order: the sender's identity (a live or recently live incarnation), the fragment and counters,
-the wire format and shapes, staleness (policies.staleness), then the values: int8/int4 tensors whose
-scales prove them finite stay in their wire format; the rest are decoded and their shapes and
+the wire format and shapes, staleness (policies.staleness), then the values: tensors whose compressor proves
+them finite from their scales (int8/int4) stay in their wire format; the rest are decoded and their shapes and
 finiteness checked. The first failure is the refusal's reason; a refused submission never touches state.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from islands.messages import Submission
-from policies.compression import WIRE_DTYPES, Compressed, decompress, finite_without_decoding
+from policies.compression import Compressed, compressor, decompress, finite_without_decoding
 from policies.staleness import check_staleness
 
 
@@ -96,7 +96,7 @@ def _shape_problem(sub: Submission, shapes: list[list[tuple[int, ...]]], compres
     frag = shapes[sub.fragment]
     if len(sub.payload) != len(frag):
         return f"fragment {sub.fragment} has {len(frag)} tensors, submission has {len(sub.payload)}"
-    wire = WIRE_DTYPES[compression]
+    wire = compressor(compression).wire_dtype  # the run's, loaded by the outer optimizer (core/round_merge.py)
     for i, (c, shape) in enumerate(zip(sub.payload, frag)):
         if not isinstance(c, Compressed) or c.scheme != compression:
             return f"tensor {i}: wire format is not {compression!r}"

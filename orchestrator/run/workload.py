@@ -262,7 +262,8 @@ def prepare(cfg: RunConfig, workload: Workload | None = None, run_dir: str | Pat
     Raises ConfigError (one line naming the fix) for: an import path that does not resolve, a factory
     that raises or does not return an ``nn.Module``, a model with no trainable parameters, a loss that
     raises or is not a scalar with a gradient on a real batch, an optimizer factory (inner or outer) that raises
-    or does not return an optimizer (the outer one also: that holds other tensors or cannot step), outer.lr or
+    or does not return an optimizer (the outer one also: that holds other tensors or cannot step), a merge rule or
+    compressor plug-in that does not load (outer.merge_rule, outer.compression), outer.lr or
     momentum given beside the API's outer optimizer, an empty dataset, a dataset too small for one batch per island (or for one
     held-out window), token ids at or past the model's embedding rows, and a 0-dim parameter in a model
     that a pool shards (`shard: fsdp`). The user's own exceptions
@@ -330,6 +331,7 @@ def _prepare(cfg: RunConfig, workload: Workload | None, run_dir: str | Path | No
         build_optimizer(recipe.optimizer, model, lr=inner.lr, weight_decay=inner.weight_decay,
                         betas=(inner.beta1, inner.beta2))
     _check_outer_optimizer(cfg, workload, model)
+    _check_plugins(cfg)
     return Prepared(data, recipe, {n: t.detach().clone() for n, t in state.items()},
                     embedding_parameter_names(model), frozenset(buffer_names(model)))
 
@@ -356,6 +358,16 @@ def _check_outer_optimizer(cfg: RunConfig, workload: Workload | None, model: Any
         check_outer_optimizer(spec, tiny)
     except ModelError as err:
         raise ConfigError(str(err)) from err.__cause__
+
+
+def _check_plugins(cfg: RunConfig) -> None:
+    """The merge rule and compressor the config names, loaded here as every process of the run will: a config
+    read back from a run directory (``--resume``) was not made to import them (orchestrator.config), and one that
+    no longer loads should fail before Ray, not in the outer optimizer's actor. A ModelError line if not."""
+    from islands.plugins import load_compressor, load_merge_rule
+
+    load_merge_rule(cfg.outer.merge_rule)
+    load_compressor(cfg.outer.compression)
 
 
 def _check_shardable(cfg: RunConfig, model: Any) -> None:

@@ -1,5 +1,5 @@
 """The outer optimizer's in-place kernels (issue 44) against the functions they replace on the hot path:
-decode_into against decompress, merge_into against rda_merge and mean_merge, the outer step against
+decode_into against decompress, merge_into against the rules written out in tests/policies/merge_reference.py, the outer step against
 torch.optim.SGD. Same operations per element, so every comparison is bitwise (torch.equal and the bits)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from policies.compression import Compressed, compress, decode_into, decompress, finite_without_decoding
-from policies.merge import mean_merge, merge_into, rda_merge
+from policies.merge import merge_into
 from policies.outer_optimizer import FragmentOuterOptimizer
+from tests.policies.merge_reference import mean_reference, rda_reference
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -64,29 +65,29 @@ def test_merge_into_is_the_whole_tensor_merge(rda, form):
     column = [d if s == "tensor" else compress(d, s) for d, s in zip(deltas, schemes)]
     decoded = [c if isinstance(c, torch.Tensor) else decompress(c) for c in column]
     weights = [0.1, 0.2, 0.3, 0.4]
-    want = (rda_merge if rda else mean_merge)(decoded, weights)
+    want = (rda_reference if rda else mean_reference)(decoded, weights)
     for norms in (None, [float(torch.linalg.vector_norm(d)) for d in decoded]):
         out = torch.full(shape, float("nan"))
-        got = merge_into(out, column, weights, rda=rda, norms=norms, scratch=torch.empty(1000))
+        got = merge_into(out, column, weights, rule="rda" if rda else "mean", norms=norms, scratch=torch.empty(1000))
         assert got.data_ptr() == out.data_ptr() and _same_bits(got, want)
 
 
 def test_merge_into_cancelling_and_all_zero_columns():
     d = torch.tensor([1.0, -2.0, 2.0])
     out = torch.empty(3)
-    assert _same_bits(merge_into(out, [d, -d], [0.5, 0.5], rda=True), rda_merge([d, -d], [0.5, 0.5]))
-    assert torch.equal(merge_into(out, [torch.zeros(3)] * 2, [0.5, 0.5], rda=True), torch.zeros(3))
+    assert _same_bits(merge_into(out, [d, -d], [0.5, 0.5], rule="rda"), rda_reference([d, -d], [0.5, 0.5]))
+    assert torch.equal(merge_into(out, [torch.zeros(3)] * 2, [0.5, 0.5], rule="rda"), torch.zeros(3))
 
 
 def test_merge_into_errors():
     with pytest.raises(ValueError, match="at least one submission"):
-        merge_into(torch.empty(2), [], [], rda=True)
+        merge_into(torch.empty(2), [], [], rule="rda")
     with pytest.raises(ValueError, match="one weight"):
-        merge_into(torch.empty(2), [torch.ones(2)], [0.5, 0.5], rda=True)
+        merge_into(torch.empty(2), [torch.ones(2)], [0.5, 0.5], rule="rda")
     with pytest.raises(ValueError, match="delta 0 has shape"):
-        merge_into(torch.empty(2), [torch.ones(3)], [1.0], rda=True)
+        merge_into(torch.empty(2), [torch.ones(3)], [1.0], rule="rda")
     with pytest.raises(ValueError, match="weights\\[0\\] must be >= 0"):
-        merge_into(torch.empty(2), [torch.ones(2)], [-1.0], rda=False)
+        merge_into(torch.empty(2), [torch.ones(2)], [-1.0], rule="mean")
 
 
 def _torch_sgd_run(params, grads, *, lr, momentum, nesterov, scales):
