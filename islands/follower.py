@@ -19,6 +19,7 @@ from islands.distributed import WorkerGroup
 from islands.spec import ModelRecipe
 from islands.trainer import InnerSettings, InnerTrainer
 from policies.fragments import FragmentPlan
+from policies.island_states import IslandState
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class IslandFollower:
         self.trainer = InnerTrainer(model, data, settings=inner, shard_index=shard_index,
                                     num_shards=num_shards, seed=seed, group=group, device=group.device, pool=pool)
         self._fragments = [[self.trainer.params[n] for n in frag] for frag in plan.fragments]
-        self.state = "starting"  # starting | training | stopped | failed
+        self.state = IslandState.STARTING  # then TRAINING, then STOPPED or FAILED
         self.error: str | None = None
         self.steps = 0
         self._thread: threading.Thread | None = None
@@ -51,7 +52,7 @@ class IslandFollower:
             self.group.connect()
             self.group.broadcast_([t for frag in self._fragments for t in frag])
             self.trainer.sampler.seek(DataCursor(*self.group.share_cursor(self.trainer.sampler.data_cursor)))
-            self.state = "training"
+            self.state = IslandState.TRAINING
             while True:
                 control = self.group.follow(self._fragments)
                 if control.stop:
@@ -61,11 +62,11 @@ class IslandFollower:
                     self.trainer.step()
                     self.steps += 1
         except Exception as err:  # noqa: BLE001 - reported through `state`/`error`; the shell ends the process
-            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+            self.state, self.error = IslandState.FAILED, f"{type(err).__name__}: {err}"
             log.error("island worker rank %d stopped: %s", self.group.rank, self.error)
             return
         self.group.close()
-        self.state = "stopped"
+        self.state = IslandState.STOPPED
 
     def start(self) -> None:
         """Run the follower loop in a background thread (idempotent)."""

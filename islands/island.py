@@ -50,6 +50,7 @@ from islands.spec import IslandSpec, IslandStatus  # noqa: F401 - re-exported: p
 from islands.stream import StreamSampler
 from islands.trainer import InnerTrainer
 from policies.adoption import parse_adoption
+from policies.island_states import ENDED_BADLY, IslandState
 from policies.quorum import MovingAverage
 from policies.sync_schedule import check_sync_every, sync_every_at
 
@@ -141,7 +142,7 @@ class LearnerIsland:
         self.shelf = None if shelve is None else SalvageShelf(
             island=spec.island, incarnation=spec.incarnation, every_steps=spec.salvage_every_steps, shelve=shelve,
             fragments=self.fragments, outbox=self.outbox, cv=self._cv)
-        self._state = "starting"
+        self._state = IslandState.STARTING
         self._error: str | None = None
         self._stop = False
         self._flush = False  # stop(flush=True): cut every fragment's remaining progress and hand it out
@@ -209,9 +210,9 @@ class LearnerIsland:
         mode that waits for each round has a submission in flight. Hung: an injected hang is on."""
         blocked = self.spec.wait_for_round and self.outbox.busy()
         if blocked:
-            self._state = "blocked"
-        elif self._state in ("starting", "blocked"):
-            self._state = "training"
+            self._state = IslandState.BLOCKED
+        elif self._state in (IslandState.STARTING, IslandState.BLOCKED):
+            self._state = IslandState.TRAINING
         return blocked, not blocked and self.faults.hung(time.monotonic())
 
     def _step_sharded(self) -> bool:
@@ -251,8 +252,8 @@ class LearnerIsland:
         else:
             order = link.receive()
             with self._cv:
-                if self._state == "starting":
-                    self._state = "training"
+                if self._state == IslandState.STARTING:
+                    self._state = IslandState.TRAINING
         if not order.train:
             if self._leads and not blocked:
                 time.sleep(0.05)  # injected hang: no progress, control calls still answered
@@ -336,7 +337,7 @@ class LearnerIsland:
                 self.stop_shards()
         except Exception as err:  # noqa: BLE001 - reported through status() and next_submission()
             with self._cv:
-                self._state = "diverged" if isinstance(err, IslandFailed) else "failed"
+                self._state = IslandState.DIVERGED if isinstance(err, IslandFailed) else IslandState.FAILED
                 self._error = f"{type(err).__name__}: {err}"
                 self._cv.notify_all()
             log.error("island %d inner loop stopped: %s", self.spec.island, self._error)
@@ -344,7 +345,7 @@ class LearnerIsland:
         if not self._sharded:
             self._stop_followers()
         with self._cv:
-            self._state = "stopped"
+            self._state = IslandState.STOPPED
             self._cv.notify_all()
 
     def build_shards(self) -> None:
@@ -482,7 +483,7 @@ class LearnerIsland:
         with self._cv:
             return IslandStatus(
                 island=self.spec.island, incarnation=self.spec.incarnation, pool=self.spec.pool,
-                state=self._state if not self._stop or self._state in ("failed", "diverged") else "stopped",
+                state=self._state if not self._stop or self._state in ENDED_BADLY else IslandState.STOPPED,
                 steps=self.total_steps, tokens=self.total_tokens,
                 train_loss=self._loss.value, step_time_s=self._step_time.value,
                 versions=list(f.version), unsubmitted_tokens=list(f.tokens), outbox_tokens=self.outbox.waiting_tokens(),

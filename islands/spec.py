@@ -165,7 +165,7 @@ class IslandStatus:
     island: int
     incarnation: int
     pool: str
-    state: str  # starting | training | blocked | stopped | diverged | failed
+    state: str  # one of policies/island_states.py REPORTED (an IslandState)
     steps: int
     tokens: int
     train_loss: float | None

@@ -37,6 +37,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from policies.island_states import IslandState
+
 __all__ = [
     "TIMELINE_STATES",
     "Interval",
@@ -51,14 +53,15 @@ __all__ = [
 # "starting": a slot's first start; "restarting" then "reintegrating": a start after a failure (or, in an elastic
 # pool, after a vacancy). "leaving": an island on a drained node flushing its progress before it goes; "vacant": an
 # elastic slot with no machine in its pool (not allocated: goodput is over the capacity the run had).
-TIMELINE_STATES = ("starting", "training", "blocked", "dead", "restarting", "reintegrating", "leaving", "vacant")
+TIMELINE_STATES = (IslandState.STARTING, IslandState.TRAINING, IslandState.BLOCKED, IslandState.DEAD, IslandState.RESTARTING,
+                   IslandState.REINTEGRATING, IslandState.LEAVING, IslandState.VACANT)
 
 _TOL = 1e-9
 
 
 def _check_state(state: str, where: str) -> None:
     if state not in TIMELINE_STATES:
-        raise ValueError(f"{where}: state must be one of {TIMELINE_STATES}, got {state!r}")
+        raise ValueError(f"{where}: state must be one of {tuple(map(str, TIMELINE_STATES))}, got {state!r}")
 
 
 @dataclass(frozen=True)
@@ -250,7 +253,7 @@ def goodput_report(
                           overwritten=tokens_overwritten)
     by_state = _time_by_state(intervals, run_start=run_start, run_end=run_end)
     allocated = _check_allocation(run_start=run_start, run_end=run_end, islands=islands, useful_s=useful_s,
-                                  vacant_s=by_state["vacant"])
+                                  vacant_s=by_state[IslandState.VACANT])
 
     # The uptime clock starts at the first advance (module docstring: the fill is not a stall).
     until = run_end if uptime_until is None else uptime_until
@@ -304,7 +307,7 @@ def _token_fates(*, merged: int, lost: int, refused: int, in_flight: int, overwr
 
 def _time_by_state(intervals: Sequence[Interval], *, run_start: float, run_end: float) -> dict[str, float]:
     """Island seconds in each timeline state inside the run, after checking that no island's intervals overlap."""
-    by_state = {s: 0.0 for s in TIMELINE_STATES}
+    by_state: dict[str, float] = {s: 0.0 for s in TIMELINE_STATES}
     per_island: dict[int, list[Interval]] = defaultdict(list)
     for i, iv in enumerate(intervals):
         _check_state(iv.state, f"intervals[{i}]")

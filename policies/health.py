@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from policies.island_states import REPORTED, IslandState
+
 __all__ = ["ISLAND_STATES", "VERDICT_KINDS", "HealthVerdict", "hang_timeout_s", "assess_island"]
 
-ISLAND_STATES = ("starting", "training", "blocked", "stopped", "diverged", "failed")
+ISLAND_STATES = REPORTED  # the states an island reports (policies/island_states.py), by their old name here
 VERDICT_KINDS = ("ok", "starting", "dead", "hung", "diverged", "unreachable")
 
 
@@ -114,24 +116,24 @@ def assess_island(
         unreachable_s: tolerated status outage in seconds, ``>= 0``.
     """
     if state not in ISLAND_STATES:
-        raise ValueError(f"state must be one of {ISLAND_STATES}, got {state!r}; pass the island's reported state")
+        raise ValueError(f"state must be one of {tuple(map(str, ISLAND_STATES))}, got {state!r}; pass the island's reported state")
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}; pass the incarnation's inner step count")
     _check_positive("unreachable_s", unreachable_s, allow_zero=True, hint="use e.g. 10.0")
     timeout = hang_timeout_s(step_time_s=step_time_s, factor=factor, floor_s=floor_s, startup_s=startup_s)
 
-    if state == "diverged":
+    if state == IslandState.DIVERGED:
         return HealthVerdict(False, "diverged", f"island reported divergence after {steps} steps")
-    if state == "failed":
+    if state == IslandState.FAILED:
         return HealthVerdict(False, "dead", f"island reported its inner loop failed after {steps} steps")
     silent = now - last_status_at
     if not status_ok and silent > unreachable_s:
         return HealthVerdict(
             False, "unreachable", f"status calls failing for {silent:.1f}s > unreachable_s {unreachable_s:.1f}s"
         )
-    if state == "stopped":
+    if state == IslandState.STOPPED:
         return HealthVerdict(True, "ok", "stopped on request")
-    if state == "blocked":
+    if state == IslandState.BLOCKED:
         return HealthVerdict(True, "ok", "blocked waiting for a round (not a hang)")
     idle = now - last_progress_at
     if idle > timeout:
@@ -141,7 +143,7 @@ def assess_island(
         )
         return HealthVerdict(
             False, "hung", f"no progress for {idle:.1f}s > timeout {timeout:.1f}s ({basis}) at step {steps}"
-            f" (reported state {state!r}, last status {silent:.1f}s ago)"
+            f" (reported state {str(state)!r}, last status {silent:.1f}s ago)"
         )
     if steps == 0:
         return HealthVerdict(True, "starting", f"no step yet, {idle:.1f}s of {timeout:.1f}s allowed")

@@ -47,11 +47,14 @@ from orchestrator.actors.runtime import quiet_worker
 from orchestrator.actors.slots import SlotState, has_submitted, islands_stepped
 from orchestrator.config import PoolConfig
 from policies.health import assess_island
+from policies.island_states import ENDED_BADLY, IslandState
 from policies.restart import RestartBudget
 
 __all__ = ["HealthMonitor"]
 
 log = logging.getLogger(__name__)
+
+_DOWN = (IslandState.DEAD, IslandState.RESTARTING, IslandState.VACANT)  # a slot with no live incarnation to fail
 
 # A drained island stops DRAIN_MARGIN_S before its node's deadline at the latest; a drain without a deadline
 # gives it DRAIN_WITHOUT_DEADLINE_S.
@@ -182,7 +185,7 @@ class HealthMonitor:
         """An elastic slot: wait for room in its pool, then start an island there (a join when it had been vacant).
         Retried with backoff if the start fails, like a restart, until it succeeds or the run stops."""
         while not self._stopping:
-            vacant_before = slot.state == "vacant"
+            vacant_before = slot.state == IslandState.VACANT
             try:
                 await self._start(slot)
             except Exception as err:  # noqa: BLE001 - e.g. the new actor died while starting
@@ -221,7 +224,7 @@ class HealthMonitor:
             self.handles[island] = handle
             self.launcher.adopt(island, name, found.followers.pop(name, []))
             slot.adopt(inc, name, time.monotonic())
-            self.record.mark(slot, "training")
+            self.record.mark(slot, IslandState.TRAINING)
             self.watchers[island] = asyncio.get_running_loop().create_task(self._watch(slot, inc))
             log.warning("re-adopted island %d incarnation %d (%s) after a monitor restart", island, inc, name)
         for name, orphans in found.followers.items():  # followers of a leader that is gone: their island is rebuilt whole
@@ -243,23 +246,23 @@ class HealthMonitor:
         first = slot.failures == 0 and slot.leaves == 0
         slot.incarnation += 1
         slot.joined_vacant = False
-        if slot.state != "vacant":
-            self.record.mark(slot, "starting" if first else "restarting")
+        if slot.state != IslandState.VACANT:
+            self.record.mark(slot, IslandState.STARTING if first else IslandState.RESTARTING)
         outer = self.outer.handle()
         spec = dataclasses.replace(self.specs[slot.island], incarnation=slot.incarnation)
 
         def vacant(since: float) -> None:  # an elastic pool had no room at once: capacity the run does not have
             slot.joined_vacant = True
-            self.record.mark(slot, "vacant", at=since)
+            self.record.mark(slot, IslandState.VACANT, at=since)
 
         placed = await self.launcher.place(slot, spec, outer, cursor, self.data, on_wait=vacant)
         if placed is None:
             return  # the run stopped while the island waited for capacity
         handle, cursor = placed
         if not first:  # a first start stays "starting" until its first step
-            self.record.mark(slot, "reintegrating")
-        elif slot.state == "vacant":
-            self.record.mark(slot, "starting")
+            self.record.mark(slot, IslandState.REINTEGRATING)
+        elif slot.state == IslandState.VACANT:
+            self.record.mark(slot, IslandState.STARTING)
         try:
             if self.pools[slot.pool].workers_per_island > 1:
                 await self.launcher.start_followers(slot, spec, handle, self.data)
@@ -287,12 +290,12 @@ class HealthMonitor:
                 if not self._stopping and slot.incarnation == incarnation:
                     await self._fail(slot, "dead", str(err).strip().splitlines()[-1][:200])
                 return
-            if state in ("failed", "diverged") and slot.incarnation == incarnation:
+            if state in ENDED_BADLY and slot.incarnation == incarnation:
                 await self._fail(slot, state, f"inner loop {state}")
                 return
 
     async def _fail(self, slot: SlotState, kind: str, reason: str, *, leaving: bool = False) -> None:
-        if slot.island in self.restarting or slot.island in self._failing or slot.state in ("dead", "restarting", "vacant"):
+        if slot.island in self.restarting or slot.island in self._failing or slot.state in _DOWN:
             return
         if slot.island in self.leaving and not leaving:
             return  # the leave in progress decides: merged and gone, or a failure after all
@@ -310,7 +313,7 @@ class HealthMonitor:
         fault = self.record.faults.get((slot.island, slot.incarnation))
         cause = f" (injected: {fault['kind']})" if fault else ""
         log.warning("island %d incarnation %d %s%s: %s", slot.island, slot.incarnation, kind, cause, reason)
-        self.record.mark(slot, "dead", at=died_at)
+        self.record.mark(slot, IslandState.DEAD, at=died_at)
         if slot.status is not None:
             slot.finals.append(slot.status)
             slot.status = None
@@ -343,7 +346,7 @@ class HealthMonitor:
             except Exception as err:  # noqa: BLE001 - e.g. the new actor died while starting
                 log.error("restart of island %d incarnation %d failed: %s", slot.island, slot.incarnation, err)
                 await self._teardown(slot)
-                self.record.mark(slot, "restarting")
+                self.record.mark(slot, IslandState.RESTARTING)
                 delay = self.budget.on_failure(slot.island, time.monotonic()).at - time.monotonic()
                 continue
             slot.restarts += 1
@@ -379,7 +382,7 @@ class HealthMonitor:
         draining = await self.drains.poll()
         for slot in self.slots.values():
             if (slot.node in draining and slot.island in self.handles and slot.island not in self.leaving
-                    and slot.island not in self.restarting and slot.state not in ("dead", "restarting", "vacant")):
+                    and slot.island not in self.restarting and slot.state not in _DOWN):
                 self.leaving[slot.island] = asyncio.get_running_loop().create_task(
                     self._leave(slot, slot.node, draining[slot.node]))
 
@@ -392,7 +395,7 @@ class HealthMonitor:
         left_s = (deadline - time.time()) if deadline else DRAIN_WITHOUT_DEADLINE_S
         log.warning("island %d incarnation %d leaves node %s, which is being drained (%s)", island, inc, node,
                     f"{left_s:.0f} s to its deadline" if deadline else "no deadline")
-        self.record.mark(slot, "leaving")
+        self.record.mark(slot, IslandState.LEAVING)
         try:
             budget = max(left_s - DRAIN_MARGIN_S, 1.0)
             t0 = time.monotonic()
@@ -414,7 +417,7 @@ class HealthMonitor:
                                    "deadline": deadline, "merged": took["merged"], "waited_s": took["waited_s"],
                                    # every token it processed reached the outer optimizer when the two agree
                                    "tokens": final.tokens, "received": took["received"]})
-        self.record.mark(slot, "vacant")
+        self.record.mark(slot, IslandState.VACANT)
         log.warning("island %d incarnation %d left node %s after %.1f s (its progress %s; %d of %d tokens received)",
                     island, inc, node, took["waited_s"], "merged" if took["merged"] else "not all merged in time",
                     took["received"], final.tokens)
@@ -434,12 +437,12 @@ class HealthMonitor:
         failing it a second time) started two restarts of one slot that raced each other (seen
         under load: clobbered names, an untracked incarnation left submitting)."""
         return (slot.incarnation != incarnation or slot.island in self.restarting
-                or slot.island in self._failing or slot.state in ("dead", "restarting", "stopped"))
+                or slot.island in self._failing or slot.state in (IslandState.DEAD, IslandState.RESTARTING, IslandState.STOPPED))
 
     async def _check(self, slot: SlotState) -> None:
         handle = self.handles.get(slot.island)
         if (handle is None or slot.island in self.restarting or slot.island in self.leaving
-                or slot.state in ("dead", "restarting", "stopped", "leaving", "vacant")):
+                or slot.state in (*_DOWN, IslandState.STOPPED, IslandState.LEAVING)):
             return
         now = time.monotonic()
         ok = True
@@ -448,9 +451,10 @@ class HealthMonitor:
             st = await asyncio.wait_for(handle.status.remote(), timeout=min(2.0, self.timeouts.call_s))
             if self._moved_on(slot, incarnation):
                 return  # the slot failed (or moved on) while we waited: this answer is about the past
-            if slot.observe(st, now) and slot.state in ("starting", "reintegrating"):
+            if slot.observe(st, now) and slot.state in (IslandState.STARTING, IslandState.REINTEGRATING):
                 self.budget.on_healthy(slot.island, now, submitted=has_submitted(st))
-            self.record.mark(slot, "blocked" if st.state == "blocked" else ("training" if st.steps else slot.state))
+            self.record.mark(slot, IslandState.BLOCKED if st.state == IslandState.BLOCKED
+                             else (IslandState.TRAINING if st.steps else slot.state))
         except RayTaskError as err:  # the call ran and raised: a bug, not a slow island; say what it is
             log.error("island %d status() raised: %s", slot.island, str(err).strip().splitlines()[-1][:300])
             ok, st = False, slot.status
@@ -459,7 +463,7 @@ class HealthMonitor:
         if self._moved_on(slot, incarnation):
             return
         verdict = assess_island(
-            now=now, state=st.state if st else "starting", steps=slot.steps, last_progress_at=slot.last_progress_at,
+            now=now, state=st.state if st else IslandState.STARTING, steps=slot.steps, last_progress_at=slot.last_progress_at,
             step_time_s=st.step_time_s if st else None, status_ok=ok, last_status_at=slot.last_status_at, **self.health,
         )
         if verdict.healthy:
@@ -501,7 +505,7 @@ class HealthMonitor:
             await asyncio.wait([task], timeout=self.timeouts.call_s)
         for island, st in (await stop_islands(self.handles, flush=flush, timeout_s=self.timeouts.call_s)).items():
             self.slots[island].status = st
-            self.record.mark(self.slots[island], "stopped")
+            self.record.mark(self.slots[island], IslandState.STOPPED)
         return self.snapshot()
 
     async def refresh_statuses(self) -> dict:

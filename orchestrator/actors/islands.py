@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from orchestrator.actors.runtime import placement_group_id, quiet_worker
+from policies.island_states import ENDED_BADLY
 
 if TYPE_CHECKING:
     from islands.distributed import WorkerGroup
@@ -216,7 +217,7 @@ class _IslandWorker:
     def _run(self) -> None:
         self._follower.run()
         state = self._follower.watch(0)
-        if state in ("failed", "diverged"):
+        if state in ENDED_BADLY:
             logging.getLogger(__name__).error("island %d worker %d ends its process: %s", self.spec.island, self.rank,
                                               getattr(self._follower, "error", None) or self._follower.status().error)
             os._exit(1)  # one failure domain: take the island's collectives down with us

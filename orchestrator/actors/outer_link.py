@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from orchestrator.actors.slots import SlotState
+from policies.island_states import IslandState
 
 __all__ = ["OuterLink"]
 
@@ -87,5 +88,5 @@ class OuterLink:
                 await fail(slot, "diverged", why)
         for island, handle in list(handles.items()):  # reconcile after any outer restart
             slot = slots[island]
-            if slot.state in ("training", "blocked") and registered.get(island) != slot.incarnation:
+            if slot.state in (IslandState.TRAINING, IslandState.BLOCKED) and registered.get(island) != slot.incarnation:
                 await self.call(outer.register.remote(island, slot.incarnation, handle))

@@ -13,11 +13,15 @@ from typing import TYPE_CHECKING
 
 from orchestrator.actors.slots import SlotState
 from policies.fault_kinds import FAILURE_KINDS
+from policies.island_states import IslandState
 
 if TYPE_CHECKING:
     from orchestrator.actors.keepers import ProgressKeepers
 
 __all__ = ["RecoveryRecord", "parked_state", "restore_parked"]
+
+_NOT_LIVE = (IslandState.DEAD, IslandState.RESTARTING, IslandState.STARTING, IslandState.VACANT)
+"""Slot states of no live incarnation that could have died unseen (a first start just starts again)."""
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ class RecoveryRecord:
         self.leaves: list[dict] = []
         self._last: dict[int, tuple[int, str]] = {}  # island -> (incarnation, state) of its latest timeline event
 
-    def mark(self, slot: SlotState, state: str, at: float | None = None) -> None:
+    def mark(self, slot: SlotState, state: IslandState, at: float | None = None) -> None:
         """Move `slot` to `state`, on the timeline at `at` (wall time; now when None); no event if the timeline
         already has the slot's current incarnation in that state."""
         slot.state = state
@@ -62,9 +66,9 @@ class RecoveryRecord:
         died unseen, so it counts as a failure and goes dead. A first start cut short by the restart
         ("starting") is no island failure: it simply starts again."""
         for slot in slots:
-            if slot.island not in adopted and slot.state not in ("dead", "restarting", "starting", "vacant"):
+            if slot.island not in adopted and slot.state not in _NOT_LIVE:
                 slot.failures += 1
-                self.mark(slot, "dead")
+                self.mark(slot, IslandState.DEAD)
                 log.warning("island %d incarnation %d found dead after a monitor restart", slot.island, slot.incarnation)
 
     def note_fault(self, island: int, incarnation: int, kind: str, at: float, recovery_delay_s: float) -> None:
@@ -122,4 +126,4 @@ def restore_parked(saved: dict, slots: dict[int, SlotState], record: RecoveryRec
         slot = slots[int(i)]
         slot.failures, slot.restarts, slot.finals = st["failures"], st["restarts"], list(st["finals"])
         slot.incarnation = st["incarnation"]  # a slot found dead restarts above this
-        slot.state = st.get("state", slot.state)
+        slot.state = IslandState(st.get("state", slot.state))

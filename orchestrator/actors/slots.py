@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from policies.island_states import IslandState
+
 __all__ = ["SlotState", "has_submitted", "island_name", "islands_stepped"]
 
 
@@ -24,7 +26,7 @@ class SlotState:
     incarnation: int = 0
     # starting (first start) | training | blocked | dead | restarting, reintegrating (after a failure or a vacancy)
     # | leaving (its node is drained: flushing its progress) | vacant (an elastic slot with no room in its pool) | stopped
-    state: str = "starting"
+    state: IslandState = IslandState.STARTING
     name: str | None = None
     node: str | None = None
     steps: int = 0
@@ -47,7 +49,7 @@ class SlotState:
     def adopt(self, incarnation: int, name: str, now: float) -> None:
         """Take over a live incarnation a previous monitor started (found by name at `now`, monotonic)."""
         self.incarnation, self.name = incarnation, name
-        if self.state in ("restarting", "reintegrating") and self.failures > self.restarts:
+        if self.state in (IslandState.RESTARTING, IslandState.REINTEGRATING) and self.failures > self.restarts:
             # The previous monitor died after placing this incarnation but before it parked the count.
             self.restarts += 1
         self.last_progress_at = self.last_status_at = now
@@ -58,7 +60,7 @@ class SlotState:
         if status.steps != self.steps:
             self.steps, self.last_progress_at = status.steps, now
             return True
-        if status.state == "blocked":
+        if status.state == IslandState.BLOCKED:
             # Waiting for a round is not a hang, so the hang clock restarts when the island unblocks.
             # Counted from its last step instead, a sync island whose round took 30 s was judged hung
             # by the first check that caught it computing the step after (66 false failures in a run).
@@ -85,5 +87,5 @@ async def islands_stepped(slots: Iterable[Any], *, wait_s: float, tick_s: float,
     their first steps on a small machine (benchmarks/startup.py)."""
     deadline = time.monotonic() + wait_s
     while not stopping() and time.monotonic() < deadline and any(
-            slot.steps == 0 and slot.state not in ("dead", "stopped", "vacant") for slot in slots):
+            slot.steps == 0 and slot.state not in (IslandState.DEAD, IslandState.STOPPED, IslandState.VACANT) for slot in slots):
         await asyncio.sleep(tick_s)

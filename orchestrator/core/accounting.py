@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from policies.goodput import goodput_report, merge_timeline, pipeline_full_at, uptime_window_from_rounds
+from policies.island_states import IslandState
 
 FATES = ("merged", "refused", "in_flight", "lost", "overwritten")  # every processed token has exactly one
 LEDGER_KEYS = ("processed", *FATES)
@@ -183,8 +184,8 @@ def first_placement(timeline: Sequence[tuple[float, int, int, str]], islands: in
     out = []
     for island in range(islands):
         states = [state for _, i, _, state in sorted(timeline, key=lambda e: e[0]) if i == island]
-        vacant = states.index("vacant") if "vacant" in states else len(states)
-        if not any(state in ("training", "dead") for state in states[:vacant]) and vacant < len(states):
+        vacant = states.index(IslandState.VACANT) if IslandState.VACANT in states else len(states)
+        if not any(state in (IslandState.TRAINING, IslandState.DEAD) for state in states[:vacant]) and vacant < len(states):
             continue
         out.append(island)
     return out
@@ -192,8 +193,8 @@ def first_placement(timeline: Sequence[tuple[float, int, int, str]], islands: in
 
 def capacity_s(timeline: Sequence[tuple[float, int, int, str]], *, islands: int, run_start: float, run_end: float) -> float:
     """Island seconds the run had: every slot over the run, less the time elastic slots were vacant."""
-    intervals = merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end)
-    vacant = sum(max(0.0, min(iv.end, run_end) - max(iv.start, run_start)) for iv in intervals if iv.state == "vacant")
+    intervals = merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != IslandState.STOPPED], end=run_end)
+    vacant = sum(max(0.0, min(iv.end, run_end) - max(iv.start, run_start)) for iv in intervals if iv.state == IslandState.VACANT)
     return max(islands * (run_end - run_start) - vacant, 0.0)
 
 
@@ -221,14 +222,14 @@ def run_goodput(
     until = run_end if stop_began is None else min(max(stop_began, run_start), run_end)
     failed: dict[int, float] = {}
     for at, island, _, state in timeline:
-        if state == "dead":
+        if state == IslandState.DEAD:
             failed[island] = min(at, failed.get(island, at))
     full = None if first_merged is None else pipeline_full_at(first_placement(timeline, islands), first_merged, failed)
     start = run_start if full is None else min(max(run_start, full), until)
     inside = [t for t in advances if start <= t <= until]
     window = uptime_window_from_rounds(inside)
     report = goodput_report(
-        intervals=merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != "stopped"], end=run_end),
+        intervals=merge_timeline([e for e in timeline if e[0] <= run_end and e[3] != IslandState.STOPPED], end=run_end),
         useful_s=min(useful_s, capacity_s(timeline, islands=islands, run_start=run_start, run_end=run_end)),
         run_start=run_start, run_end=run_end, islands=islands, version_advances=inside, uptime_window_s=window,
         tokens_merged=mean(fates["merged"]), tokens_lost=mean(fates["lost"]), tokens_refused=mean(fates["refused"]),

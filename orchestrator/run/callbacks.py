@@ -27,6 +27,7 @@ from typing import Any
 from orchestrator.config import ConfigError, RunConfig
 from orchestrator.core.accounting import FATES, shown_fates
 from orchestrator.run.stopping import INTERRUPTED
+from policies.island_states import IslandState
 
 __all__ = ["Callback", "Callbacks", "RunInfo", "check_callbacks", "eval_metrics", "island_event_kind", "mean_train_loss", "round_metrics"]
 
@@ -36,7 +37,7 @@ FAILED = "failed"
 """`stopped_by` of the summary `on_end` gets when the run raised before it could write summary.json."""
 
 # Timeline states (the health monitor's) that are island events, and the event kind each one is.
-ISLAND_EVENTS = {"dead": "failure", "restarting": "restart", "reintegrating": "reintegration"}
+ISLAND_EVENTS = {IslandState.DEAD: "failure", IslandState.RESTARTING: "restart", IslandState.REINTEGRATING: "reintegration"}
 
 
 @dataclass(frozen=True)

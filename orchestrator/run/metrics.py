@@ -20,6 +20,7 @@ from typing import Any
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from orchestrator.core.accounting import FATES, run_goodput, session_received, shown_fates, token_fates
+from policies.island_states import IslandState
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 STALENESS_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 8.5, 16.5]
 WEIGHT_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]
 SECONDS_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
-ISLAND_STATES = ("starting", "training", "blocked", "dead", "restarting", "reintegrating", "stopped")
+ISLAND_STATES = (IslandState.STARTING, IslandState.TRAINING, IslandState.BLOCKED, IslandState.DEAD, IslandState.RESTARTING,
+                 IslandState.REINTEGRATING, IslandState.STOPPED)  # slot states a gauge is kept for, each tick
 
 
 def refusal_kind(reason: str) -> str:
@@ -169,7 +171,7 @@ def estimated_run_start(timeline: list) -> float | None:
     slots = set()
     for at, island, _inc, state in timeline:
         slots.add(island)
-        if state == "training" and island not in first:
+        if state == IslandState.TRAINING and island not in first:
             first[island] = at
     return max(first.values()) if first and len(first) == len(slots) else None
 

@@ -32,6 +32,7 @@ from orchestrator.core.eventlog import read_events
 from orchestrator.run.baseline_compare import ReportError, compare_to_baseline
 from orchestrator.run.summary import faults_cell
 from policies.goodput import TIMELINE_STATES, Interval, merge_timeline
+from policies.island_states import IslandState
 
 __all__ = ["PLOTS_HINT", "ReportError", "baseline_line", "have_matplotlib", "write_report", "timeline_intervals"]
 
@@ -39,8 +40,9 @@ log = logging.getLogger(__name__)
 
 # "starting" (a first start) in a light shade of "reintegrating" (a start after a failure): both are start-up.
 # "vacant" (an elastic slot without a machine) near white: capacity the run did not have.
-STATE_COLORS = {"starting": "#aec7e8", "training": "#2ca02c", "blocked": "#bcbd22", "dead": "#d62728",
-                "restarting": "#ff7f0e", "reintegrating": "#1f77b4", "leaving": "#9467bd", "vacant": "#f0f0f0"}
+STATE_COLORS = {IslandState.STARTING: "#aec7e8", IslandState.TRAINING: "#2ca02c", IslandState.BLOCKED: "#bcbd22",
+                IslandState.DEAD: "#d62728", IslandState.RESTARTING: "#ff7f0e", IslandState.REINTEGRATING: "#1f77b4",
+                IslandState.LEAVING: "#9467bd", IslandState.VACANT: "#f0f0f0"}
 assert tuple(STATE_COLORS) == TIMELINE_STATES
 
 
@@ -106,11 +108,11 @@ def _marks(intervals: list[Interval]) -> tuple[list[Interval], list[Interval]]:
     """Failures (each "dead" interval) and rejoins (first "training" of an incarnation > 1 that was not a
     first start: a resumed run's new session starts its slots above incarnation 1, "starting")."""
     first: dict[tuple[int, int], Interval] = {}
-    started = {(iv.island, iv.incarnation) for iv in intervals if iv.state == "starting"}
+    started = {(iv.island, iv.incarnation) for iv in intervals if iv.state == IslandState.STARTING}
     for iv in sorted(intervals, key=lambda iv: iv.start):
-        if iv.state == "training" and iv.incarnation > 1 and (iv.island, iv.incarnation) not in started:
+        if iv.state == IslandState.TRAINING and iv.incarnation > 1 and (iv.island, iv.incarnation) not in started:
             first.setdefault((iv.island, iv.incarnation), iv)
-    return [iv for iv in intervals if iv.state == "dead"], list(first.values())
+    return [iv for iv in intervals if iv.state == IslandState.DEAD], list(first.values())
 
 
 def run_clock(summary: dict, faults: list[dict[str, Any]] | None) -> float | None:
