@@ -56,6 +56,14 @@ log = logging.getLogger(__name__)
 
 _DOWN = (IslandState.DEAD, IslandState.RESTARTING, IslandState.VACANT)  # a slot with no live incarnation to fail
 
+
+def observed_state(reported: str, *, stepped: bool, was: str) -> str:
+    """A slot's timeline state from its island's answer: blocked as it says, training once it has stepped, else
+    what the slot was (starting or reintegrating until the first step)."""
+    if reported == IslandState.BLOCKED:
+        return IslandState.BLOCKED
+    return IslandState.TRAINING if stepped else was
+
 # A drained island stops DRAIN_MARGIN_S before its node's deadline at the latest; a drain without a deadline
 # gives it DRAIN_WITHOUT_DEADLINE_S.
 DRAIN_MARGIN_S, DRAIN_WITHOUT_DEADLINE_S = 2.0, 60.0
@@ -453,8 +461,7 @@ class HealthMonitor:
                 return  # the slot failed (or moved on) while we waited: this answer is about the past
             if slot.observe(st, now) and slot.state in (IslandState.STARTING, IslandState.REINTEGRATING):
                 self.budget.on_healthy(slot.island, now, submitted=has_submitted(st))
-            self.record.mark(slot, IslandState.BLOCKED if st.state == IslandState.BLOCKED
-                             else (IslandState.TRAINING if st.steps else slot.state))
+            self.record.mark(slot, observed_state(st.state, stepped=st.steps > 0, was=slot.state))
         except RayTaskError as err:  # the call ran and raised: a bug, not a slow island; say what it is
             log.error("island %d status() raised: %s", slot.island, str(err).strip().splitlines()[-1][:300])
             ok, st = False, slot.status

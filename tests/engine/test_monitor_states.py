@@ -131,3 +131,11 @@ def test_a_harmless_fault_does_not_date_a_later_death():
     record.note_fault(1, 2, "kill_node", at=201.0, recovery_delay_s=3.0)
     record.note_fault(1, 2, "drop_submission", at=202.0, recovery_delay_s=0.0)
     assert record.detect(slot, "dead", "killed") == (201.0, 3.0)  # the kill dates it
+
+
+def test_an_answer_puts_blocked_training_or_the_slots_own_state_on_the_timeline():
+    from orchestrator.actors.health_monitor import observed_state
+
+    assert observed_state("blocked", stepped=True, was="training") == "blocked"
+    assert observed_state("training", stepped=True, was="reintegrating") == "training"
+    assert observed_state("starting", stepped=False, was="reintegrating") == "reintegrating", "no step yet"
