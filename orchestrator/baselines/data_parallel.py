@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from islands.data import unigram_bits_per_byte
 from islands.distributed import describe_device
 from islands.model_api import instantiate, state_tensors
 from islands.spec import InnerSettings, ModelRecipe
@@ -59,6 +58,7 @@ from islands.trainer import InnerTrainer, forward_backward
 from orchestrator.config import DATA_PARALLEL_MODE, ConfigError, RunConfig
 from orchestrator.core.checkpoint import AVERAGE_PREFIX, PARAM_PREFIX, CheckpointStore, run_checkpoint_uri
 from orchestrator.core.evaluation import Evaluator
+from orchestrator.run.evaluations import unigram_baseline  # the baseline scored as the engine's run scores it
 from policies.averaging import average_weight
 from policies.lr_schedule import lr_factor
 from policies.network import NetworkModel
@@ -518,7 +518,7 @@ def train_data_parallel(cfg: RunConfig, run_dir: str | Path, *, address: str | N
         out = result.return_value
         if out is None:
             raise RuntimeError(f"Ray Train finished without a result from rank 0 (error: {result.error})")
-        summary = _summary(cfg, out, plan, wire=wire, fit_s=fit_s, unigram=_unigram(data),
+        summary = _summary(cfg, out, plan, wire=wire, fit_s=fit_s, unigram=unigram_baseline(data),
                            corpus=data.source + ("" if data.is_streamed else "; read whole into every worker"),
                            result_path=result.path)
         _write_outputs(cfg, run_dir, ckpt_uri, out, summary)
@@ -539,15 +539,6 @@ def _training_data(cfg: RunConfig, *, in_memory: bool) -> Any:
     from orchestrator.run.workload import TrainingData, load_corpus, training_data
 
     return TrainingData.of_corpus(load_corpus(cfg)) if in_memory else training_data(cfg)
-
-
-def _unigram(data: Any) -> float:
-    """The corpus's unigram baseline in bits per byte, as the engine's run scores it (orchestrator/run/driver.py)."""
-    from orchestrator.run.streams import heldout_unigram_bits
-
-    if data.is_streamed:  # the training units never reach the driver: fitted on half the held-out sample
-        return heldout_unigram_bits(data.heldout, data.vocab_size)
-    return unigram_bits_per_byte(data.train, data.heldout, vocab_size=data.vocab_size)
 
 
 def _write_outputs(cfg: RunConfig, run_dir: Path, ckpt_uri: str, out: dict, summary: dict) -> None:
@@ -595,7 +586,7 @@ def _fit(trainer, queue, progress, empty) -> Any:
     return box["result"]
 
 
-def _summary(cfg: RunConfig, out: dict, plan: _Plan, *, wire: str, fit_s: float, unigram: float, corpus: str,
+def _summary(cfg: RunConfig, out: dict, plan: _Plan, *, wire: str, fit_s: float, unigram: float | None, corpus: str,
              result_path: str | None) -> dict:
     """summary.json of a data-parallel run: the engine's summary fields where they apply, and DP's own."""
     final = out["evals"][-1]

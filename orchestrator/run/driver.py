@@ -630,7 +630,8 @@ class Run:
                 _warn_transient(err)
                 time.sleep(0.5)
                 continue
-            self.startup.first_step(sorted(s.island for s in island_statuses(self.snapshot)[0] if s.steps > 0))
+            if not self.startup.first_step_seen:  # the islands' statuses are listed only until one has stepped
+                self.startup.first_step(sorted(s.island for s in island_statuses(self.snapshot)[0] if s.steps > 0))
             self._report(t0, status)
             self.metrics.record_status(status, self.snapshot, ledger=self.ledger.current)
             now = time.monotonic()
