@@ -4,7 +4,9 @@
   relative, at the top, inside a function, and under `if TYPE_CHECKING:` too: those never run, but a
   circle of annotations is still two modules that each need the other to be read). Any strongly
   connected component of more than one module fails, with its modules and edges.
-- Imports go one way: orchestrator -> islands -> policies.
+- Imports go one way: orchestrator -> islands -> policies, and inside orchestrator/ in the order
+  docs/architecture.md section 8 states (ORCHESTRATOR_ORDER); a module or package there that the order
+  does not name fails too, so a new one must be placed.
 - The command line lives in orchestrator/cli/ only: no other module imports argparse, builds a parser
   or defines a module-level `register(subparsers)`.
 - Rooms small enough to read: no class over 300 lines and no function over 60, docstrings aside (those of
@@ -19,6 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("orchestrator", "islands", "policies")
 LAYER = {"policies": 0, "islands": 1, "orchestrator": 2}  # a module imports only from its layer or lower
+# Inside orchestrator/, lowest first: a module imports only from its own rank or a lower one. The order of
+# docs/architecture.md section 8; modules on one rank do not import each other's packages.
+ORCHESTRATOR_ORDER = (("config_errors",), ("config",), ("core",), ("actors",), ("settings",), ("run",),
+                      ("deploy",), ("baselines", "simulator"), ("cli",), ("api",), ("tune",), ("__init__",))
 CLI_PACKAGE = "orchestrator.cli"
 PARSER_CALLS = {"ArgumentParser", "add_subparsers", "add_parser"}
 
@@ -147,6 +153,42 @@ def test_imports_go_one_way_orchestrator_islands_policies():
     upward = [f"{m} -> {d}" for m, deps in sorted(graph.items()) for d in sorted(deps)
               if LAYER[d.split(".")[0]] > LAYER[m.split(".")[0]]]
     assert not upward, "imports against orchestrator -> islands -> policies:\n" + "\n".join(upward)
+
+
+def orchestrator_rank(module: str) -> int | None:
+    """The rank in ORCHESTRATOR_ORDER of an orchestrator module (`orchestrator` itself is its __init__); None
+    for a module of orchestrator/ the order does not name."""
+    part = module.split(".")[1] if "." in module else "__init__"
+    return next((rank for rank, names in enumerate(ORCHESTRATOR_ORDER) if part in names), None)
+
+
+def upward_in_orchestrator(graph: dict[str, set[str]]) -> list[str]:
+    """Each import inside orchestrator/ against ORCHESTRATOR_ORDER, and each module the order does not place."""
+    found = []
+    for m, deps in sorted(graph.items()):
+        if m.split(".")[0] != "orchestrator":
+            continue
+        if orchestrator_rank(m) is None:
+            found.append(f"{m} is in no rank of ORCHESTRATOR_ORDER (place it there and in docs/architecture.md)")
+            continue
+        found += [f"{m} -> {d}" for d in sorted(deps) if d.split(".")[0] == "orchestrator"
+                  and (orchestrator_rank(d) or 0) > orchestrator_rank(m)]
+    return found
+
+
+def test_imports_inside_orchestrator_follow_the_stated_order():
+    upward = upward_in_orchestrator(import_graph(ROOT, PACKAGES))
+    assert not upward, ("imports against docs/architecture.md section 8's order inside orchestrator/ "
+                        f"({' <- '.join('/'.join(n) for n in ORCHESTRATOR_ORDER)}):\n" + "\n".join(upward))
+
+
+def test_the_order_check_sees_an_import_against_it_and_an_unplaced_module():
+    graph = {"orchestrator.settings": {"orchestrator.run.driver", "orchestrator.config"},
+             "orchestrator.run.driver": {"orchestrator.settings"}, "orchestrator.newthing": set(),
+             "islands.island": {"policies.fragments"}}
+    assert upward_in_orchestrator(graph) == [
+        "orchestrator.newthing is in no rank of ORCHESTRATOR_ORDER (place it there and in docs/architecture.md)",
+        "orchestrator.settings -> orchestrator.run.driver"]
 
 
 def _cli_code(tree: ast.Module) -> list[str]:

@@ -13,6 +13,7 @@ would refuse it. One-bundle islands keep STRICT_PACK (the same thing for one bun
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ray._raylet import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
@@ -100,3 +101,31 @@ def remove_run_groups(run_id: str) -> int:
             remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
             n += 1
     return n
+
+
+def worker_bundle(pool: PoolConfig) -> dict[str, float]:
+    """Resources one worker of an island of `pool` reserves on one node (the placement group's
+    bundle, island_bundle above), zero amounts left out."""
+    return {k: v for k, v in island_bundle(pool).items() if v > 0}
+
+
+def label_selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    """True when node `labels` satisfy a Ray label selector: each value is `v`, `!v`, `in(a,b)` or
+    `!in(a,b)`; a negated term also matches a node without the key."""
+    for key, expr in selector.items():
+        expr = str(expr).strip()
+        negate = expr.startswith("!")
+        body = expr[1:].strip() if negate else expr
+        if body.startswith("in(") and body.endswith(")"):
+            allowed = {v.strip() for v in body[3:-1].split(",")}
+        else:
+            allowed = {body}
+        hit = key in labels and str(labels[key]) in allowed
+        if hit == negate:
+            return False
+    return True
+
+
+def format_mapping(d: dict[str, Any], sep: str = "=") -> str:
+    """`{k=v, ...}` for a label selector or resources (numbers in %g), as one-line messages show them."""
+    return "{" + ", ".join(f"{k}{sep}{v:g}" if isinstance(v, (int, float)) else f"{k}{sep}{v}" for k, v in d.items()) + "}"

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.actors.placement import island_bundle
+from orchestrator.actors.placement import format_mapping, label_selector_matches, worker_bundle
 from orchestrator.config import ConfigError, PoolConfig, RunConfig
 
 LOCAL_DASHBOARD_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -62,32 +62,9 @@ def ray_schema_problems(cluster_yaml: dict[str, Any]) -> list[str]:
 
 # ------------------------------------------------------------------------------------ pools -> nodes
 
-def worker_bundle(pool: PoolConfig) -> dict[str, float]:
-    """Resources one worker of an island of `pool` reserves on one node (the placement group's
-    bundle, orchestrator.actors.placement.island_bundle), zero amounts left out."""
-    return {k: v for k, v in island_bundle(pool).items() if v > 0}
-
-
 def island_demand(pool: PoolConfig) -> dict[str, float]:
     """Resources one whole island of `pool` reserves: `workers_per_island` worker bundles."""
     return {k: v * pool.workers_per_island for k, v in worker_bundle(pool).items()}
-
-
-def label_selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    """True when node `labels` satisfy a Ray label selector: each value is `v`, `!v`, `in(a,b)` or
-    `!in(a,b)`; a negated term also matches a node without the key."""
-    for key, expr in selector.items():
-        expr = str(expr).strip()
-        negate = expr.startswith("!")
-        body = expr[1:].strip() if negate else expr
-        if body.startswith("in(") and body.endswith(")"):
-            allowed = {v.strip() for v in body[3:-1].split(",")}
-        else:
-            allowed = {body}
-        hit = key in labels and str(labels[key]) in allowed
-        if hit == negate:
-            return False
-    return True
 
 
 def fits_per_node(resources: dict[str, float], demand: dict[str, float]) -> int:
@@ -125,17 +102,13 @@ def pool_node_types(cluster_yaml: dict[str, Any], pool: PoolConfig) -> list[str]
     ]
 
 
-def _fmt(d: dict[str, Any], sep: str = "=") -> str:
-    return "{" + ", ".join(f"{k}{sep}{v:g}" if isinstance(v, (int, float)) else f"{k}{sep}{v}" for k, v in d.items()) + "}"
-
-
 def _pool_problem(cluster_yaml: dict[str, Any], pool: PoolConfig) -> str | None:
     types = _node_types(cluster_yaml)
     demand = worker_bundle(pool)
     head = f"pool {pool.name!r}"
     by_label = [n for n, t in types.items() if label_selector_matches(pool.labels, t.get("labels") or {})]
     if not by_label:
-        return (f"{head}: no node type of cluster.yaml has labels matching {_fmt(pool.labels)}; "
+        return (f"{head}: no node type of cluster.yaml has labels matching {format_mapping(pool.labels)}; "
                 f"add them to a node type's labels: or fix the pool's labels")
     with_keys = [n for n in by_label if all(k in (types[n].get("resources") or {}) for k in demand)]
     if not with_keys:
@@ -148,8 +121,8 @@ def _pool_problem(cluster_yaml: dict[str, Any], pool: PoolConfig) -> str | None:
         n = with_keys[0]
         have = types[n]["resources"]
         short = {k: need - have.get(k, 0) for k, need in demand.items() if have.get(k, 0) < need}
-        return (f"{head}: one worker bundle needs {_fmt(demand, ' ')} on one node but node type {n} has "
-                f"{_fmt({k: have.get(k, 0) for k in demand}, ' ')}, short {_fmt(short, ' ')}; "
+        return (f"{head}: one worker bundle needs {format_mapping(demand, ' ')} on one node but node type {n} has "
+                f"{format_mapping({k: have.get(k, 0) for k in demand}, ' ')}, short {format_mapping(short, ' ')}; "
                 f"lower gpus_per_worker or cpus_per_island, or use a bigger machine")
     regions = {(types[n].get("labels") or {}).get("region") for n in fitting}
     if None not in regions and pool.region not in regions:
@@ -178,41 +151,6 @@ def unmatched_pools(cluster_yaml: dict[str, Any], cfg: RunConfig) -> list[str]:
     is sized so that it does. Pools sharing a node type are checked one at a time.
     """
     return [msg for pool in cfg.pools if (msg := _pool_problem(cluster_yaml, pool)) is not None]
-
-
-def local_problems(cfg: RunConfig, *, labels: dict[str, str], resources: dict[str, float]) -> list[str]:
-    """One line per thing the one-node Ray a driver started for itself can never host (it never grows):
-    a pool selecting labels the node lacks, or a resource the pools ask for (GPUs, custom resources)
-    that the node lacks or holds too little of for every island, worker and warm spare at once (a warm
-    spare reserves its pool's bundle too). CPUs are left out: the driver sizes the local Ray's logical
-    CPUs to the config. Without this, such a run waits for placement forever, warning every
-    placement_timeout_s; on a cluster it may be right to wait (nodes can join), so this is for local runs. An
-    elastic pool of min 0 is never a problem: the run starts without it."""
-    problems: list[str] = []
-    total: dict[str, float] = {}
-    askers: dict[str, list[str]] = {}
-    for pool in cfg.pools:
-        if pool.required_islands == 0:
-            continue  # an elastic pool of min 0 needs no room to start; nodes may join (chaos node_joins does locally)
-        if not label_selector_matches(pool.labels, labels):
-            problems.append(f"pool {pool.name!r} selects nodes labelled {_fmt(pool.labels)}, which the local Ray this "
-                            f"run started is not; drop the pool's labels for a local run, or pass --address of a "
-                            f"cluster that has such nodes")
-            continue
-        bundles = pool.reserved_bundles(cfg.health.warm_spares)
-        for key, need in worker_bundle(pool).items():
-            if key != "CPU":
-                total[key] = total.get(key, 0.0) + need * bundles
-                askers.setdefault(key, []).append(pool.name)
-    for key, need in total.items():
-        have = resources.get(key, 0.0)
-        if have + 1e-9 < need:
-            fix = ("lower gpus_per_worker (islands may share a card, e.g. 0.25) or health.warm_spares, set the pools' "
-                   "accelerator: cpu, or pass --address of a cluster with more GPUs") if key == "GPU" else \
-                  "drop it from the pools' resources for a local run, or pass --address of a cluster that has it"
-            problems.append(f"pools {', '.join(askers[key])} need {key} {need:g} at once (every island, worker and "
-                            f"warm spare) but the local Ray this run started has {have:g}; {fix}")
-    return problems
 
 
 # ------------------------------------------------------------------------------------ safety
@@ -311,5 +249,5 @@ def pool_placements(cluster_yaml: dict[str, Any], cfg: RunConfig) -> list[str]:
     for pool in cfg.pools:
         names = pool_node_types(cluster_yaml, pool)
         kinds = ", ".join(f"{n} ({'joined by hand' if joined_by_hand(cluster_yaml, n) else 'autoscaled'})" for n in names)
-        lines.append(f"{pool.name}: {pool.islands} island(s) of {_fmt(island_demand(pool), ' ')} -> {kinds}")
+        lines.append(f"{pool.name}: {pool.islands} island(s) of {format_mapping(island_demand(pool), ' ')} -> {kinds}")
     return lines

@@ -386,8 +386,8 @@ def _first_line(err: BaseException) -> str:
 
 def check_local_fit(cfg: RunConfig) -> None:
     """Raise ConfigError (one line; the local Ray shut down) when the one-node Ray this driver started cannot
-    host every pool (orchestrator.deploy.cluster_check.local_problems), instead of waiting for placement forever."""
-    from orchestrator.deploy.cluster_check import local_problems
+    host every pool (orchestrator.run.local_fit.local_problems), instead of waiting for placement forever."""
+    from orchestrator.run.local_fit import local_problems
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     problems = local_problems(cfg, labels=dict(nodes[0].get("Labels") or {}) if nodes else {},

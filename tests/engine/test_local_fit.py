@@ -1,4 +1,4 @@
-"""What a Ray started by the driver itself can never host (orchestrator.deploy.cluster_check.local_problems).
+"""What a Ray started by the driver itself can never host (orchestrator.run.local_fit.local_problems).
 
 A local Ray is one node that never grows: a pool it cannot host would wait for placement forever,
 warning every placement_timeout_s. The driver refuses such a run at once, in one line naming the pool,
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.deploy.cluster_check import local_problems
+from orchestrator.run.local_fit import local_problems
 
 CPU_NODE = {"CPU": 2.0, "memory": 1e10, "object_store_memory": 1e9}
 
