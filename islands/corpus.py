@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = ("stdlib", "parquet", "tokens")
 """Corpus sources read as units."""
-TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 """Flat token files: ids as little-endian unsigned integers of this width (the nanoGPT/Megatron convention)."""
 TOKEN_FILE_SUFFIXES = (".bin", ".tokens", ".u16", ".u32")
 """The files of a token-file directory (others, such as an index or a README, are left alone)."""

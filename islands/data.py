@@ -140,7 +140,8 @@ def _stdlib_split(heldout_fraction: float, max_bytes: int | None,
     if not files:
         raise DataError(f"no *.py files under the stdlib at {root}; this Python ships no source, "
                         f"so load a dataset with load_parquet_corpus instead")
-    train_files, heldout_files = [], []
+    train_files: list[pathlib.Path] = []
+    heldout_files: list[pathlib.Path] = []
     for path in files:
         is_heldout = _is_heldout_file(path.relative_to(root).as_posix(), heldout_fraction)
         (heldout_files if is_heldout else train_files).append(path)
@@ -317,7 +318,7 @@ def token_id_range(path: str, column: str, *, max_files: int = 16) -> tuple[int,
                 return None
             low = stats.min if low is None else min(low, stats.min)
             high = stats.max if high is None else max(high, stats.max)
-    return None if low is None else (int(low), int(high))
+    return None if low is None or high is None else (int(low), int(high))  # set together: high is None iff low is
 
 
 def _row_hash_unit(n_rows: int, salt: int = 0) -> np.ndarray:
@@ -388,6 +389,7 @@ def load_parquet_corpus(path: str, *, text_column: str | None = None,
     if not 0 < vocab_size <= 2**31 - 1:
         raise DataError(f"vocab_size={vocab_size} must be in [1, 2**31 - 1] to fit int32 ids")
     name = text_column if is_text else token_column
+    assert name is not None  # exactly one of the two columns was given (checked above)
     train_rows, heldout_rows, n_rows = _parquet_split(path, name, is_text, heldout_fraction, shuffle_documents)
     train = _tokens(train_rows, name, is_text, vocab_size)
     heldout = _tokens(heldout_rows, name, is_text, vocab_size)

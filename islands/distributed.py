@@ -116,7 +116,7 @@ class WorkerGroup:
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a process group; an island worker is one process per "
                                "island incarnation (start a new process for a new incarnation)")
-        kwargs = {"device_id": self.device} if self.backend == "nccl" else {}
+        kwargs: dict[str, Any] = {"device_id": self.device} if self.backend == "nccl" else {}
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         dist.init_process_group(self.backend, store=self._store, rank=self.rank, world_size=self.world_size,

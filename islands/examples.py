@@ -10,7 +10,7 @@ an island's update in token-weighted merging.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -71,7 +71,9 @@ class ExampleSampler(CursorSampler):
                             f"{batch_size}; use a smaller batch_size, fewer islands or at least "
                             f"{batch_size * num_shards} examples")
         if collate is None:
-            from torch.utils.data import default_collate as collate
+            from torch.utils.data import default_collate
+
+            collate = default_collate
         self.dataset, self.collate = dataset, collate
         self.shard_index, self.num_shards, self.seed, self.batch_size = shard_index, num_shards, seed, batch_size
         self._tokens_per_example = tokens_per_example
@@ -132,6 +134,7 @@ def _first_tensor(batch: Any):
 
     if isinstance(batch, torch.Tensor):
         return batch
+    values: Iterable[Any]
     if isinstance(batch, Mapping):
         values = batch.values()
     elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):

@@ -86,7 +86,7 @@ class Inbox:
                 self._resync_pending = [(u, None) for u in latest]
                 self._cv.notify_all()
             return
-        fetched = [(u, self._to_device(self._resolve(u.tensors[0]))) for u in latest]
+        fetched: list[Fetched] = [(u, self._to_device(self._resolve(u.tensors[0]))) for u in latest]
         with self._cv:
             self._updates.clear()
             self._forget_progress()
@@ -179,6 +179,7 @@ class Inbox:
         # The parameters that not-yet-merged local progress is measured from: just after this
         # island's newest merged submission if it took part, else the fragment's base.
         anchor = self._outbox.newest_snapshot(mine) if mine and rebase else state.base[p]  # rebase keeps snapshots
+        assert anchor is not None  # only overwrite and mix adoptions drop a cut's snapshot (Outbox.follow_adoption)
         shift = self._adopt(p, anchor, global_)
         with self._cv:
             if self.adoption.kind == "overwrite" and state.steps[p]:

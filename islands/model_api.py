@@ -172,7 +172,9 @@ class ModelFactory:
     @property
     def name(self) -> str:
         """How messages name this factory: its import path, else the callable's qualified name."""
-        return self.spec or getattr(self.target, "__qualname__", repr(self.target))
+        if self.spec:
+            return self.spec
+        return getattr(self.target, "__qualname__", repr(self.target))
 
     def __call__(self) -> nn.Module:
         """Build a fresh model and check it; whatever the factory raises becomes a one-line ModelError."""
@@ -238,7 +240,7 @@ def buffer_names(model: nn.Module) -> list[str]:
     """
     names = []
     for module_name, module in model.named_modules():
-        skip = getattr(module, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and name not in skip and buf.is_floating_point():
                 names.append(f"{module_name}.{name}" if module_name else name)

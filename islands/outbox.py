@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -24,7 +25,7 @@ from islands.fragment_state import FragmentState
 from islands.messages import Submission, SubmissionKey
 from islands.plugins import load_compressor
 from islands.spec import IslandSpec
-from policies.compression import compress
+from policies.compression import Compressed, compress
 from policies.downlink import decode_fragment
 from policies.error_feedback import ErrorFeedback
 from policies.fault_kinds import poison_kind
@@ -120,15 +121,15 @@ class Outbox:
         seq = self.next_seq
         self.next_seq += 1
         sub = self.progress(p, seq)
+        owed = cast("list[torch.Tensor]", sub.payload)  # progress' raw differences, encoded below if this one sends
         sends = True
         if self._assemble is not None:
-            whole = self._assemble(p, sub.payload)
+            whole = self._assemble(p, owed)
             sends = whole is not None  # only the leader hands out the cut; the other workers keep the bookkeeping
-            sub.payload = whole if sends else []
-        owed = sub.payload
+            owed = whole if whole is not None else []
         poison = self._faults.poison(time.monotonic()) if sends else None
         if poison is not None:  # injected fault: finite, well shaped and wrong (the poison guard must refuse it)
-            owed = sub.payload = self._poisoned(poison, p, seq, owed)
+            owed = self._poisoned(poison, p, seq, owed)
         if sends:
             sub.payload = self.encode(owed)
             if self.feedback is not None:  # what this cut does not carry is owed to the next one
@@ -179,10 +180,11 @@ class Outbox:
             island=s.island, incarnation=s.incarnation, seq=seq, fragment=p,
             base_version=state.version[p], tokens=state.tokens[p], inner_steps=state.steps[p],
             step_time_s=now.step_time_s, train_loss=now.train_loss,
-            payload=payload, created_at=time.time(), compute_s=state.compute[p], cursor=now.cursor,
+            # Raw until `encode` replaces it (in `cut`, or on the salvage shelf's sender thread).
+            payload=cast("list[Compressed]", payload), created_at=time.time(), compute_s=state.compute[p], cursor=now.cursor,
         )
 
-    def encode(self, deltas: list[torch.Tensor]) -> list:
+    def encode(self, deltas: list[torch.Tensor]) -> list[Compressed]:
         """The wire form of a fragment's differences (the run's outer-gradient compression)."""
         s = self.settings
         return [compress(d, s.compression, block_size=s.compression_block_size, density=s.topk_density)

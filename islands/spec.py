@@ -101,7 +101,10 @@ class ModelRecipe:
         """How logs and messages name the model: its import path, or the factory's qualified name."""
         if isinstance(self.model, str):
             return self.model
-        return getattr(self.model, "name", None) or getattr(self.model, "__qualname__", type(self.model).__name__)
+        name: str | None = getattr(self.model, "name", None)
+        if name:
+            return name
+        return getattr(self.model, "__qualname__", type(self.model).__name__)
 
 
 @dataclass(frozen=True)

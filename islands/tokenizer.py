@@ -180,8 +180,8 @@ class TokenizersEncoder(TextEncoder):
         "<|end_of_text|>", "<eos>" that the tokenizer has. ``origin`` (a path) goes into :attr:`name`."""
         self.tokenizer = tokenizer
         candidates = (eos_token,) if eos_token is not None else _KNOWN_EOS_TOKENS
-        found = [(token, tokenizer.token_to_id(token)) for token in candidates]
-        found = [(token, i) for token, i in found if i is not None]
+        ids = [(token, tokenizer.token_to_id(token)) for token in candidates]
+        found = [(token, i) for token, i in ids if i is not None]
         if not found:
             special = sorted(t.content for t in tokenizer.get_added_tokens_decoder().values())[:8]
             raise DataError(f"tokenizer has no end-of-document token {' or '.join(map(repr, candidates))}; "
@@ -300,7 +300,8 @@ def _load_saved(file: pathlib.Path) -> TextEncoder | None:
     if spec[_SPEC_KEY] == "bytes":
         return ByteEncoder()
     if spec[_SPEC_KEY] == "function":
-        return FunctionEncoder(spec.get("encode"), vocab_size=spec.get("vocab_size"), eos_id=spec.get("eos_id"),
+        encode: Any = spec.get("encode")  # a file's value: FunctionEncoder raises DataError for a missing or bad one
+        return FunctionEncoder(encode, vocab_size=spec.get("vocab_size"), eos_id=spec.get("eos_id"),
                                decode=spec.get("decode"))
     raise DataError(f"{str(file)!r} names text_encoder={spec[_SPEC_KEY]!r}; expected 'bytes' or 'function'")
 

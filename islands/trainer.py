@@ -206,21 +206,24 @@ class InnerTrainer:
 
     def step(self) -> StepResult:
         """Run one inner-optimizer step on the next batch of this island's shard, then the emulated slowdown."""
+        model, optimizer, worker_group = self.model, self.optimizer, self.group
+        assert model is not None and optimizer is not None, "materialize() before step()"
         t0 = time.perf_counter()
         batch = self.next_batch()
         factor = self.lr_factor_at(self.steps)
-        for group, peak in zip(self.optimizer.param_groups, self._peak_lrs):
+        for group, peak in zip(optimizer.param_groups, self._peak_lrs):
             group["lr"] = peak * factor
-        loss = forward_backward(self.model, batch, precision=self.settings.precision, loss_fn=self.loss_fn)
+        loss = forward_backward(model, batch, precision=self.settings.precision, loss_fn=self.loss_fn)
         mean_loss = loss.detach()
         if self.sharded:  # FSDP has averaged the gradients into each worker's pieces; the loss is reported
-            mean_loss = self.group.mean(mean_loss)
-        elif self.group is not None:  # every worker now holds the island's mean gradient (and loss)
-            mean_loss = self.group.average_gradients(self.model.parameters(), mean_loss)
+            assert worker_group is not None  # a sharded trainer has its group (checked in __init__)
+            mean_loss = worker_group.mean(mean_loss)
+        elif worker_group is not None:  # every worker now holds the island's mean gradient (and loss)
+            mean_loss = worker_group.average_gradients(model.parameters(), mean_loss)
         if self.settings.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.settings.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         # Reading the loss waits for the step: on a GPU the calls above only queue kernels, so timing
         # before it would report launch time as compute (and stretch emulated slowdowns by too little).
         value = float(mean_loss)

@@ -174,7 +174,7 @@ class CheckpointStore:
                     out.write(b"\0" * pad)
                     sha.update(b"\0" * pad)
                     offset += pad
-                view = memoryview(flat.numpy())
+                view = memoryview(flat.numpy())  # type: ignore[arg-type]  # ndarray is a buffer; numpy declares __buffer__ only on 3.12+
                 out.write(view)
                 sha.update(view)
                 entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
@@ -236,7 +236,7 @@ class CheckpointStore:
                 raise CheckpointError(f"checkpoint {path} payload is {f.size()} bytes, manifest says {size}; "
                                       "it is truncated or damaged, delete it")
             payload = torch.empty(size, dtype=torch.uint8)
-            buf, got = memoryview(payload.numpy()), 0
+            buf, got = memoryview(payload.numpy()), 0  # type: ignore[arg-type]  # as in save: numpy's stubs, not the array
             while got < size:  # readinto may return short counts on remote filesystems
                 n = f.readinto(buf[got:])
                 if n == 0:

@@ -24,7 +24,7 @@ KINDS = ("rounds", "refusals", "evals", "islands", "timeline", "faults", "detect
 
 
 def _row(item: Any) -> dict[str, Any]:
-    return dataclasses.asdict(item) if dataclasses.is_dataclass(item) else dict(item)
+    return dataclasses.asdict(item) if dataclasses.is_dataclass(item) and not isinstance(item, type) else dict(item)
 
 
 class EventLog:
