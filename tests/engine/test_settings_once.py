@@ -205,10 +205,7 @@ OTHER_SETTING = {
     ("islands/data.py", "seq_len"): "a lower bound for a library call, not model.seq_len",
     ("islands/data.py", "vocab_size"): "the byte vocabulary of the library call, not data.vocab_size (None there)",
 }
-STILL_REPEATED = {
-    ("orchestrator/core/checkpoint.py", "keep"): "CheckpointStore(keep=3), checkpoint.keep",
-    ("islands/trainer.py", "precision"): "forward_backward(precision='fp32'), inner.precision",
-}
+STILL_REPEATED: dict[tuple[str, str], str] = {}
 
 
 def repeated_defaults() -> set[tuple[str, str]]:
