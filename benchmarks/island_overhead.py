@@ -66,6 +66,7 @@ from orchestrator.actors.remote import WORKER_ENV, IslandActor, OuterOptimizerAc
 from orchestrator.config import build_config  # noqa: E402
 from orchestrator.core.checkpoint import CheckpointStore  # noqa: E402
 from orchestrator.core.outer_optimizer import OuterOptimizer  # noqa: E402
+from orchestrator.core.settings import CheckpointSettings  # noqa: E402
 from orchestrator.settings import inner_settings, island_specs, model_recipe, outer_settings  # noqa: E402
 from policies.fragments import plan_fragments  # noqa: E402
 
@@ -233,9 +234,9 @@ def island_side(recipe: ModelRecipe, data_ref, inner: InnerSettings, variant: Va
     cleanup.append(ckpt_dir)
     tensors, meta = OuterOptimizer(initial, plan, settings=settings).state_dict()
     CheckpointStore(ckpt_dir, keep=3).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
-    outer = OuterOptimizerActor.options(num_cpus=0).remote(plan, settings, embedding_parameter_names(model),
-                                                           ckpt_dir, args.checkpoint_every_s, 3,
-                                                           buffer_names=frozenset(buffer_names(model)))
+    outer = OuterOptimizerActor.options(num_cpus=0).remote(
+        plan, settings, embedding_parameter_names(model), CheckpointSettings(ckpt_dir, every_s=args.checkpoint_every_s, keep=3),
+        network=None, buffer_names=frozenset(buffer_names(model)))
     actors.append(outer)
     spec = replace(island_specs(build_config({}), recipe, plan)[0], island=0, incarnation=1, pool="bench", num_islands=1,
                    inner=inner, sync_every_steps=args.sync_every_steps, compression=variant.compression,

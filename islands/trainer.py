@@ -57,7 +57,7 @@ def _tf32(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def forward_backward(model: torch.nn.Module, batch: Any, *, precision: str = "fp32",
+def forward_backward(model: torch.nn.Module, batch: Any, *, precision: str,
                      loss_fn: LossFn | None = None) -> torch.Tensor:
     """The batch's loss `loss_fn(model, batch)`, with its gradients accumulated into the (fp32) parameters, in `precision`.
 

@@ -1,9 +1,9 @@
 """The runtime settings of a run, built from its RunConfig: the one place config sections become plain values.
 
 Each setting is declared once, in the config (orchestrator/config.py). The classes the engine takes
-(OuterSettings, InnerSettings, IslandSpec) have no defaults of their own; one function per consumer
-here fills them from the config, so a default can only change in the config
-(tests/engine/test_settings_once.py checks both).
+(OuterSettings, CheckpointSettings, InnerSettings, IslandSpec, the health monitor's) have no defaults of their
+own; one function per consumer here fills them from the config, so a default can only change in the config
+(tests/engine/test_settings_once.py checks both). Every config value an actor takes reaches it through here.
 
 No torch and no Ray at import: the CLI and the health monitor's process import the config's
 neighbours, and the data-parallel baseline builds its inner settings here too.
@@ -16,13 +16,14 @@ from typing import Any
 from islands.builtin import ByteTransformerFactory
 from islands.spec import InnerSettings, IslandSpec, ModelConfig, ModelRecipe
 from orchestrator.actors.keeper import keeper_name
-from orchestrator.actors.monitor_settings import HealthThresholds, MonitorTimeouts
+from orchestrator.actors.monitor_settings import HealthThresholds, MonitorPools, MonitorTimeouts
 from orchestrator.config import PoolConfig, RunConfig
-from orchestrator.core.settings import OuterSettings
+from orchestrator.core.settings import CheckpointSettings, OuterSettings
 from policies.fragments import FragmentPlan
 from policies.restart import RestartBudget
 
-__all__ = ["inner_settings", "island_specs", "model_recipe", "monitor_health", "monitor_restart", "outer_settings"]
+__all__ = ["injector_join_nodes", "inner_settings", "island_specs", "model_recipe", "monitor_health", "monitor_pools", "monitor_restart", "monitor_timeouts",
+           "outer_checkpoints", "outer_settings"]
 
 
 def outer_settings(cfg: RunConfig, *, optimizer: Any = None) -> OuterSettings:
@@ -43,6 +44,12 @@ def outer_settings(cfg: RunConfig, *, optimizer: Any = None) -> OuterSettings:
         elastic_slots=cfg.elastic_slots(), fixed_slots=cfg.num_islands - len(cfg.elastic_slots()),
         poison_guard=o.poison_guard, poison_restart_after=o.poison_restart_after,
     )
+
+
+def outer_checkpoints(cfg: RunConfig, uri: str) -> CheckpointSettings:
+    """The outer optimizer's checkpoints: the run's store at `uri` (orchestrator.core.checkpoint.run_checkpoint_uri
+    of checkpoint.uri) saved every checkpoint.every_s seconds, the newest checkpoint.keep retained."""
+    return CheckpointSettings(uri=uri, every_s=cfg.checkpoint.every_s, keep=cfg.checkpoint.keep)
 
 
 def inner_settings(cfg: RunConfig, pool: PoolConfig | None = None) -> InnerSettings:
@@ -116,6 +123,11 @@ def monitor_health(cfg: RunConfig) -> HealthThresholds:
                             unreachable_s=h.unreachable_s)
 
 
+def monitor_pools(cfg: RunConfig) -> MonitorPools:
+    """The pools the health monitor places islands in (config order) and the warm spares it keeps per pool."""
+    return MonitorPools(pools=tuple(cfg.pools), warm_spares=cfg.health.warm_spares)
+
+
 def monitor_restart(cfg: RunConfig) -> RestartBudget:
     """The health monitor's restart budget."""
     h = cfg.health
@@ -127,3 +139,17 @@ def monitor_timeouts(cfg: RunConfig) -> MonitorTimeouts:
     """How long the health monitor waits for placement, for control calls, and between health checks."""
     return MonitorTimeouts(placement_s=cfg.run.placement_timeout_s, call_s=cfg.run.call_timeout_s,
                            tick_s=cfg.health.tick_s)
+
+
+def injector_join_nodes(cfg: RunConfig) -> dict[int, dict]:
+    """The chaos injector's `join_nodes`: per island slot, what a `node_joins` node of its pool offers (the pool's
+    labels and resources, and CPUs for one island of its workers), pools in config order."""
+    join_nodes: dict[int, dict] = {}
+    island = 0
+    for pool in cfg.pools:
+        node = {"labels": dict(pool.labels), "resources": dict(pool.resources),
+                "num_cpus": pool.cpus_per_island * pool.workers_per_island}  # room for one island
+        for _ in range(pool.islands):
+            join_nodes[island] = node
+            island += 1
+    return join_nodes

@@ -39,13 +39,12 @@ from islands.spec import IslandSpec
 from orchestrator.actors.drains import DrainWatch
 from orchestrator.actors.keepers import ProgressKeepers
 from orchestrator.actors.launcher import IslandLauncher, find_run_actors, island_statuses, stop_islands
-from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorTimeouts, RunAddress
+from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorPools, MonitorTimeouts, RunAddress
 from orchestrator.actors.outer_link import OuterLink
 from orchestrator.actors.placement import no_room
 from orchestrator.actors.recovery_record import RecoveryRecord, parked_state, restore_parked
 from orchestrator.actors.runtime import quiet_worker
 from orchestrator.actors.slots import SlotState, has_submitted, islands_stepped
-from orchestrator.config import PoolConfig
 from policies.health import assess_island
 from policies.island_states import ENDED_BADLY, IslandState
 from policies.restart import RestartBudget
@@ -76,29 +75,31 @@ class HealthMonitor:
 
     Args:
         run: the run's id, Ray namespace and outer optimizer's actor name.
-        pools, specs: the run's pools and one spec per island slot (`incarnation` = the first one to start).
+        pools: the run's pools and the warm spares kept per pool.
+        specs: one spec per island slot (`incarnation` = the first one to start).
         actors: the actor classes it creates.
         timeouts: placement, control-call and tick periods.
-        health: thresholds for policies.health.assess_island; None = that function's defaults.
-        restart: the restart policy (backoff, limit); None = RestartBudget's defaults.
-        warm_spares: ready island processes kept per pool.
+        health: thresholds for policies.health.assess_island.
+        restart: the restart policy (backoff, limit).
         data: [ref to the training corpus]; usually passed to `ensure_started` instead.
+
+    The driver builds pools, timeouts, health and restart from the config (orchestrator/settings.py).
     """
 
-    def __init__(self, *, run: RunAddress, pools: list[PoolConfig], specs: list[IslandSpec], actors: ActorClasses,
-                 timeouts: MonitorTimeouts, health: HealthThresholds | None = None,
-                 restart: RestartBudget | None = None, warm_spares: int, data: list[Any] | None = None) -> None:
+    def __init__(self, *, run: RunAddress, pools: MonitorPools, specs: list[IslandSpec], actors: ActorClasses,
+                 timeouts: MonitorTimeouts, health: HealthThresholds, restart: RestartBudget,
+                 data: list[Any] | None = None) -> None:
         quiet_worker("health monitor")
         self.run, self.timeouts, self.data = run, timeouts, data
-        self.pools = {p.name: p for p in pools}
+        self.pools = {p.name: p for p in pools.pools}
         self.specs = {s.island: s for s in specs}
-        self.health = health.as_kwargs() if health is not None else {}
-        self.budget = restart if restart is not None else RestartBudget()
+        self.health, self.budget = health.as_kwargs(), restart
         def stopping() -> bool:  # the collaborators' view of this run stopping
             return self._stopping
 
         self.launcher = IslandLauncher(run=run, pools=self.pools, slot_pools={s.island: s.pool for s in specs},
-                                       actors=actors, timeouts=timeouts, warm_spares=warm_spares, stopping=stopping)
+                                       actors=actors, timeouts=timeouts, warm_spares=pools.warm_spares,
+                                       stopping=stopping)
         self.outer = OuterLink(name=run.outer_name, namespace=run.namespace, call_timeout_s=timeouts.call_s)
         self.keepers = ProgressKeepers(
             names={s.pool: s.keeper for s in specs if s.keeper is not None}, keeper_cls=actors.keeper,

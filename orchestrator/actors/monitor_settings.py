@@ -8,9 +8,12 @@ hold no defaults of their own: every value is declared once, in the config or in
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ActorClasses", "HealthThresholds", "MonitorTimeouts", "RunAddress"]
+if TYPE_CHECKING:
+    from orchestrator.config import PoolConfig
+
+__all__ = ["ActorClasses", "HealthThresholds", "MonitorPools", "MonitorTimeouts", "RunAddress"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,15 @@ class RunAddress:
     run_id: str
     namespace: str
     outer_name: str
+
+
+@dataclass(frozen=True)
+class MonitorPools:
+    """The pools the monitor places its islands in, in config order (`pools`), and how many ready island
+    processes it keeps per pool to replace a failed island from (`warm_spares`, health.warm_spares)."""
+
+    pools: tuple[PoolConfig, ...]
+    warm_spares: int
 
 
 @dataclass(frozen=True)

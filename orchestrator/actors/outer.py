@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from orchestrator.actors.published import Prepared
     from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
     from orchestrator.core.rounds import RoundResult
+    from orchestrator.core.settings import CheckpointSettings
     from policies.fragments import FragmentPlan
 
 log = logging.getLogger(__name__)
@@ -39,20 +40,20 @@ log = logging.getLogger(__name__)
 class _OuterShell:
     """Async shell: polls islands for submissions, feeds the core, publishes each new version once.
 
-    With a checkpoint URI it saves the core atomically every `checkpoint_every_s` and, when Ray
+    It saves the core atomically under `checkpoints.uri` every `checkpoints.every_s` and, when Ray
     restarts it (max_restarts=-1), restores the newest valid checkpoint in __init__ and bumps its
     epoch; the health monitor sees the new epoch, resyncs the islands and registers them again.
 
     With an EMULATED `network` (policies.network), a submission reaches the core only when its uplink
     transfer on its island's region link completes, and a published fragment reaches an island only
     when its downlink transfer completes (FIFO per link and direction, off the poll loop: the islands
-    keep computing). Bytes are counted per link and direction in every scenario.
+    keep computing). Bytes are counted per link and direction in every scenario. The driver passes the
+    network its config's `network:` section builds; None counts the bytes and delays nothing.
     """
 
     def __init__(self, plan: FragmentPlan, settings: OuterSettings, embedding_names: frozenset[str],
-                 checkpoint_uri: str, checkpoint_every_s: float, checkpoint_keep: int,
-                 network: NetworkModel | None = None, island_regions: dict[int, str] | None = None,
-                 buffer_names: frozenset[str] = frozenset()) -> None:
+                 checkpoints: CheckpointSettings, *, network: NetworkModel | None,
+                 island_regions: dict[int, str] | None = None, buffer_names: frozenset[str] = frozenset()) -> None:
         quiet_worker("outer optimizer")
         import torch
 
@@ -67,7 +68,7 @@ class _OuterShell:
         self._t0 = time.monotonic()
         # Start and restart are one path: the driver seeds the store with the initial parameters as
         # checkpoint 0, so no tensor travels in the constructor arguments (which a restart would need).
-        self._checkpoints = CheckpointWriter(checkpoint_uri, checkpoint_every_s, checkpoint_keep)
+        self._checkpoints = CheckpointWriter(checkpoints)
         latest = self._checkpoints.load_latest()
         # Rounds hand out the live global tensors: _closing puts each new version in the object store on the core's
         # thread before anything can change them, so no private copy of a fragment is made per round.

@@ -24,19 +24,20 @@ from policies.salvage import salvageable
 
 if TYPE_CHECKING:
     from orchestrator.core.checkpoint import Checkpoint
+    from orchestrator.core.settings import CheckpointSettings
 
 
 class CheckpointWriter:
-    """Numbered checkpoints under `uri` (the newest `keep` kept), written on a thread of their own."""
+    """Numbered checkpoints under `settings.uri` (the newest `settings.keep` kept), written on a thread of their own."""
 
-    def __init__(self, uri: str, every_s: float, keep: int) -> None:
+    def __init__(self, settings: CheckpointSettings) -> None:
         # torch: imported only in the shell's own process, not where a handle is held.
         from orchestrator.core.checkpoint import CheckpointStore
 
-        self.uri = uri
-        self.every_s = every_s
+        self.uri = settings.uri
+        self.every_s = settings.every_s
         self.step = 0  # the newest checkpoint's number (restored, then each save's)
-        self._store = CheckpointStore(uri, keep=keep)
+        self._store = CheckpointStore(settings.uri, keep=settings.keep)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-ckpt")
         self._last = time.monotonic()
 

@@ -108,10 +108,14 @@ def checkpoint_dirname(step: int) -> str:
 class CheckpointStore:
     """Saves and loads numbered checkpoints under one directory, keeping only the newest `keep`."""
 
-    def __init__(self, uri: str, *, keep: int = 3) -> None:
+    def __init__(self, uri: str, *, keep: int | None = None) -> None:
         """Open (creating if missing) the store at `uri`: a local path or a pyarrow.fs URI
-        (`file:///x`, `s3://bucket/prefix`, `gs://...`, `mock:///x`)."""
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        (`file:///x`, `s3://bucket/prefix`, `gs://...`, `mock:///x`).
+
+        `keep`: how many complete checkpoints a save leaves (older ones are deleted); None prunes none, for a
+        store opened to read. Every writer of a run passes the config's ``checkpoint.keep``
+        (orchestrator/settings.py, `outer_checkpoints`), so the retention is declared once, in the config."""
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r} must be an int >= 1; pass how many checkpoints to retain")
         self.uri = uri
         self.keep = keep
@@ -192,9 +196,10 @@ class CheckpointStore:
         return path
 
     def _prune(self, newest: int) -> None:
-        """Delete complete checkpoints beyond the newest `keep`, and interrupted saves older than `newest`."""
+        """Delete complete checkpoints beyond the newest `keep` (none when None), and interrupted saves older
+        than `newest`."""
         complete, incomplete = self._scan()
-        for s in complete[:-self.keep]:
+        for s in complete[:-self.keep] if self.keep is not None else []:
             # Manifest first: a crash mid-delete leaves an (ignored) incomplete dir, never a manifest
             # whose payload is gone.
             self.fs.delete_file(f"{self._dir(s)}/{MANIFEST_FILE}")

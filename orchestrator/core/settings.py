@@ -1,8 +1,8 @@
 """The outer optimizer's settings as plain values: no torch, no Ray, no defaults.
 
-Every field is declared once, in the config (orchestrator/config.py, `outer:` and `run:`); this class
-only carries the values. orchestrator/settings.py builds it from a RunConfig (`outer_settings`), so
-a field here never has a default of its own that could drift from the config's
+Every field is declared once, in the config (orchestrator/config.py, `outer:`, `run:` and `checkpoint:`);
+these classes only carry the values. orchestrator/settings.py builds them from a RunConfig (`outer_settings`,
+`outer_checkpoints`), so a field here never has a default of its own that could drift from the config's
 (tests/engine/test_settings_once.py checks it).
 """
 
@@ -43,3 +43,15 @@ class OuterSettings:
     fixed_slots: int  # island slots of fixed pools
     poison_guard: bool  # refuse finite, well-shaped outliers against the other islands' (policies/poison_guard.py)
     poison_restart_after: int  # restart an incarnation after this many poison refusals in a row (0: never)
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Where and how often the outer optimizer's actor saves its state (built from RunConfig by orchestrator.settings).
+
+    `uri`: the run's checkpoint store (checkpoint.uri resolved against the run directory); `every_s`: seconds
+    between two saves (checkpoint.every_s); `keep`: how many checkpoints the store retains (checkpoint.keep)."""
+
+    uri: str
+    every_s: float
+    keep: int

@@ -78,7 +78,7 @@ from orchestrator.run.workload import (
     run_recipe,
     training_data,
 )
-from orchestrator.settings import inner_settings, island_specs
+from orchestrator.settings import injector_join_nodes, inner_settings, island_specs
 from policies.chaos import tape_from_config
 from policies.fragments import FragmentPlan, plan_fragments
 from policies.network import NetworkModel, build_network
@@ -522,7 +522,7 @@ class Run:
         self.run_start = time.time()
         if len(world.tape):
             self.injector = start_injector(world.tape, self.run_id, self.monitor_name, self.run_start,
-                                           cfg.run.call_timeout_s, cfg.pools)
+                                           cfg.run.call_timeout_s, injector_join_nodes(cfg))
 
     def _restore(self) -> None:
         """A resumed run's starting point from the restored outer optimizer: the earlier sessions' token ledger as

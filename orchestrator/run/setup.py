@@ -32,10 +32,17 @@ from orchestrator.actors.remote import (
     ProgressKeeperActor,
 )
 from orchestrator.actors.runtime import CONTROL_PLANE_RUNTIME_ENV
-from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config, resume_conflict
+from orchestrator.config import ConfigError, RunConfig, build_config, resume_conflict
 from orchestrator.core.checkpoint import CheckpointStore, run_checkpoint_uri
 from orchestrator.core.outer_optimizer import OuterOptimizer
-from orchestrator.settings import monitor_health, monitor_restart, monitor_timeouts, outer_settings
+from orchestrator.settings import (
+    monitor_health,
+    monitor_pools,
+    monitor_restart,
+    monitor_timeouts,
+    outer_checkpoints,
+    outer_settings,
+)
 from policies.fragments import FragmentPlan
 
 log = logging.getLogger(__name__)
@@ -85,7 +92,8 @@ def save_checkpoint_zero(cfg: RunConfig, initial: dict[str, torch.Tensor], plan:
     """Checkpoint 0 of a fresh run: the initial global parameters, the outer optimizer's first state."""
     seed = OuterOptimizer(initial, plan, settings=outer_settings(cfg))
     tensors, meta = seed.state_dict()
-    CheckpointStore(ckpt_uri, keep=cfg.checkpoint.keep).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
+    CheckpointStore(ckpt_uri, keep=outer_checkpoints(cfg, ckpt_uri).keep).save(
+        0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
 
 
 def here() -> NodeAffinitySchedulingStrategy:
@@ -106,8 +114,8 @@ def start_outer(cfg: RunConfig, run_id: str, ckpt_uri: str, *, plan: FragmentPla
     public API's outer optimizer factory, in place of the config's; `network`: the links it delivers over."""
     name = f"outer-{run_id}"
     outer = OuterOptimizerActor.options(name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here()).remote(
-        plan, outer_settings(cfg, optimizer=optimizer), embedding_names, ckpt_uri, cfg.checkpoint.every_s,
-        cfg.checkpoint.keep, network=network, island_regions=island_regions, buffer_names=buffer_names)
+        plan, outer_settings(cfg, optimizer=optimizer), embedding_names, outer_checkpoints(cfg, ckpt_uri),
+        network=network, island_regions=island_regions, buffer_names=buffer_names)
     return name, outer
 
 
@@ -117,11 +125,10 @@ def start_monitor(cfg: RunConfig, run_id: str, specs: list[IslandSpec], outer_na
     job_env = dict(ray.get_runtime_context().runtime_env)
     monitor = HealthMonitorActor.options(name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here(),
                                          runtime_env=monitor_runtime_env(job_env)).remote(
-        run=RunAddress(run_id=run_id, namespace=NAMESPACE, outer_name=outer_name), pools=cfg.pools, specs=specs,
-        actors=ActorClasses(island=IslandActor, worker=IslandWorkerActor, keeper=ProgressKeeperActor,
-                            island_runtime_env=job_env),
+        run=RunAddress(run_id=run_id, namespace=NAMESPACE, outer_name=outer_name), pools=monitor_pools(cfg),
+        specs=specs, actors=ActorClasses(island=IslandActor, worker=IslandWorkerActor, keeper=ProgressKeeperActor,
+                                         island_runtime_env=job_env),
         timeouts=monitor_timeouts(cfg), health=monitor_health(cfg), restart=monitor_restart(cfg),
-        warm_spares=cfg.health.warm_spares,
     )
     return name, monitor
 
@@ -139,16 +146,9 @@ def monitor_runtime_env(job_env: dict) -> dict | None:
 
 
 def start_injector(tape: Any, run_id: str, monitor_name: str, run_start: float, timeout_s: float,
-                   pools: list[PoolConfig] | None = None) -> Any:
-    """Start the chaos injector on `tape` (its clock counts from `run_start`) and return its handle. `pools`: the
-    run's pools in config order, for what a `node_joins` node of an island's pool offers."""
-    join_nodes, island = {}, 0
-    for pool in pools or []:
-        node = {"labels": dict(pool.labels), "resources": dict(pool.resources),
-                "num_cpus": pool.cpus_per_island * pool.workers_per_island}  # room for one island
-        for _ in range(pool.islands):
-            join_nodes[island] = node
-            island += 1
+                   join_nodes: dict[int, dict]) -> Any:
+    """Start the chaos injector on `tape` (its clock counts from `run_start`) and return its handle. `join_nodes`:
+    what a `node_joins` node of each island's pool offers (orchestrator.settings.injector_join_nodes)."""
     injector = ChaosInjectorActor.options(name=f"chaos-{run_id}", namespace=NAMESPACE, num_cpus=0,
                                           scheduling_strategy=here(), runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote(
         tape, namespace=NAMESPACE, monitor_name=monitor_name, run_start=run_start,

@@ -16,9 +16,10 @@ import time
 from islands.model import model_config
 from islands.spec import IslandStatus
 from orchestrator.actors.health_monitor import HealthMonitor
-from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorTimeouts, RunAddress
+from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorPools, MonitorTimeouts, RunAddress
 from orchestrator.config import PoolConfig
 from policies.fragments import plan_fragments
+from policies.restart import RestartBudget
 from tests.from_config import inner_from_config, spec_from_config
 
 
@@ -50,10 +51,12 @@ def _monitor(gate: asyncio.Event | None = None) -> tuple[HealthMonitor, list, li
     plan = plan_fragments([("w", 4)], 1)
     spec = spec_from_config(island=0, incarnation=1, pool="a", num_islands=1, model_config=cfg, plan=plan,
                             inner=inner_from_config(), sync_every_steps=8, adoption="overwrite")
-    mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"), pools=[PoolConfig(name="a")],
-                        specs=[spec], data=[], actors=ActorClasses(island=object), warm_spares=0,
+    mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"),
+                        pools=MonitorPools(pools=(PoolConfig(name="a"),), warm_spares=0),
+                        specs=[spec], data=[], actors=ActorClasses(island=object),
                         timeouts=MonitorTimeouts(placement_s=10, call_s=5, tick_s=0.25),
-                        health=HealthThresholds(factor=3.0, floor_s=30.0, startup_s=60.0, unreachable_s=30.0))
+                        health=HealthThresholds(factor=3.0, floor_s=30.0, startup_s=60.0, unreachable_s=30.0),
+                        restart=RestartBudget())
     teardowns, restarts = [], []
 
     async def teardown(slot):  # the real one kills actors and awaits the outer optimizer's unregister
@@ -215,10 +218,11 @@ def test_after_an_outer_restart_every_island_fetches_the_model_on_its_own_link_a
         specs = [spec_from_config(island=i, incarnation=1, pool="a", num_islands=3, model_config=cfg, plan=plan,
                                   inner=inner_from_config(), sync_every_steps=8, adoption="overwrite") for i in range(3)]
         mon = HealthMonitor(run=RunAddress(run_id="r", namespace="ns", outer_name="outer-r"),
-                            pools=[PoolConfig(name="a", islands=3)], specs=specs, data=[], warm_spares=0,
-                            actors=ActorClasses(island=object),
+                            pools=MonitorPools(pools=(PoolConfig(name="a", islands=3),), warm_spares=0),
+                            specs=specs, data=[], actors=ActorClasses(island=object),
                             timeouts=MonitorTimeouts(placement_s=10, call_s=5, tick_s=0.25),
-                            health=HealthThresholds(factor=3.0, floor_s=30.0, startup_s=60.0, unreachable_s=30.0))
+                            health=HealthThresholds(factor=3.0, floor_s=30.0, startup_s=60.0, unreachable_s=30.0),
+                            restart=RestartBudget())
         log: list = []
         outer = RestartedOuter(log)
         mon.outer.handle = lambda: outer

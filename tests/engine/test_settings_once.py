@@ -3,8 +3,9 @@ and the builders in orchestrator.settings fill every field from the config.
 
 Before this, OuterSettings, InnerSettings and IslandSpec each repeated the config's defaults, and two drifted
 (IslandSpec.adoption was "overwrite" while the config's is "rebase"; health.salvage_every_steps was 0 there and
-5 in the config). These tests fail when a field grows a default the config does not own, or when a builder
-stops taking a field from the config.
+5 in the config). These tests fail when a field grows a default the config does not own, when a builder
+stops taking a field from the config, or when an engine signature gives a parameter named like a config field
+a default that no list here explains.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ import pytest
 from islands.builtin import ByteTransformerFactory
 from islands.island import LearnerIsland
 from islands.spec import InnerSettings, IslandSpec, ModelRecipe
-from orchestrator.actors.monitor_settings import HealthThresholds, MonitorTimeouts, RunAddress
+from orchestrator.actors.monitor_settings import HealthThresholds, MonitorPools, MonitorTimeouts, RunAddress
 from orchestrator.config import ConfigError, PoolConfig, RunConfig, build_config
-from orchestrator.core.settings import OuterSettings
+from orchestrator.core.settings import CheckpointSettings, OuterSettings
 from orchestrator.settings import (
+    injector_join_nodes,
     inner_settings,
     island_specs,
     model_recipe,
     monitor_health,
+    monitor_pools,
     monitor_restart,
     monitor_timeouts,
+    outer_checkpoints,
     outer_settings,
 )
 from policies.fragments import plan_fragments
@@ -34,7 +38,8 @@ from tests.engine.nano import nano_world
 from tests.engine.test_config_reference import ALL as CONFIG_FIELDS
 from tests.from_config import inner_from_config, outer_from_config, spec_from_config
 
-RUNTIME_SETTINGS = (OuterSettings, InnerSettings, IslandSpec, ModelRecipe, HealthThresholds, MonitorTimeouts, RunAddress)
+RUNTIME_SETTINGS = (OuterSettings, CheckpointSettings, InnerSettings, IslandSpec, ModelRecipe, HealthThresholds,
+                    MonitorTimeouts, MonitorPools, RunAddress)
 
 # Fields that may keep a default because the config does not own them, each with its reason. Empty today:
 # even the run-only fields of IslandSpec (slot, incarnation, keeper) are set by the builder or the caller.
@@ -191,60 +196,222 @@ def test_a_schedule_entry_names_itself():
 
 # ---- no config default repeated in an engine signature
 
-# A parameter of the engine (orchestrator/, islands/) named like a config field, with a literal default, is a
-# default declared a second time: it can drift from the config's (HealthMonitor(warm_spares=0) did, against 1).
-# Share a constant the config also takes (islands/data_defaults.py), or take the value from the caller. Listed
-# here: names that are another setting than the config field's, and the repeats still to remove (issue 58).
-OTHER_SETTING = {
-    ("orchestrator/actors/chaos_injector.py", "tick_s"): "the injector's own poll period, not health.tick_s",
-    ("orchestrator/run/progress.py", "every_s"): "how often progress lines print, not checkpoint.every_s",
-    ("orchestrator/run/trackers.py", "mode"): "the W&B client's mode, not chaos.mode",
-    ("orchestrator/run/workload.py", "batch_size"): "the probe batch of a size check, not data.batch_size",
-    ("islands/sampling.py", "seed"): "a sample's seed, not run.seed",
-    ("islands/trainer.py", "shard"): "whether this trainer's model is sharded (a bool), not pools[].shard",
-    ("islands/data.py", "seq_len"): "a lower bound for a library call, not model.seq_len",
-    ("islands/data.py", "vocab_size"): "the byte vocabulary of the library call, not data.vocab_size (None there)",
+# A parameter of the engine (orchestrator/, islands/, policies/) named like a config field, with a default, is
+# a default declared a second time: it can drift from the config's, and some had (HealthMonitor(warm_spares=0)
+# against health.warm_spares 1, _OuterShell(checkpoint_every_s=30.0) against checkpoint.every_s 15). Take the
+# value from the caller, which takes it from orchestrator/settings.py, or list the parameter below with its
+# reason. Keys: (module path, function's qualified name, parameter).
+ENGINE_FOLDERS = ("orchestrator", "islands", "policies")
+CONFIG_NAMES = frozenset(dotted.rsplit(".", 1)[-1] for dotted, _ in CONFIG_FIELDS)
+Key = tuple[str, str, str]
+
+# Named like a config field, but another setting than the config's.
+OTHER_SETTING: dict[Key, str] = {
+    ("orchestrator/actors/chaos_injector.py", "ChaosInjector.__init__", "tick_s"): "the injector's own poll period, not health.tick_s",
+    ("orchestrator/actors/health_monitor.py", "HealthMonitor.__init__", "data"): "[ref to the corpus], not the data: section",
+    ("orchestrator/actors/health_monitor.py", "HealthMonitor.ensure_started", "data"): "[ref to the corpus], not the data: section",
+    ("orchestrator/deploy/dashboard.py", "load_dashboard", "path"): "the Grafana dashboard's file, not data.path",
+    ("orchestrator/deploy/dashboard.py", "run_metric_definitions", "source"): "the metrics module's file, not data.source",
+    ("orchestrator/deploy/dashboard.py", "install_dashboard", "source"): "the Grafana dashboard's file, not data.source",
+    ("orchestrator/run/progress.py", "ProgressPrinter.__init__", "every_s"): "how often progress lines print, not checkpoint.every_s",
+    ("orchestrator/run/streams.py", "corpus_index", "path"): "a copy of the corpus to index instead (None: the config's), not data.path",
+    ("orchestrator/run/trackers.py", "WandbCallback.__init__", "mode"): "the W&B client's mode, not the run's mode",
+    ("orchestrator/run/workload.py", "_check_sizes", "batch_size"): "the probe batch of a size check, not data.batch_size",
+    ("orchestrator/tune.py", "tune_trainable", "resources"): "a Tune trial's resources, not pools[].resources",
+    ("orchestrator/tune.py", "diloco_trainable", "resources"): "a Tune trial's resources, not pools[].resources",
+    ("islands/sampling.py", "generate", "seed"): "a sample's seed, not run.seed",
+    ("islands/trainer.py", "InnerTrainer.__init__", "shard"): "whether this trainer's model is sharded (a bool), not pools[].shard",
+    ("islands/data.py", "load_parquet_corpus", "seq_len"): "a lower bound for a library call, not model.seq_len",
+    ("islands/data.py", "tokenize_corpus", "seq_len"): "a lower bound for a library call, not model.seq_len",
+    ("islands/data.py", "load_parquet_corpus", "vocab_size"): "the byte vocabulary of the library call, not data.vocab_size",
+    ("islands/data.py", "unigram_bits_per_byte", "vocab_size"): "the byte vocabulary of the library call, not data.vocab_size",
+    ("policies/chaos.py", "fixed_tape", "seed"): "the tape's own seed (a chaos.params key), not run.seed",
+    ("policies/chaos.py", "fixed_budget_tape", "seed"): "the tape's own seed (a chaos.params key), not run.seed",
 }
-STILL_REPEATED = {
-    ("orchestrator/core/checkpoint.py", "keep"): "CheckpointStore(keep=3), checkpoint.keep",
-    ("islands/trainer.py", "precision"): "forward_backward(precision='fp32'), inner.precision",
+# None = take the config's value: the public API's Python objects in place of the config's import paths.
+THE_CONFIGS: dict[Key, str] = {
+    ("orchestrator/settings.py", "outer_settings", "optimizer"): "the API's outer optimizer factory, else outer.optimizer",
+    ("orchestrator/settings.py", "model_recipe", "model"): "the API's model factory, else model.factory",
+    ("orchestrator/settings.py", "model_recipe", "loss"): "the API's loss, else model.loss",
+    ("orchestrator/settings.py", "model_recipe", "optimizer"): "the API's inner optimizer, else model.optimizer",
+    ("orchestrator/run/setup.py", "start_outer", "optimizer"): "the API's outer optimizer factory, else outer.optimizer",
+    ("orchestrator/api.py", "DilocoTrainer.__init__", "model"): "the API's model factory, else model.factory",
+    ("orchestrator/api.py", "DilocoTrainer.__init__", "optimizer"): "the API's inner optimizer, else model.optimizer",
+    ("orchestrator/api.py", "Result.load_model", "model"): "a model factory, else the run's recorded model.factory",
+    ("orchestrator/run/trained.py", "load_trained", "model"): "a model factory, else the run's recorded model.factory",
+    ("orchestrator/run/trained.py", "evaluate_trained", "loss"): "a loss, else the run's recorded model.loss",
+    ("orchestrator/tune.py", "diloco_trainable", "model"): "DilocoTrainer's model argument, passed on",
+    ("orchestrator/tune.py", "diloco_trainable", "optimizer"): "DilocoTrainer's optimizer argument, passed on",
 }
+# A documented default of the pure API (policies/, islands/ library calls) equal to the config field's, which
+# test_policy_defaults_are_the_configs checks: it cannot drift. The engine passes the config's value anyway.
+SAME_AS_CONFIG: dict[Key, str] = {
+    ("policies/outer_optimizer.py", "FragmentOuterOptimizer.__init__", "lr"): "outer.lr",
+    ("policies/outer_optimizer.py", "FragmentOuterOptimizer.__init__", "momentum"): "outer.momentum",
+    ("policies/restart.py", "RestartBudget.__init__", "reset_after_s"): "health.reset_after_s",
+    ("policies/restart.py", "RestartBudget.__init__", "max_restarts"): "health.max_restarts",
+    ("policies/restart.py", "RestartBudget.__init__", "reset_on_submission"): "health.reset_on_submission",
+    ("policies/health.py", "hang_timeout_s", "startup_s"): "health.startup_s",
+    ("policies/health.py", "assess_island", "startup_s"): "health.startup_s",
+    ("policies/health.py", "assess_island", "unreachable_s"): "health.unreachable_s",
+    ("policies/weighting.py", "merge_weights", "staleness_discount"): "outer.staleness_discount",
+    ("policies/network.py", "build_network", "hub_region"): "network.hub_region",
+    ("islands/builtin.py", "as_recipe", "loss"): "model.loss",
+    ("islands/tokenizer.py", "text_encoder", "vocab_size"): "data.vocab_size",
+    ("islands/corpus.py", "index_token_files", "heldout_fraction"): "data.heldout_fraction",
+    ("islands/corpus.py", "index_stdlib", "heldout_fraction"): "data.heldout_fraction",
+    ("islands/corpus.py", "index_stdlib", "max_bytes"): "data.max_bytes",
+    ("islands/data.py", "load_stdlib_corpus", "heldout_fraction"): "data.heldout_fraction",
+    ("islands/data.py", "load_stdlib_corpus", "max_bytes"): "data.max_bytes",
+    ("islands/data.py", "load_stdlib_corpus", "shuffle_documents"): "data.shuffle_documents",
+    ("islands/data.py", "stdlib_texts", "heldout_fraction"): "data.heldout_fraction",
+    ("islands/data.py", "stdlib_texts", "max_bytes"): "data.max_bytes",
+    ("islands/data.py", "stdlib_texts", "shuffle_documents"): "data.shuffle_documents",
+    ("islands/data.py", "load_parquet_corpus", "text_column"): "data.text_column",
+    ("islands/data.py", "load_parquet_corpus", "token_column"): "data.token_column",
+    ("islands/data.py", "load_parquet_corpus", "heldout_fraction"): "data.heldout_fraction",
+    ("islands/data.py", "load_parquet_corpus", "shuffle_documents"): "data.shuffle_documents",
+    ("islands/data.py", "parquet_texts", "heldout_fraction"): "data.heldout_fraction",
+    ("islands/data.py", "parquet_texts", "shuffle_documents"): "data.shuffle_documents",
+}
+# A default that differs from the config's and stays, with why; test_the_engine_passes_what_differs checks
+# that the engine never relies on it.
+DIFFERS_KEPT: dict[Key, str] = {
+    ("policies/outer_optimizer.py", "FragmentOuterOptimizer.__init__", "partial_momentum"):
+        "None = momentum, the optimizer's own neutral (outer.partial_momentum is 0.7); the policy's reference tests "
+        "(tests/policies/test_outer_optimizer.py) build it without, and the engine always passes the config's",
+    ("orchestrator/core/checkpoint.py", "CheckpointStore.__init__", "keep"):
+        "None prunes nothing: a store opened to read; every writer of a run passes checkpoint.keep",
+}
+ALLOWED: dict[Key, str] = {**OTHER_SETTING, **THE_CONFIGS, **SAME_AS_CONFIG, **DIFFERS_KEPT}
 
 
-def repeated_defaults() -> set[tuple[str, str]]:
-    """(module path, parameter) of engine signatures whose parameter is named like a config field and has a literal
-    default other than None."""
+def defaults_named_like_config(source: str, names: frozenset[str] = CONFIG_NAMES) -> dict[tuple[str, str], str]:
+    """(qualified function name, parameter) -> the default's source text, for every parameter of a function in
+    `source` that is named like a config field and has a default (None included: it, too, can differ from the
+    config's)."""
     import ast
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    names, found = {dotted.rsplit(".", 1)[-1] for dotted, _ in CONFIG_FIELDS}, set()
-    for folder in ("orchestrator", "islands"):
-        for path in sorted((root / folder).rglob("*.py")):
-            if path.name == "config.py" and path.parent.name == "orchestrator":
-                continue  # the declarations themselves
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    continue
-                a = node.args
+    found: dict[tuple[str, str], str] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = child.args
                 positional = a.posonlyargs + a.args
-                pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults), *zip(a.kwonlyargs, a.kw_defaults)]
+                pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults),
+                         *zip(a.kwonlyargs, a.kw_defaults)]
                 for arg, default in pairs:
-                    literal = isinstance(default, ast.Constant) and default.value is not None
-                    if literal and arg.arg in names:
-                        found.add((str(path.relative_to(root)), arg.arg))
+                    if default is not None and arg.arg in names:
+                        found[(prefix + child.name, arg.arg)] = ast.unparse(default)
+                visit(child, f"{prefix}{child.name}.<locals>.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
     return found
 
 
+def engine_defaults() -> dict[Key, str]:
+    """`defaults_named_like_config` over every module of the engine, keyed (module path, function, parameter);
+    orchestrator/config.py, where the defaults are declared, aside."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found: dict[Key, str] = {}
+    for folder in ENGINE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            if rel == "orchestrator/config.py":
+                continue
+            for (function, param), default in defaults_named_like_config(path.read_text()).items():
+                found[(rel, function, param)] = default
+    return found
+
+
+def unexplained(found: dict[Key, str], allowed: dict[Key, str] = ALLOWED) -> list[str]:
+    """The defaults of `found` that no list above explains, as `path: function(param=default)`."""
+    return [f"{path}: {function}({param}={default})" for (path, function, param), default in sorted(found.items())
+            if (path, function, param) not in allowed]
+
+
 def test_no_engine_signature_repeats_a_config_default():
-    found = repeated_defaults()
-    new = sorted(found - set(OTHER_SETTING) - set(STILL_REPEATED))
-    assert new == [], (f"{new}: a literal default for a setting the config declares; take it from the caller or share "
-                       "a constant with the config (islands/data_defaults.py), or list it above with its reason")
-    gone = sorted((set(OTHER_SETTING) | set(STILL_REPEATED)) - found)
-    assert gone == [], f"{gone} no longer have a literal default: take them off the lists"
+    found = engine_defaults()
+    new = unexplained(found)
+    assert new == [], (f"{new}: a default for a setting the config declares; take it from the caller, which takes it "
+                       "from orchestrator/settings.py, or list it above with its reason")
+    gone = sorted(set(ALLOWED) - set(found))
+    assert gone == [], f"{gone} no longer have a default: take them off the lists"
     # The repeats this test was written against, now declared once (the first two had drifted from the config).
-    for fixed in [("orchestrator/actors/health_monitor.py", "warm_spares"), ("orchestrator/actors/outer.py", "checkpoint_every_s"),
-                  ("islands/data.py", "heldout_fraction"), ("islands/corpus.py", "heldout_fraction"),
-                  ("islands/data.py", "shuffle_documents")]:
+    for fixed in [("orchestrator/actors/health_monitor.py", "HealthMonitor.__init__", "warm_spares"),
+                  ("orchestrator/actors/health_monitor.py", "HealthMonitor.__init__", "health"),
+                  ("orchestrator/actors/outer.py", "_OuterShell.__init__", "network"),
+                  ("islands/trainer.py", "forward_backward", "precision")]:
         assert fixed not in found, fixed
+
+
+def test_the_signature_check_fails_on_a_repeated_default():
+    bad = """
+class HealthMonitor:
+    def __init__(self, *, warm_spares=0, health=None, other=3):
+        def inner(keep=3):
+            pass
+
+async def save(uri, every_s=30.0, /, tick=1):
+    pass
+"""
+    got = defaults_named_like_config(bad)
+    assert got == {("HealthMonitor.__init__", "warm_spares"): "0", ("HealthMonitor.__init__", "health"): "None",
+                   ("HealthMonitor.__init__.<locals>.inner", "keep"): "3", ("save", "every_s"): "30.0"}
+    found = {("orchestrator/actors/x.py", *key): default for key, default in got.items()}
+    assert unexplained(found) == ["orchestrator/actors/x.py: HealthMonitor.__init__(health=None)",
+                                  "orchestrator/actors/x.py: HealthMonitor.__init__(warm_spares=0)",
+                                  "orchestrator/actors/x.py: HealthMonitor.__init__.<locals>.inner(keep=3)",
+                                  "orchestrator/actors/x.py: save(every_s=30.0)"]
+    assert unexplained(found, {("orchestrator/actors/x.py", *key): "why" for key in got}) == []
+
+
+def _config_default(dotted: str):
+    return dict(CONFIG_FIELDS)[dotted].get_default(call_default_factory=True)
+
+
+@pytest.mark.parametrize("key", sorted(SAME_AS_CONFIG), ids=lambda k: f"{k[1]}-{k[2]}")
+def test_policy_defaults_are_the_configs(key):
+    import importlib
+    import inspect
+
+    path, function, param = key
+    obj = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    for part in function.split("."):
+        obj = getattr(obj, part)
+    default = inspect.signature(obj).parameters[param].default
+    assert default == _config_default(SAME_AS_CONFIG[key]), (key, default)
+
+
+def test_the_engine_passes_what_differs():
+    import torch
+
+    from orchestrator.core.fragment_optimizers import fragment_optimizer
+
+    for cfg in (RunConfig(), build_config({"outer": {"lr": 0.5, "momentum": 0.8, "partial_momentum": 0.3}})):
+        opt = fragment_optimizer([torch.zeros(2)], outer_settings(cfg))
+        assert (opt._lr, opt._momentum, opt._partial_momentum) == (cfg.outer.lr, cfg.outer.momentum,
+                                                                   cfg.outer.partial_momentum)
+    assert RunConfig().outer.partial_momentum == 0.7  # differs from the policy's None: the engine must pass it
+
+
+def test_the_actors_settings_follow_the_config():
+    cfg = build_config({"checkpoint": {"every_s": 7.0, "keep": 5}, "health": {"warm_spares": 2},
+                        "pools": [{"name": "a", "islands": 2, "cpus_per_island": 2, "workers_per_island": 2,
+                                   "labels": {"zone": "x"}, "resources": {"tpu": 1}}, {"name": "b"}]})
+    assert outer_checkpoints(cfg, "/c") == CheckpointSettings(uri="/c", every_s=7.0, keep=5)
+    assert monitor_pools(cfg) == MonitorPools(pools=tuple(cfg.pools), warm_spares=2)
+    a = {"labels": {"zone": "x"}, "resources": {"tpu": 1}, "num_cpus": 4}
+    b = {"labels": {}, "resources": {}, "num_cpus": cfg.pools[1].cpus_per_island}
+    assert injector_join_nodes(cfg) == {0: a, 1: a, 2: b}
+    plain = RunConfig()
+    assert (outer_checkpoints(plain, "/c").every_s, outer_checkpoints(plain, "/c").keep) == (
+        plain.checkpoint.every_s, plain.checkpoint.keep)
+    assert monitor_pools(plain).warm_spares == plain.health.warm_spares

@@ -24,6 +24,7 @@ from islands.model import build_model, model_config
 from orchestrator.actors.outer import _OuterShell
 from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
+from orchestrator.core.settings import CheckpointSettings
 from policies.fragments import plan_fragments
 from policies.network import Link, NetworkModel
 from tests.from_config import inner_from_config, outer_from_config, spec_from_config
@@ -91,7 +92,7 @@ def make_shell(tmp_path, settings: OuterSettings, network: NetworkModel):
     tensors, meta = OuterOptimizer(init, plan, settings=settings).state_dict()
     uri = str(tmp_path / "ckpt")
     CheckpointStore(uri).save(0, tensors, {"outer": meta, "epoch": -1, "extra": {}})
-    shell = _OuterShell(plan, settings, model.embedding_parameter_names(), uri, checkpoint_every_s=1e9, checkpoint_keep=3,
+    shell = _OuterShell(plan, settings, model.embedding_parameter_names(), CheckpointSettings(uri, every_s=1e9, keep=3),
                         network=network, island_regions=REGIONS)
     data = np.random.default_rng(0).integers(0, 256, size=50_000, dtype=np.uint8)
     return shell, cfg, plan, data
@@ -394,8 +395,9 @@ def test_link_counters_and_network_waits_survive_an_outer_optimizer_restart(ray_
         await shell.checkpoint()
         await shell.stop()
         # The actor's restart: a new shell over the same checkpoint store.
-        again = _OuterShell(plan, settings, build_model(cfg, seed=3).embedding_parameter_names(), str(tmp_path / "ckpt"),
-                            checkpoint_every_s=1e9, checkpoint_keep=3, network=NETWORK, island_regions=REGIONS)
+        again = _OuterShell(plan, settings, build_model(cfg, seed=3).embedding_parameter_names(),
+                            CheckpointSettings(str(tmp_path / "ckpt"), every_s=1e9, keep=3), network=NETWORK,
+                            island_regions=REGIONS)
         after = await again.status()
         for key in ("bytes_by_link", "transfers_by_link", "bytes_down", "network_wait_s"):
             assert after[key] == before[key], key

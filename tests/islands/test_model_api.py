@@ -241,7 +241,7 @@ def test_a_tied_weight_stays_tied_after_training_adoption_and_resync(adoption: s
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # local progress, so the next adoption has something to keep
     x, y = _batch(vocab=32)
-    forward_backward(model, (x, y))
+    forward_backward(model, (x, y), precision="fp32")
     opt.step()
     state.count_step(tokens=int(x.numel()), wall_s=0.0)
     for u in publish(1, 1.5):
