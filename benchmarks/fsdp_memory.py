@@ -74,9 +74,9 @@ def _worker(rank: int, world: int, shard: str, preset: str, seq_len: int, steps:
     torch.set_num_threads(1)
     from islands.distributed import WorkerGroup
     from islands.follower import IslandFollower
-    from islands.island import LearnerIsland
     from islands.messages import FragmentUpdate
     from islands.model import model_config
+    from islands.sharded_island import ShardedIsland
     from orchestrator.config import build_config
     from orchestrator.settings import inner_settings, island_specs, model_recipe
     from policies.fragments import plan_fragments
@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, shard: str, preset: str, seq_len: int, steps:
         worker: Any = IslandFollower(model=spec.model, inner=inner, plan=plan, data=data, shard_index=0, num_shards=1,
                                      seed=0, group=group)
     else:
-        worker = LearnerIsland(spec, data, versions(0) if rank == 0 else [], group=group, resolve=resolve)
+        worker = ShardedIsland(spec, data, versions(0) if rank == 0 else [], group=group, resolve=resolve)
         if shard == "fsdp":
             worker.build_shards()
     built_kib = _kib("VmHWM")

@@ -372,7 +372,7 @@ def _fsdp_rank(rank: int, accelerator: str, gpus: int, steps: int, port_q, out_q
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # what Ray does for a worker holding one whole GPU
     try:
         from islands.distributed import WorkerGroup, backend_for
-        from islands.island import LearnerIsland
+        from islands.sharded_island import ShardedIsland
 
         backend = backend_for(accelerator)
         if rank == 0:
@@ -382,7 +382,7 @@ def _fsdp_rank(rank: int, accelerator: str, gpus: int, steps: int, port_q, out_q
             group = WorkerGroup(rank=1, world_size=2, addr="127.0.0.1", port=port_q.get(timeout=120), backend=backend,
                                 timeout_s=120)
         spec = _fsdp_spec(model_config("small"), accelerator, 2, "fsdp")
-        island = LearnerIsland(spec, _data(), _fsdp_updates(spec) if rank == 0 else [], group=group)
+        island = ShardedIsland(spec, _data(), _fsdp_updates(spec) if rank == 0 else [], group=group)
         island.build_shards()
         if rank == 0:
             got = _fsdp_script(island, steps)

@@ -13,15 +13,11 @@ per-fragment parameters, bases and counters), `Outbox` (islands/outbox.py, cuts 
 `Inbox` (islands/inbox.py, received updates and adoption), `SalvageShelf` (islands/salvage_shelf.py,
 progress snapshots to the keeper) and `InjectedFaults` (islands/faults.py).
 
-An island of several workers (`spec.workers` > 1, islands/distributed.py) is data-parallel: this
-class is rank 0, the leader, and keeps the whole interface; at every step boundary it tells its
-followers whether to step and sends them the fragments it just adopted, so all workers hold the
-same parameters.
-
-An FSDP island (`spec.shard == "fsdp"`, islands/fsdp.py) runs this class on every worker, each over
-its 1/W of the model: rank 0 leads as above and decides (what to adopt, whether to step, when to
-cut), ranks >= 1 follow it, so every worker's bookkeeping agrees, and whole fragments pass only
-through rank 0, one at a time.
+Three kinds, one interface (`island_for` in islands/island_kinds.py picks the class from the spec): this
+class is an island of one worker; `GroupIsland` (islands/group_island.py) is the leader of a data-parallel
+island of several workers, and `ShardedIsland` (islands/sharded_island.py) runs on every worker of an FSDP
+island. The kinds override the step boundary and the loop's start and end; the inner step, with its
+straggler and divergence checks, is this class's (`_train_step`).
 """
 
 from __future__ import annotations
@@ -34,14 +30,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from islands.corpus import shown_path
 from islands.cursor import DataCursor
 from islands.distributed import WorkerGroup, describe_device, island_device
 from islands.faults import InjectedFaults
 from islands.fragment_state import FragmentState
-from islands.fsdp import Boundary, Layout, Order, ShardLink, local_part, without_tensors
 from islands.inbox import Inbox
 from islands.messages import FragmentUpdate, Submission
 from islands.outbox import LoopReadings, Outbox, OutboxSettings
@@ -57,27 +51,20 @@ from policies.sync_schedule import check_sync_every, sync_every_at
 log = logging.getLogger(__name__)
 
 
-FLUSH_TAKE_TIMEOUT_S = 60.0
-"""How long an FSDP leader's final flush waits for a cut to be taken before the next: the outer optimizer
-keeps a call outstanding per island, so this only bounds a flush that nobody takes any more."""
-
-
 class IslandFailed(RuntimeError):
     """The island's inner loop stopped with an error (diverged or crashed); carries the reason."""
 
 
-def _check_spec(spec: IslandSpec, group: WorkerGroup | None) -> None:
-    """Refuse a worker group that does not match the spec's workers, or one this island is not rank 0 of."""
+def check_group(spec: IslandSpec, group: WorkerGroup | None) -> None:
+    """Refuse a worker group that does not match the spec's workers (the island kinds of several workers)."""
     if (group.world_size if group is not None else 1) != spec.workers:
         raise ValueError(f"island {spec.island} has workers={spec.workers} but its worker group has "
                          f"{group.world_size if group else 1}; build a WorkerGroup of world_size=workers (rank 0)")
     if spec.shard == "fsdp" and group is None:
         raise ValueError(f"island {spec.island} shards its model (fsdp) but has no worker group; build a WorkerGroup")
-    if group is not None and group.rank != 0 and spec.shard != "fsdp":
-        raise ValueError(f"a LearnerIsland is rank 0 of its group, got rank {group.rank}; use IslandFollower")
 
 
-def _build_trainer(spec: IslandSpec, train: Any, *, cursor: DataCursor, group: WorkerGroup | None,
+def build_trainer(spec: IslandSpec, train: Any, *, cursor: DataCursor, group: WorkerGroup | None,
                    device: torch.device) -> InnerTrainer:
     """The island's inner trainer on its shard, its sampler at `cursor` (FSDP: its model is built later)."""
     trainer = InnerTrainer(
@@ -86,11 +73,11 @@ def _build_trainer(spec: IslandSpec, train: Any, *, cursor: DataCursor, group: W
     )
     trainer.sampler.seek(cursor)
     if trainer.model is not None:
-        _check_plan(spec, trainer)
+        check_plan(spec, trainer)
     return trainer
 
 
-def _check_plan(spec: IslandSpec, trainer: InnerTrainer) -> None:
+def check_plan(spec: IslandSpec, trainer: InnerTrainer) -> None:
     """The fragment plan must cover every state tensor of the model."""
     missing = set(trainer.params) - {n for frag in spec.plan.fragments for n in frag}
     if missing:
@@ -98,7 +85,10 @@ def _check_plan(spec: IslandSpec, trainer: InnerTrainer) -> None:
 
 
 class LearnerIsland:
-    """One island's model replica, inner loop, per-fragment state and control interface."""
+    """An island of one worker: its model replica, inner loop, per-fragment state and control interface.
+
+    The island kinds of several workers subclass it (module docstring); what they change is in the hooks
+    under "what an island kind changes"."""
 
     def __init__(
         self,
@@ -114,31 +104,23 @@ class LearnerIsland:
         """`shelve(step, blob)`: leaves a pickled ProgressSnapshot with the pool's keeper every
         `spec.salvage_every_steps` steps and returns False if it skipped it (None: no snapshots)."""
         self.spec = spec
-        _check_spec(spec, group)
+        self._check_kind(group, shelve)
         self._group = group
-        # FSDP: every worker runs this class over its part of the model, joined by `_link` once it is built.
-        self._sharded = spec.shard == "fsdp"
-        self._link: ShardLink | None = None
-        if self._sharded and shelve is not None:
-            raise ValueError("an FSDP island leaves no progress snapshots (each would hold the whole model); "
-                             "set health.salvage_every_steps: 0")
         device = island_device(spec.accelerator)
         self._device_name = describe_device(device)
-        adoption = parse_adoption(spec.adoption)
         check_sync_every(spec.sync_every_steps, spec.sync_every_schedule, spec.plan.num_fragments)
-        train = resolve(data[0]) if isinstance(data, list) else data
         cursor = DataCursor.of(cursor)
-        self.trainer = _build_trainer(spec, train, cursor=cursor, group=group, device=device)
-        # FSDP: the fragments get this worker's parts once the model is built (`build_shards`).
-        self.fragments = FragmentState.of([[] if self._sharded else [self.trainer.params[n] for n in frag]
-                                           for frag in spec.plan.fragments])
+        self.trainer = build_trainer(spec, resolve(data[0]) if isinstance(data, list) else data, cursor=cursor,
+                                     group=group, device=device)
+        self.fragments = FragmentState.of(self._initial_theta())
         self._cv = threading.Condition()  # guards the fragments, the outbox, the inbox and the loop's state
         self.faults = InjectedFaults(spec.island)  # a hang stops the inner loop while the control interface answers
+        assemble, split = self._fragment_transfer()
         self.outbox = Outbox(OutboxSettings.from_spec(spec), self.fragments, cv=self._cv, faults=self.faults,
-                             readings=self._readings, assemble=self._gather if self._sharded else None)
-        self.inbox = Inbox(island=spec.island, adoption=adoption, fragments=self.fragments, outbox=self.outbox,
-                           cv=self._cv, device=device, resolve=resolve, hear_progress=self._hear_progress,
-                           split=self._scatter if self._sharded else None)
+                             readings=self._readings, assemble=assemble)
+        self.inbox = Inbox(island=spec.island, adoption=parse_adoption(spec.adoption), fragments=self.fragments,
+                           outbox=self.outbox, cv=self._cv, device=device, resolve=resolve,
+                           hear_progress=self._hear_progress, split=split)
         self.shelf = None if shelve is None else SalvageShelf(
             island=spec.island, incarnation=spec.incarnation, every_steps=spec.salvage_every_steps, shelve=shelve,
             fragments=self.fragments, outbox=self.outbox, cv=self._cv)
@@ -154,55 +136,73 @@ class LearnerIsland:
         self._since_cut = 0
         self.total_steps = 0
         self.total_tokens = 0
-        self._leads = group is None or group.rank == 0  # rank 0 keeps the interface; FSDP ranks >= 1 follow it
-        self._cut_after: tuple[int, bool] | None = None  # FSDP: the cut the leader ordered after this step
         for update in initial:
             self.inbox.queue(update)
-        if self._sharded:  # adopted at the first boundary, once every worker holds its part of the model
-            if self._leads and {u.fragment for u in initial} != set(range(spec.plan.num_fragments)):
-                raise ValueError("initial global state must cover every fragment; pass the outer optimizer's latest()")
-        else:
-            self.apply_updates()
-            if min(self.fragments.version) < 0:
-                raise ValueError("initial global state must cover every fragment; pass the outer optimizer's latest()")
+        self._adopt_initial(initial)
         log.info("island %d (incarnation %d, pool %s) ready at versions %s, data at %s",
                  spec.island, spec.incarnation, spec.pool, self.fragments.version, cursor)
+
+    # ---------------------------------------------------------------- what an island kind changes
+
+    def _check_kind(self, group: WorkerGroup | None, shelve: Shelve | None) -> None:
+        """Refuse a spec or a worker group this kind does not train."""
+        spec = self.spec
+        if spec.workers != 1 or spec.shard == "fsdp" or group is not None:
+            raise ValueError(f"island {spec.island} has workers={spec.workers}, shard {spec.shard!r} and "
+                             f"{'a' if group is not None else 'no'} worker group: a LearnerIsland is one worker; "
+                             "build it with islands.island_kinds.island_for, which picks the island's kind")
+
+    def _initial_theta(self) -> list[list[torch.Tensor]]:
+        """Each fragment's parameter tensors, in the plan's order."""
+        return [[self.trainer.params[n] for n in frag] for frag in self.spec.plan.fragments]
+
+    def _fragment_transfer(self) -> tuple[Callable | None, Callable | None]:
+        """(assemble, split): how a whole fragment is gathered for a cut and split on adoption; None: held whole."""
+        return None, None
+
+    def _adopt_initial(self, initial: list[FragmentUpdate]) -> None:
+        """Adopt the initial global state, which must cover every fragment."""
+        self.apply_updates()
+        if min(self.fragments.version) < 0:
+            raise ValueError("initial global state must cover every fragment; pass the outer optimizer's latest()")
+
+    def _begin(self) -> None:
+        """The loop thread, before the first step (a group joins its workers here)."""
+
+    def _boundary(self, changed: set[int], train: bool) -> None:
+        """At each step boundary, after adopting `changed` fragments, before stepping if `train`."""
+
+    def _cut_if_due(self) -> None:
+        """After an inner step, holding `_cv`: cut the next fragment if its turn has come."""
+        if self._since_cut >= self.cut_every():  # >=: a schedule may shorten H past the steps already taken
+            self._since_cut = 0
+            self.outbox.cut()
+
+    def _end(self) -> None:
+        """The loop thread, after the last step of a clean stop (a group stops its workers here)."""
+
+    def _stop_unthreaded(self) -> None:
+        """`stop()` of an island driven by `step()` by hand (tests), with no loop thread to end it."""
+
+    def _flush_at_stop(self) -> None:
+        """`stop(flush=True)` once the loop has ended cleanly, holding `_cv`: cut what was not yet cut."""
+        self.outbox.cut_remaining()
 
     # ---------------------------------------------------------------- inner loop
 
     def step(self) -> bool:
-        """Apply pending updates, then one inner step unless blocked. Returns False when blocked.
-
-        In an FSDP island every worker calls this in step with the others (the leader's messages pace them);
-        a worker other than the leader returns False when the leader took no step, or said stop.
-        """
-        if self._sharded:
-            return self._step_sharded()
+        """Apply pending updates, then one inner step unless blocked. Returns False when blocked."""
         changed = self.apply_updates()
         with self._cv:
             blocked, hung = self._gate()
-        if self._group is not None:
-            # Followers adopt exactly what this step boundary adopted, and step only when we do. Sent on
-            # blocked and hung calls too, so followers hear from us at least every half second.
-            self._group.lead(self.fragments.theta, changed=changed, train=not blocked and not hung,
-                             progress=self.trainer.progress)
+        # Told on blocked and hung calls too: a group's followers hear from the leader at least every half second.
+        self._boundary(changed, train=not blocked and not hung)
         if blocked:
             return False
         if hung:
             time.sleep(0.05)  # injected hang: no progress, control calls still answered
             return True
-        result = self.trainer.step()
-        wall = result.wall_s
-        with self._cv:
-            slow = self.faults.slowdown(time.monotonic())
-        if slow > 1.0:
-            time.sleep(wall * (slow - 1.0))  # injected straggler
-            wall *= slow
-        if not math.isfinite(result.loss):
-            raise IslandFailed(f"island {self.spec.island} diverged: non-finite training loss at step {self.total_steps}")
-        self._count_step(result.loss, result.tokens, wall)
-        if self.shelf is not None:
-            self.shelf.after_step(self.total_steps)
+        self._train_step()
         return True
 
     def _gate(self) -> tuple[bool, bool]:
@@ -215,93 +215,33 @@ class LearnerIsland:
             self._state = IslandState.TRAINING
         return blocked, not blocked and self.faults.hung(time.monotonic())
 
-    def _step_sharded(self) -> bool:
-        """`step` of an FSDP island's worker: adopt what the leader took, step if it says so, cut if it says so."""
-        link = self._link
-        if link is None:
-            raise RuntimeError("an FSDP island builds its sharded model in run(), once its workers are connected; "
-                               "call build_shards() first when driving step() by hand")
-        if self._leads:
-            forced, updates = self.inbox.take()
-            link.send(Boundary(forced=tuple(without_tensors(u) for u, _ in forced),
-                               updates=tuple(without_tensors(u) for u, _ in updates)))
-        else:
-            boundary = link.receive()
-            if boundary.cuts or boundary.stop:  # the stop: its final flush, one cut at a time, then the end
-                with self._cv:
-                    for p, drop in boundary.cuts:
-                        self.outbox.cut(p, drop=drop)
-                if boundary.stop:
-                    self._finish_sharded()
-                return False
-            forced, updates = [(u, None) for u in boundary.forced], [(u, None) for u in boundary.updates]
-        self.inbox.apply(forced, updates)
-        if self._leads:
-            with self._cv:
-                blocked, hung = self._gate()
-                train = not blocked and not hung
-                # Decided before the step, so the workers know to take part in the cut: nothing between here and
-                # the end of the step changes when the cut is due (progress is heard at boundaries only). While a
-                # cut waits to be taken the next is postponed, so at most one whole fragment waits here
-                # (docs/islands.md, FSDP islands); it is cut, with the steps since, after the first step once taken.
-                cut = None
-                if train and self._since_cut + 1 >= self.cut_every() and not self.outbox.has_ready():
-                    cut = (self.outbox.next_fragment(), self.faults.take_drop())
-            order = Order(train=train, cut=cut)
-            link.send(order)
-        else:
-            order = link.receive()
-            with self._cv:
-                if self._state == IslandState.STARTING:
-                    self._state = IslandState.TRAINING
-        if not order.train:
-            if self._leads and not blocked:
-                time.sleep(0.05)  # injected hang: no progress, control calls still answered
-                return True
-            return False
-        self._cut_after = order.cut
+    def _train_step(self) -> None:
+        """One inner step, stretched by an injected straggler, refused when its loss is not finite, then counted
+        (and the next fragment cut, and the progress shelved, when due). Every island kind steps through here."""
         result = self.trainer.step()
         wall = result.wall_s
         with self._cv:
             slow = self.faults.slowdown(time.monotonic())
         if slow > 1.0:
-            time.sleep(wall * (slow - 1.0))  # injected straggler (the leader's: its workers wait for it)
+            time.sleep(wall * (slow - 1.0))  # injected straggler (an FSDP leader's: its workers wait for it)
             wall *= slow
-        if not math.isfinite(result.loss):  # the island's mean loss: every worker sees it
+        if not math.isfinite(result.loss):  # an FSDP island's mean loss: every worker sees it
             raise IslandFailed(f"island {self.spec.island} diverged: non-finite training loss at step {self.total_steps}")
-        self._count_step(result.loss, result.tokens, wall)
-        return True
-
-    def _count_step(self, loss: float, tokens: int, wall_s: float) -> None:
-        """Count a finished inner step, and cut the next fragment if its turn has come."""
-        self._loss.update(loss)
-        self._step_time.update(wall_s)
+        self._loss.update(result.loss)
+        self._step_time.update(wall)
         with self._cv:
             self.total_steps += 1
-            self.total_tokens += tokens
-            self.fragments.count_step(tokens, wall_s)
+            self.total_tokens += result.tokens
+            self.fragments.count_step(result.tokens, wall)
             self._since_cut += 1
-            if self._sharded:  # the leader ordered it before the step (`_step_sharded`)
-                if self._cut_after is not None:
-                    self._since_cut = 0
-                    p, drop = self._cut_after
-                    self.outbox.cut(p, drop=drop)
-            elif self._since_cut >= self.cut_every():  # >=: a schedule may shorten H past the steps already taken
-                self._since_cut = 0
-                self.outbox.cut()
+            self._cut_if_due()
+        if self.shelf is not None:
+            self.shelf.after_step(self.total_steps)
 
     def cut_every(self) -> int:
         """Inner steps between two cuts (one fragment each, round-robin): H/P, H at the run's progress as last heard."""
         h = sync_every_at(self.trainer.progress, self.spec.sync_every_schedule, self.spec.sync_every_steps)
         return int(h) // self.spec.plan.num_fragments
-
-    def _gather(self, p: int, parts: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        assert self._link is not None
-        return self._link.gather(p, parts)
-
-    def _scatter(self, p: int, whole: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        assert self._link is not None
-        return self._link.scatter(p, whole)
 
     def _readings(self) -> LoopReadings:
         return LoopReadings(step_time_s=self._step_time.value or 0.0, train_loss=self._loss.value or math.nan,
@@ -314,27 +254,9 @@ class LearnerIsland:
     def run(self) -> None:
         """Train until `stop()`; record a failure instead of raising so the control interface can report it."""
         try:
-            if self._sharded:
-                self.build_shards()  # joins the group first
-                if not self._leads:
-                    while self.step() or not self._stop:
-                        pass  # the leader paces this loop, and says stop
-            elif self._group is not None:
-                self._group.connect()  # blocks until every follower joined (bounded by the group's timeout)
-                # Followers start from our parameters and our place in the data.
-                self._group.broadcast_([t for frag in self.fragments.theta for t in frag])
-                self._group.share_cursor(self.trainer.sampler.data_cursor)
-            while self._leads:
-                with self._cv:
-                    if self._stop:
-                        break
-                if not self.step():
-                    t0 = time.monotonic()
-                    with self._cv:
-                        self._cv.wait_for(lambda: self._stop or self.inbox.has_updates(), timeout=0.5)
-                        self._blocked_s += time.monotonic() - t0
-            if self._sharded and self._leads:
-                self.stop_shards()
+            self._begin()
+            self._loop()
+            self._end()
         except Exception as err:  # noqa: BLE001 - reported through status() and next_submission()
             with self._cv:
                 self._state = IslandState.DIVERGED if isinstance(err, IslandFailed) else IslandState.FAILED
@@ -342,71 +264,21 @@ class LearnerIsland:
                 self._cv.notify_all()
             log.error("island %d inner loop stopped: %s", self.spec.island, self._error)
             return
-        if not self._sharded:
-            self._stop_followers()
         with self._cv:
             self._state = IslandState.STOPPED
             self._cv.notify_all()
 
-    def build_shards(self) -> None:
-        """FSDP: join the worker group, build and shard the model, and point the fragments at this worker's parts.
-
-        `run` calls it; a test that drives `step()` by hand calls it on every worker first. Idempotent."""
-        if self._link is not None:
-            return
-        assert self._group is not None
-        self._group.connect()  # blocks until every worker joined (bounded by the group's timeout)
-        # Every worker resumes where the leader does (a restarted worker process starts at the stream's start).
-        self.trainer.sampler.seek(DataCursor(*self._group.share_cursor(self.trainer.sampler.data_cursor)))
-        self.trainer.materialize()
-        _check_plan(self.spec, self.trainer)
-        params = self.trainer.params
-        with self._cv:
-            for frag, names in zip(self.fragments.theta, self.spec.plan.fragments):
-                frag[:] = [local_part(params[n]) for n in names]
-        self._link = ShardLink(self._group, [[Layout.of(params[n]) for n in names] for names in self.spec.plan.fragments])
-
-    def stop_shards(self) -> None:
-        """FSDP leader, at the stop: the final flush (when stopping with flush), then tell the workers to stop.
-
-        Every worker takes part in each cut, so the flush is cut here, on the loop thread, one fragment at
-        a time, each once the previous cut has been taken (the fragment rule, docs/islands.md); a cut not
-        taken within FLUSH_TAKE_TIMEOUT_S (no outer optimizer left to take it) ends the flush there."""
-        assert self._link is not None and self._leads
-        for p in range(self.fragments.num_fragments):
+    def _loop(self) -> None:
+        """Step until stopped; while blocked, wait for an update (or the stop), at most half a second at a time."""
+        while True:
             with self._cv:
-                if not (self._flush and self.fragments.has_progress(p)):
-                    continue
-                if not self._cv.wait_for(lambda: not self.outbox.has_ready(), timeout=FLUSH_TAKE_TIMEOUT_S):
-                    log.warning("island %d: a final-flush cut was not taken within %.0f s; fragments %d.. stay unflushed",
-                                self.spec.island, FLUSH_TAKE_TIMEOUT_S, p)
+                if self._stop:
                     break
-                drop = self.faults.take_drop()
-            self._link.send(Boundary(cuts=((p, drop),)))
-            with self._cv:
-                self.outbox.cut(p, drop=drop)
-        self._link.send(Boundary(stop=True))
-        self._finish_sharded()
-
-    def _finish_sharded(self) -> None:
-        """Every FSDP worker at the stop: leave the group."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        assert self._group is not None
-        # Everyone has read the last message before anyone leaves: once, in about 30 runs of the test, a worker
-        # whose peer had already torn its group down aborted at exit ("terminate called without an active exception").
-        dist.barrier()
-        self._group.close()
-
-    def _stop_followers(self) -> None:
-        if self._group is None:
-            return
-        try:
-            self._group.lead(self.fragments.theta, changed=(), train=False, stop=True)
-            self._group.close()
-        except Exception as err:  # noqa: BLE001 - stopping anyway; a dead follower is killed with the island
-            log.warning("island %d: could not stop its followers cleanly: %s", self.spec.island, err)
+            if not self.step():
+                t0 = time.monotonic()
+                with self._cv:
+                    self._cv.wait_for(lambda: self._stop or self.inbox.has_updates(), timeout=0.5)
+                    self._blocked_s += time.monotonic() - t0
 
     # ---------------------------------------------------------------- control interface
 
@@ -429,15 +301,15 @@ class LearnerIsland:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        elif self._link is not None and self._leads:
-            self.stop_shards()  # FSDP driven by hand (tests): what the loop would have told the workers
+        else:
+            self._stop_unthreaded()
         if self.shelf is not None:
             self.shelf.close()  # no more snapshots: the outbox or the flush has the rest
         if flush:
             with self._cv:
                 stopped = self._thread is None or not self._thread.is_alive()
-                if stopped and self._error is None and not self._sharded:  # FSDP: cut by the loop (`stop_shards`)
-                    self.outbox.cut_remaining()
+                if stopped and self._error is None:
+                    self._flush_at_stop()
                 self._flush_pending = False
                 self._cv.notify_all()
         return self.status()
@@ -519,8 +391,5 @@ class LearnerIsland:
             self.shelf.wait()
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """A copy of the island's current parameters by name (for tests and checkpoints); in an FSDP island,
-        this worker's part of each (rows of dim 0; buffers whole)."""
-        if self._sharded:
-            return {n: local_part(p).cpu().clone() for n, p in self.trainer.params.items()}
+        """A copy of the island's current parameters by name (for tests and checkpoints)."""
         return {n: p.detach().cpu().clone() for n, p in self.trainer.params.items()}

@@ -120,7 +120,7 @@ class _IslandShell:
         import torch
 
         from islands.distributed import WorkerGroup, backend_for
-        from islands.island import LearnerIsland
+        from islands.island_kinds import island_for
 
         torch.set_num_threads(spec.inner.torch_threads)  # the process is this island's alone
         group = self._group = None
@@ -128,7 +128,7 @@ class _IslandShell:
             group = self._group = WorkerGroup(rank=0, world_size=spec.workers, addr=ray.util.get_node_ip_address(),
                                               backend=backend_for(spec.accelerator))
         shelve = _Shelver(spec) if spec.keeper is not None and spec.salvage_every_steps > 0 else None
-        self._island = LearnerIsland(spec, self._data, initial, cursor=cursor, resolve=ray.get, group=group, shelve=shelve)
+        self._island = island_for(spec, self._data, initial, cursor=cursor, resolve=ray.get, group=group, shelve=shelve)
         self._island.start()
         return spec.island, spec.incarnation
 
@@ -198,14 +198,14 @@ class _IslandWorker:
 
         from islands.distributed import WorkerGroup, backend_for
         from islands.follower import IslandFollower
-        from islands.island import LearnerIsland
+        from islands.sharded_island import ShardedIsland
 
         torch.set_num_threads(spec.inner.torch_threads)
         self.spec, self.rank = spec, rank
         group = WorkerGroup(rank=rank, world_size=spec.workers, addr=addr, port=port, backend=backend_for(spec.accelerator))
-        self._follower: IslandFollower | LearnerIsland
+        self._follower: IslandFollower | ShardedIsland
         if spec.shard == "fsdp":  # the leader sends the initial versions, as its part of each, at the first boundary
-            self._follower = LearnerIsland(spec, ray.get(data[0]), [], group=group)
+            self._follower = ShardedIsland(spec, ray.get(data[0]), [], group=group)
         else:
             self._follower = IslandFollower(
                 model=spec.model, inner=spec.inner, plan=spec.plan, data=ray.get(data[0]),

@@ -174,7 +174,7 @@ def stop_and_take(island) -> list:
 def _worker(rank: int, ports, out) -> None:
     torch.set_num_threads(1)
     from islands.distributed import WorkerGroup
-    from islands.island import LearnerIsland
+    from islands.sharded_island import ShardedIsland
 
     if rank == 0:
         group = WorkerGroup(rank=0, world_size=2, addr="127.0.0.1", timeout_s=120)
@@ -182,7 +182,7 @@ def _worker(rank: int, ports, out) -> None:
     else:
         group = WorkerGroup(rank=1, world_size=2, addr="127.0.0.1", port=ports.get(timeout=120), timeout_s=120)
     s = spec(workers=2, shard="fsdp")
-    island = LearnerIsland(s, make_data(), updates(0, initial()) if rank == 0 else [], group=group)
+    island = ShardedIsland(s, make_data(), updates(0, initial()) if rank == 0 else [], group=group)
     island.build_shards()
     if rank == 0:
         script(island, lambda key, value: out.put((rank, key, value)))
@@ -320,13 +320,13 @@ def test_fsdp_island_of_two_matches_one_worker_on_both_batches(fsdp_run):
 
 def test_fsdp_islands_say_what_is_wrong():
     from islands.distributed import WorkerGroup
-    from islands.island import LearnerIsland
+    from islands.island_kinds import island_for
 
     with pytest.raises(ValueError, match="no worker group"):
-        LearnerIsland(spec(workers=1, shard="fsdp"), make_data(), updates(0, initial()))
+        island_for(spec(workers=1, shard="fsdp"), make_data(), updates(0, initial()))
     group = WorkerGroup(rank=0, world_size=2, addr="127.0.0.1")
     with pytest.raises(ValueError, match="salvage_every_steps: 0"):
-        LearnerIsland(spec(workers=2, shard="fsdp"), make_data(), updates(0, initial()), group=group,
+        island_for(spec(workers=2, shard="fsdp"), make_data(), updates(0, initial()), group=group,
                       shelve=lambda step, blob: True)
 
 
