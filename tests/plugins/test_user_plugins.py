@@ -1,6 +1,6 @@
-"""A user's merge rule and compressor from a module outside the package (tests/plugins/user_plugins.py), named
-by import path through the config (``--set outer.merge_rule=pkg.mod:Name``, ``outer.compression``), train
-through the real in-process engine core: LearnerIslands and the OuterOptimizer core, stepped without Ray.
+"""A user's merge rule and compressor from modules outside the package (examples/extending/trimmed_mean.py,
+tests/plugins/user_plugins.py), named by import path through the config (``--set outer.merge_rule=pkg.mod:Name``,
+``outer.compression``), train through the real in-process engine core: LearnerIslands and the OuterOptimizer core, stepped without Ray.
 
 What shows the plug-ins were used: every submission is on the user's wire (float16 under its import path), and
 each round's new global fragment is the trimmed mean of exactly those decoded submissions, a hand computation
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from examples.extending.trimmed_mean import TrimmedMean
 from islands.island import LearnerIsland
 from islands.messages import FragmentUpdate, Submission
 from islands.model_api import ModelError
@@ -24,9 +25,9 @@ from policies.fragments import plan_fragments
 from policies.merge_rules import merge_rule_names
 from tests.engine.nano import nano_world
 from tests.from_config import inner_from_config, outer_from_config, spec_from_config
-from tests.plugins.user_plugins import Half, TrimmedMean
+from tests.plugins.user_plugins import Half
 
-RULE = "tests.plugins.user_plugins:TrimmedMean"
+RULE = "examples.extending.trimmed_mean:TrimmedMean"
 WIRE = "tests.plugins.user_plugins:Half"
 # Plain steps (lr 1, no momentum) so a round's new fragment is the old one minus the merged outer gradient.
 PLUGINS = [f"outer.merge_rule={RULE}", f"outer.compression={WIRE}", "outer.lr=1.0", "outer.momentum=0.0",

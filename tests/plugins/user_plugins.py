@@ -1,28 +1,17 @@
-"""A user's merge rule and compressor, written outside the package as a user would, named by import path in
-tests/plugins/test_user_plugins.py (``outer.merge_rule=tests.plugins.user_plugins:TrimmedMean``)."""
+"""A user's compressor and plug-ins that must be refused, written outside the package as a user would, named by
+import path in tests/plugins/test_user_plugins.py (``outer.compression=tests.plugins.user_plugins:Half``). The
+merge rule those tests train with is the worked example examples/extending/trimmed_mean.py, imported here too so
+that a misspelt name in this module gets its "did you mean" line."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from examples.extending.trimmed_mean import TrimmedMean
 from policies.compressor import Compressed, Compressor
-from policies.merge_rules import Column, MergeRule
+from policies.merge_rules import MergeRule
 
-
-class TrimmedMean(MergeRule):
-    """Per coordinate, the unweighted mean of the islands' values without the largest and the smallest (all of
-    them under three islands): one island's outlier cannot move the merge. Embeddings too."""
-
-    mean_for_embeddings = False
-
-    def merge_into(self, out: torch.Tensor, column: Column, weights: Sequence[float]) -> torch.Tensor:
-        """Sorted per coordinate, the ends dropped, the rest averaged into `out`."""
-        values = torch.stack([column.value(m).clone() for m in range(len(column))])  # value() may be reused: clone
-        if len(column) >= 3:
-            values = values.sort(dim=0).values[1:-1]
-        return out.copy_(values.mean(dim=0))
+__all__ = ["NOT_CALLABLE", "Half", "NeedsArguments", "NotARule", "TrimmedMean", "Unfinished"]
 
 
 class Half(Compressor):
