@@ -67,8 +67,12 @@ def check_submission(
         # NaN/Inf propagate into the norm, so one reduction clears the common case, and RDA reuses it; only a
         # non-finite norm (which finite values can also reach by overflow) pays for the elementwise scan.
         norm = float(torch.linalg.vector_norm(d))
-        if not math.isfinite(norm) and not torch.isfinite(d).all():
-            return Verdict(f"tensor {i}: non-finite values (NaN/Inf)")
+        if not math.isfinite(norm):
+            if not torch.isfinite(d).all():
+                return Verdict(f"tensor {i}: non-finite values (NaN/Inf)")
+            # Finite values whose norm overflows float32: RDA's mean norm and direction would turn them into
+            # Inf/NaN in the global parameters, so this is refused like a non-finite tensor.
+            return Verdict(f"tensor {i}: norm overflows float32 (finite values too large to merge)")
         norms.append(norm)
     return Verdict(None, decision.staleness, deltas, norms)
 

@@ -50,6 +50,13 @@ def _inf(outer):
     return sub
 
 
+def _norm_overflow(outer):
+    # Every element finite (3e37 < float32's 3.4e38), the norm over 8x4 of them is not: RDA would divide by it.
+    sub = good(outer)
+    sub.payload[0] = compress(torch.full(outer.params[0][0].shape, 3e37), "none")
+    return sub
+
+
 def _shape(outer):
     sub = good(outer)
     sub.payload[0] = compress(torch.zeros(3, 3), "none")
@@ -78,6 +85,7 @@ def _too_few(outer):
 BAD = {
     "NaN values": (_nan, "non-finite"),
     "Inf values": (_inf, "non-finite"),
+    "norm overflows float32": (_norm_overflow, "norm overflows"),
     "wrong shape": (_shape, "shape"),
     "wrong dtype": (_dtype, "dtype"),
     "wrong wire format": (_wire, "wire format"),
