@@ -8,11 +8,12 @@ becomes infinite or NaN, a larger one nearly 0 (``x * 2**-128`` from 4 on). Oute
 in magnitude, so the submission usually stays finite and well shaped and carries one element per tensor 2**128
 (about 3.4e38) times too large.
 
-What the engine does with it, as of 2026-12-03 (tried by hand on an outer optimizer core of four islands): the
-submission check at receive takes its values for finite, although its norm overflows float32 to infinity, so at
-the defaults (float32 uplink, ``rda``, ``outer.poison_guard`` off) the submission joins its round and RDA's merge
-of that tensor is infinite. The poison guard (``outer.poison_guard: true``) refuses it by its size; the trimmed
-mean (examples/extending/trimmed_mean.py) drops it per coordinate.
+What the engine does with it: its values are finite, but its norm overflows float32, and the submission check
+refuses a tensor whose norm does (orchestrator/core/submission_check.py), whatever the guard and the merge rule.
+Until 2026-12-03 it did not: at the defaults (float32 uplink, ``rda``, ``outer.poison_guard`` off) the submission
+joined its round and RDA's merge of that tensor was infinite; this kind is how that was found. A flip the check
+lets through (a smaller value) is refused by the poison guard (``outer.poison_guard: true``) by its size, and
+dropped per coordinate by the trimmed mean (examples/extending/trimmed_mean.py).
 
 ``duration_s``: seconds the island corrupts every submission it cuts (0: until its incarnation ends), as every
 poison kind. ``factor`` means nothing here and must stay 1.0.

@@ -1,7 +1,8 @@
 """The worked fault kind examples/extending/bit_flip.py: importing it registers ``bit_flip``, faults of the kind are
 validated by its rule (one line), tapes draw it, and injected into a real in-process island it flips bit 30 of
 exactly one element per tensor of what the island sends, checked against the same island's twin without the fault
-and against the bits worked out with struct. The poison guard refuses such a submission; the trimmed mean drops it.
+and against the bits worked out with struct. The submission check refuses such a submission (its norm overflows);
+a smaller flip is refused by the poison guard and dropped by the trimmed mean.
 No Ray."""
 
 from __future__ import annotations
@@ -116,28 +117,46 @@ def test_a_real_island_sends_one_flipped_element_per_tensor(bit_flip):
         assert b[i].item() == _flipped_by_hand(g[i].item())
 
 
-def test_the_poison_guard_refuses_it_and_the_trimmed_mean_drops_it(bit_flip):
-    honest = [[torch.tensor([0.10, 0.20, 0.30, 0.40])], [torch.tensor([0.15, 0.25, 0.25, 0.45])],
-              [torch.tensor([0.12, 0.22, 0.28, 0.41])]]
-    bad = fault_kinds.poison_kind("bit_flip").poisoned(honest[0], stale_base=None, anchor=honest[0], seed=3)
+TRIMMED = {"merge_rule": "examples.extending.trimmed_mean:TrimmedMean", "lr": 1.0, "momentum": 0.0,
+           "partial_momentum": 0.0}
+HONEST = [[torch.tensor([0.10, 0.20, 0.30, 0.40])], [torch.tensor([0.15, 0.25, 0.25, 0.45])],
+          [torch.tensor([0.12, 0.22, 0.28, 0.41])]]
+
+
+def round_of(outer: dict, sent: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], list[str]]:
+    """The fragment after islands 0.. sent `sent` under `outer`, all in one round, and the refusals' reasons."""
+    core = OuterOptimizer({"w": torch.zeros(4)}, plan_fragments([("w", 16)], 1), settings=outer_from_config(
+        {"outer": outer}, min_quorum=4, grace_gamma=0.0, grace_cap_s=0.0))  # the four in one round
+    for island in range(4):
+        core.register(island, 1)
+    for island, ds in enumerate(sent):
+        sub = Submission(island=island, incarnation=1, seq=0, fragment=0, base_version=0, tokens=1000,
+                         inner_steps=40, step_time_s=0.1, train_loss=3.0, payload=[compress(d, "none") for d in ds])
+        core.receive(sub, now=0.0)
+    core.close_all(now=1.0)  # a round short of four closes here; the guard judges as it closes
+    return core.fragment(0), [r.reason for r in core.refusals]
+
+
+@pytest.mark.parametrize("outer", [{}, {"poison_guard": True}, TRIMMED], ids=["defaults", "guard", "trimmed"])
+def test_the_submission_check_refuses_it_and_the_round_is_the_honest_islands(bit_flip, outer):
+    """Bit 30 of an element below 1 multiplies it by 2**128: finite, but the tensor's norm overflows float32, which
+    the submission check refuses whatever the guard and the merge rule (before 2026-12-03 it joined its round and
+    RDA wrote -inf). The round is then exactly the three honest islands' round."""
+    bad = fault_kinds.poison_kind("bit_flip").poisoned(HONEST[0], stale_base=None, anchor=HONEST[0], seed=3)
     assert torch.isfinite(bad[0]).all() and bad[0].abs().max() > 1e30
+    got, refused = round_of(outer, [*HONEST, bad])
+    assert len(refused) == 1 and "norm overflows float32" in refused[0]
+    honest_only, none = round_of(outer, HONEST)
+    assert none == [] and torch.equal(got[0], honest_only[0]) and torch.isfinite(got[0]).all()
 
-    def round_of(outer: dict) -> tuple[list[torch.Tensor], list[str]]:
-        """The fragment after the four islands' submissions under `outer`, and the refusals' reasons."""
-        init = {"w": torch.zeros(4)}
-        core = OuterOptimizer(init, plan_fragments([("w", 16)], 1), settings=outer_from_config(
-            {"outer": outer}, min_quorum=4, grace_gamma=0.0, grace_cap_s=0.0))  # the four in one round
-        for island in range(4):
-            core.register(island, 1)
-        for island, ds in enumerate([*honest, bad]):
-            sub = Submission(island=island, incarnation=1, seq=0, fragment=0, base_version=0, tokens=1000,
-                             inner_steps=40, step_time_s=0.1, train_loss=3.0, payload=[compress(d, "none") for d in ds])
-            core.receive(sub, now=0.0)
-        core.close_all(now=1.0)  # the guarded round, three short of four, closes here
-        return core.fragment(0), [r.reason for r in core.refusals]  # the guard judges as the round closes
 
-    guarded, refused = round_of({"poison_guard": True})
+def test_a_flipped_element_the_check_lets_through_is_refused_by_the_guard_and_dropped_by_the_trimmed_mean(bit_flip):
+    """The same flipped element scaled down by 2**100 (x * 2**28, finite norm) passes the submission check: the
+    poison guard refuses it by its size, the trimmed mean drops it per coordinate."""
+    bad = fault_kinds.poison_kind("bit_flip").poisoned(HONEST[0], stale_base=None, anchor=HONEST[0], seed=3)
+    bad = [torch.where(b.abs() > 1e30, b * 2.0**-100, b) for b in bad]
+    assert bad[0].abs().max() > 1e6 and math.isfinite(float(torch.linalg.vector_norm(bad[0])))
+    guarded, refused = round_of({"poison_guard": True}, [*HONEST, bad])
     assert len(refused) == 1 and "poisoned" in refused[0] and torch.isfinite(guarded[0]).all()
-    trimmed, refused = round_of({"merge_rule": "examples.extending.trimmed_mean:TrimmedMean", "lr": 1.0,
-                                 "momentum": 0.0, "partial_momentum": 0.0})
+    trimmed, refused = round_of(TRIMMED, [*HONEST, bad])
     assert refused == [] and torch.isfinite(trimmed[0]).all() and trimmed[0].abs().max() < 1.0
