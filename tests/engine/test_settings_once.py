@@ -227,6 +227,28 @@ OTHER_SETTING: dict[Key, str] = {
     ("islands/data.py", "unigram_bits_per_byte", "vocab_size"): "the byte vocabulary of the library call, not data.vocab_size",
     ("policies/chaos.py", "fixed_tape", "seed"): "the tape's own seed (a chaos.params key), not run.seed",
     ("policies/chaos.py", "fixed_budget_tape", "seed"): "the tape's own seed (a chaos.params key), not run.seed",
+    # Dataclass fields named like a config field: records and readings, not settings.
+    ("orchestrator/actors/launcher.py", "RunActors.__init__", "islands"): "the run's island actors found by name, not pools[].islands",
+    ("orchestrator/actors/slots.py", "SlotState.__init__", "name"): "the live incarnation's actor name, not pools[].name",
+    ("orchestrator/core/rounds.py", "RoundRecord.__init__", "step_scale"): "the factor a round applied (a record), not outer.step_scale",
+    ("orchestrator/run/driver.py", "Progress.__init__", "islands"): "each island's progress reading, not pools[].islands",
+    ("islands/spec.py", "IslandStatus.__init__", "lr"): "the inner rate of the island's next step (a reading), not inner.lr",
+    ("islands/stream.py", "TokenStream.__init__", "source"): "a description of the data for logs, not data.source",
+    ("islands/corpus.py", "CorpusFormat.__init__", "vocab_size"): "the bound ids are checked against (None: unchecked), data.vocab_size for token corpora",
+    ("policies/compressor.py", "Compressed.__init__", "keep"): "top-k's entries kept per chunk on the wire, not checkpoint.keep",
+    # The simulator's job (diloco simulate and its flags), a model of a 1.2M-chip run, not this run's config.
+    ("orchestrator/simulator/goodput.py", "SimConfig.__init__", "min_quorum"): "the simulated job's quorum (diloco simulate --min-quorum)",
+    ("orchestrator/simulator/goodput.py", "SimConfig.__init__", "grace_gamma"): "the simulated job's grace (diloco simulate)",
+    ("orchestrator/simulator/goodput.py", "SimConfig.__init__", "grace_cap_s"): "the simulated job's grace cap (diloco simulate)",
+    ("orchestrator/simulator/goodput.py", "SimConfig.__init__", "tau_steps"): "the simulated job's grace window in steps (diloco simulate)",
+    ("orchestrator/simulator/goodput.py", "SimConfig.__init__", "seed"): "the simulation's seed (diloco simulate --seed), not run.seed",
+    # islands.spec.ModelConfig is the built-in model's shape as a library: PRESETS are built from it, and the config's
+    # model.seq_len/d_model/... (None: the preset's) override a preset through model_config(), never these defaults.
+    ("islands/spec.py", "ModelConfig.__init__", "vocab_size"): "the byte vocabulary (256) of the library's model; the engine passes the run's",
+    ("islands/spec.py", "ModelConfig.__init__", "seq_len"): "the library model's shape; the config names a preset and its overrides",
+    ("islands/spec.py", "ModelConfig.__init__", "d_model"): "the library model's shape; the config names a preset and its overrides",
+    ("islands/spec.py", "ModelConfig.__init__", "n_layers"): "the library model's shape; the config names a preset and its overrides",
+    ("islands/spec.py", "ModelConfig.__init__", "n_heads"): "the library model's shape; the config names a preset and its overrides",
 }
 # None = take the config's value: the public API's Python objects in place of the config's import paths.
 THE_CONFIGS: dict[Key, str] = {
@@ -242,6 +264,11 @@ THE_CONFIGS: dict[Key, str] = {
     ("orchestrator/run/trained.py", "evaluate_trained", "loss"): "a loss, else the run's recorded model.loss",
     ("orchestrator/tune.py", "diloco_trainable", "model"): "DilocoTrainer's model argument, passed on",
     ("orchestrator/tune.py", "diloco_trainable", "optimizer"): "DilocoTrainer's optimizer argument, passed on",
+    ("orchestrator/api.py", "Result.__init__", "factory"): "the model factory fit() was given, else the recorded model.factory",
+    ("orchestrator/run/workload.py", "Workload.__init__", "model"): "the API's model factory, else model.factory",
+    ("orchestrator/run/workload.py", "Workload.__init__", "loss"): "the API's loss, else model.loss",
+    ("orchestrator/run/workload.py", "Workload.__init__", "optimizer"): "the API's inner optimizer, else model.optimizer",
+    ("orchestrator/baselines/data_parallel.py", "WorkerSlot.__init__", "precision"): "the pool's pools[].precision, else inner.precision (always passed)",
 }
 # A documented default of the pure API (policies/, islands/ library calls) equal to the config field's, which
 # test_policy_defaults_are_the_configs checks: it cannot drift. The engine passes the config's value anyway.
@@ -273,6 +300,8 @@ SAME_AS_CONFIG: dict[Key, str] = {
     ("islands/data.py", "load_parquet_corpus", "shuffle_documents"): "data.shuffle_documents",
     ("islands/data.py", "parquet_texts", "heldout_fraction"): "data.heldout_fraction",
     ("islands/data.py", "parquet_texts", "shuffle_documents"): "data.shuffle_documents",
+    ("islands/stream.py", "TokenStream.__init__", "block_batches"): "data.block_batches",
+    ("islands/corpus.py", "CorpusFormat.__init__", "heldout_fraction"): "data.heldout_fraction",
 }
 # A default that differs from the config's and stays, with why; test_the_engine_passes_what_differs checks
 # that the engine never relies on it.
@@ -286,10 +315,19 @@ DIFFERS_KEPT: dict[Key, str] = {
 ALLOWED: dict[Key, str] = {**OTHER_SETTING, **THE_CONFIGS, **SAME_AS_CONFIG, **DIFFERS_KEPT}
 
 
+def _is_record_class(node) -> bool:
+    """A dataclass or NamedTuple: its annotated class attributes are its constructor's parameters."""
+    import ast
+
+    decorators = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
+    return (any(d.rsplit(".", 1)[-1] == "dataclass" for d in decorators)
+            or any(ast.unparse(b).rsplit(".", 1)[-1] == "NamedTuple" for b in node.bases))
+
+
 def defaults_named_like_config(source: str, names: frozenset[str] = CONFIG_NAMES) -> dict[tuple[str, str], str]:
     """(qualified function name, parameter) -> the default's source text, for every parameter of a function in
     `source` that is named like a config field and has a default (None included: it, too, can differ from the
-    config's)."""
+    config's). A dataclass's or NamedTuple's fields are its `__init__`'s parameters."""
     import ast
 
     found: dict[tuple[str, str], str] = {}
@@ -297,6 +335,11 @@ def defaults_named_like_config(source: str, names: frozenset[str] = CONFIG_NAMES
     def visit(node: ast.AST, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.ClassDef):
+                if _is_record_class(child):
+                    for st in child.body:
+                        if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.value is not None
+                                and st.target.id in names and "ClassVar" not in ast.unparse(st.annotation)):
+                            found[(f"{prefix}{child.name}.__init__", st.target.id)] = ast.unparse(st.value)
                 visit(child, f"{prefix}{child.name}.")
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = child.args
@@ -361,14 +404,25 @@ class HealthMonitor:
 
 async def save(uri, every_s=30.0, /, tick=1):
     pass
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    keep: int = 3
+    other: int = 1
+    every_s: ClassVar = None
+
+class Plain:
+    keep: int = 3
 """
     got = defaults_named_like_config(bad)
     assert got == {("HealthMonitor.__init__", "warm_spares"): "0", ("HealthMonitor.__init__", "health"): "None",
-                   ("HealthMonitor.__init__.<locals>.inner", "keep"): "3", ("save", "every_s"): "30.0"}
+                   ("HealthMonitor.__init__.<locals>.inner", "keep"): "3", ("save", "every_s"): "30.0",
+                   ("Settings.__init__", "keep"): "3"}  # a ClassVar is no field, a plain class has no such __init__
     found = {("orchestrator/actors/x.py", *key): default for key, default in got.items()}
     assert unexplained(found) == ["orchestrator/actors/x.py: HealthMonitor.__init__(health=None)",
                                   "orchestrator/actors/x.py: HealthMonitor.__init__(warm_spares=0)",
                                   "orchestrator/actors/x.py: HealthMonitor.__init__.<locals>.inner(keep=3)",
+                                  "orchestrator/actors/x.py: Settings.__init__(keep=3)",
                                   "orchestrator/actors/x.py: save(every_s=30.0)"]
     assert unexplained(found, {("orchestrator/actors/x.py", *key): "why" for key in got}) == []
 
