@@ -41,15 +41,22 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.actors.drains import drain_node
+from orchestrator.actors.handles import call
+from orchestrator.actors.islands import _IslandShell
 from orchestrator.actors.runtime import quiet_worker
 from policies.chaos import Fault, FaultTape
 from policies.fault_kinds import ISLAND, JOINED_NODE_DEADLINE_S, NODE, FaultKind, fault_kind
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from orchestrator.actors.health_monitor import HealthMonitor
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +70,7 @@ class LiveIsland:
     """The live incarnation of the island a fault hits: its number, actor handle and node."""
 
     incarnation: int
-    handle: Any
+    handle: ActorHandle[_IslandShell]
     node: str | None
 
 
@@ -115,7 +122,7 @@ class ChaosInjector:
         self.progress = 0.0  # fraction of the token budget processed, as the driver last reported it
         self.executed: list[dict] = []
         self._task: asyncio.Task | None = None
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, ActorHandle[Any]] = {}  # the islands' and the outer optimizer's, by name
 
     async def start(self) -> int:
         """Begin executing the tape (idempotent); returns the number of faults on it."""
@@ -139,7 +146,7 @@ class ChaosInjector:
                 if done:
                     self.pending.remove(fault)
 
-    def _handle(self, name: str):
+    def _handle(self, name: str) -> ActorHandle[Any]:
         # Cached: a GCS lookup every tick for every waiting fault was most of this actor's idle CPU.
         # Names carry the incarnation (spares a sequence number), so a name never moves to a newer island.
         if name not in self._handles:
@@ -165,12 +172,16 @@ class ChaosInjector:
             return self.tick_s
         return max(self.tick_s, min(ahead))
 
-    async def _maybe_fire(self, monitor, fault: Fault) -> bool:
+    async def _maybe_fire(self, monitor: ActorHandle[HealthMonitor], fault: Fault) -> bool:
+        # Imported here, not with this module: it brings the run's config module (~0.2 s of imports) to the
+        # injector's start, which the driver waits for once the run's clock runs.
+        from orchestrator.actors.health_monitor import HealthMonitor
+
         kind = fault_kind(fault.kind)
         fire = mechanism(self, kind)
         if kind.target not in (ISLAND, NODE):  # the run's actors, a pool's new node: no incarnation to look up
             return await fire(monitor, fault)
-        inc, name, node = await monitor.current.remote(fault.island)
+        inc, name, node = await call(monitor, HealthMonitor.current, fault.island)
         if fault.at_step is not None and inc > fault.incarnation:
             self._record(fault, inc, "skipped: its incarnation is gone")
             return True
@@ -178,7 +189,7 @@ class ChaosInjector:
             return False  # island down or not yet at the target incarnation: wait
         handle = self._handle(name)
         if fault.at_step is not None:
-            status = await handle.status.remote()
+            status = await call(handle, _IslandShell.status)
             if status.steps < fault.at_step:
                 return False
         now = time.time()
@@ -186,7 +197,7 @@ class ChaosInjector:
             self._record(fault, inc, "skipped: island shares the driver's node")
             return True
         if kind.reported:
-            await monitor.note_fault.remote(fault.island, inc, fault.kind, now, kind.recovery_delay_s(fault))
+            await call(monitor, HealthMonitor.note_fault, fault.island, inc, fault.kind, now, kind.recovery_delay_s(fault))
         await fire(fault, LiveIsland(inc, handle, node))
         self._record(fault, inc, "fired", at=now)
         if kind.reported:
@@ -197,7 +208,7 @@ class ChaosInjector:
 
     async def _fire_on_island(self, fault: Fault, live: LiveIsland) -> None:
         """An island kind: the island injects it into itself (LearnerIsland.inject, islands/faults.py)."""
-        await live.handle.inject.remote(fault.kind, duration_s=fault.duration_s, factor=fault.factor)
+        await call(live.handle, _IslandShell.inject, fault.kind, duration_s=fault.duration_s, factor=fault.factor)
 
     async def _fire_kill_island(self, fault: Fault, live: LiveIsland) -> None:
         """Kill the island's actor for good: the monitor restarts the island as a new incarnation."""
@@ -205,22 +216,22 @@ class ChaosInjector:
 
     async def _fire_kill_node(self, fault: Fault, live: LiveIsland) -> None:
         """The island kills its node's raylet."""
-        live.handle.inject.remote(fault.kind)  # no reply: the node dies with it
+        call(live.handle, _IslandShell.inject, fault.kind)  # no reply: the node dies with it
 
     async def _fire_drain_node(self, fault: Fault, live: LiveIsland) -> None:
         """Drain the island's node with deadline `duration_s`, and end it then."""
         await self._drain(live.node, fault.duration_s, f"chaos: drain_node of island {fault.island}")
 
-    async def _fire_kill_outer(self, monitor, fault: Fault) -> bool:
+    async def _fire_kill_outer(self, monitor: ActorHandle[HealthMonitor], fault: Fault) -> bool:
         return self._kill_run_actor(self._handle(self.outer_name), fault)  # restarts keep the actor's id
 
-    async def _fire_kill_monitor(self, monitor, fault: Fault) -> bool:
+    async def _fire_kill_monitor(self, monitor: ActorHandle[HealthMonitor], fault: Fault) -> bool:
         return self._kill_run_actor(monitor, fault)
 
-    async def _fire_node_joins(self, monitor, fault: Fault) -> bool:
+    async def _fire_node_joins(self, monitor: ActorHandle[HealthMonitor], fault: Fault) -> bool:
         return await self._join(fault)
 
-    def _kill_run_actor(self, target, fault: Fault) -> bool:
+    def _kill_run_actor(self, target: ActorHandle[Any], fault: Fault) -> bool:
         """kill_outer / kill_monitor: kill the actor and let Ray restart it (as a crash of its process would)."""
         now = time.time()
         # Asynchronous: the old process may answer a call or two more. A kill while the actor is still restarting
@@ -235,7 +246,7 @@ class ChaosInjector:
         deadline = time.time() + deadline_s
         if self.ender_cls is not None:
             ender = self.ender_cls.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-            await ender.remote().end_at.remote(deadline)
+            await call(ender.remote(), NodeEnder.end_at, deadline)
         await asyncio.get_running_loop().run_in_executor(None, drain_node, node, deadline_s, message)
         log.warning("drained node %s with a %.0f s deadline", node, deadline_s)
 

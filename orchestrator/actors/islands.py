@@ -17,10 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from orchestrator.actors.handles import call
+from orchestrator.actors.keeper import ProgressKeeper
 from orchestrator.actors.runtime import placement_group_id, quiet_worker
 from policies.island_states import ENDED_BADLY
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
     from islands.distributed import WorkerGroup
     from islands.island import LearnerIsland
     from islands.messages import FragmentUpdate
@@ -61,8 +66,8 @@ class _Shelver:
         assert spec.keeper is not None
         self.namespace, self.name = spec.keeper
         self.island, self.incarnation = spec.island, spec.incarnation
-        self._handle: Any = None
-        self._last: Any = None  # ref of the previous keep() call
+        self._handle: ActorHandle[ProgressKeeper] | None = None
+        self._last: ObjectRef[bool] | None = None  # ref of the previous keep() call
 
     def __call__(self, step: int, blob: bytes) -> bool:
         """Send one snapshot; False when it was skipped."""
@@ -80,7 +85,7 @@ class _Shelver:
                 self._handle = ray.get_actor(self.name, namespace=self.namespace)
             except ValueError:  # no keeper of that name (yet): skip this snapshot, look again at the next
                 return False
-        self._last = self._handle.keep.remote(self.island, self.incarnation, step, blob)
+        self._last = call(self._handle, ProgressKeeper.keep, self.island, self.incarnation, step, blob)
         return True
 
 

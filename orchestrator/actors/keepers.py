@@ -15,15 +15,21 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group_table
 
+from orchestrator.actors.handles import call
+from orchestrator.actors.keeper import ProgressKeeper
+from orchestrator.actors.outer import _OuterShell
 from orchestrator.actors.outer_link import OuterLink
 from orchestrator.config import PoolConfig
 from policies.keeper_placement import NODE_ID_LABEL, keeper_selectors, should_move
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 __all__ = ["ProgressKeepers"]
 
@@ -54,7 +60,7 @@ class ProgressKeepers:
         self.names, self.keeper_cls, self.pools, self.outer = names, keeper_cls, pools, outer
         self._island_groups, self._stopping = island_groups, stopping  # the monitor's views of its islands and run
         self.placement_timeout_s, self.call_timeout_s = placement_timeout_s, call_timeout_s
-        self.handles: dict[str, Any] = {}
+        self.handles: dict[str, ActorHandle[ProgressKeeper]] = {}
         self.restarts: dict[str, int] = {}
         self.moves: dict[str, int] = {}
         self.salvages: list[dict] = []
@@ -104,9 +110,9 @@ class ProgressKeepers:
         keeper would only be replaced when a salvage found it gone, losing that island's progress."""
         pinged = dict(self.handles)
 
-        async def alive(handle: Any) -> bool:
+        async def alive(handle: ActorHandle[ProgressKeeper]) -> bool:
             try:
-                await asyncio.wait_for(handle.ping.remote(), timeout=self.call_timeout_s)
+                await asyncio.wait_for(call(handle, ProgressKeeper.ping), timeout=self.call_timeout_s)
             except RayActorError:
                 return False
             except Exception:  # noqa: BLE001 - busy or slow is not dead; the next check asks again
@@ -126,28 +132,28 @@ class ProgressKeepers:
         except Exception as err:  # noqa: BLE001 - the next check tries again
             log.warning("keeper check failed: %s", err)
 
-    async def _place_better(self, live: dict[str, Any]) -> None:
+    async def _place_better(self, live: dict[str, ActorHandle[ProgressKeeper]]) -> None:
         """Move every keeper for which a better node exists now (an island was restarted onto its node and
         an island-free one is there, or such a node joined): policies.keeper_placement.should_move."""
         nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
         labels = {i: {**(n.get("Labels") or {}), NODE_ID_LABEL: i} for i, n in nodes.items()}
         for pool_name, handle in live.items():
             try:
-                where = await asyncio.wait_for(handle.node.remote(), timeout=self.call_timeout_s)
+                where = await asyncio.wait_for(call(handle, ProgressKeeper.node), timeout=self.call_timeout_s)
             except Exception:  # noqa: BLE001 - dead or busy: the liveness check deals with it
                 continue
             selectors = self._selectors(pool_name, nodes)
             if where in labels and should_move(selectors, labels[where], [v for i, v in labels.items() if i != where]):
                 await self._move(pool_name, handle, where)
 
-    async def _move(self, pool: str, old: Any, where: str) -> None:
+    async def _move(self, pool: str, old: ActorHandle[ProgressKeeper], where: str) -> None:
         """Replace a live keeper by one placed by today's rule, handing its snapshots over: the old one dumps
         them (the ref stays in the object store after it dies), is killed to free its name, and the new one
         loads them as its first call. Islands shelving meanwhile find the new one at their next snapshot."""
         if self._stopping() or self.handles.get(pool) is not old:
             return
         namespace, name = self.names[pool]
-        held = old.dump.remote()
+        held = call(old, ProgressKeeper.dump)
         # Wait for the dump without fetching it here (the monitor never holds snapshots); a kill is not queued
         # behind calls, so it must come after.
         ready, _ = await asyncio.get_running_loop().run_in_executor(
@@ -165,16 +171,17 @@ class ProgressKeepers:
             await asyncio.sleep(0.05)
         if self._stopping():
             return
+        # Ray resolves the ref `held` in the new keeper's process; `call`'s typing sees the ref, not the dump it holds.
         if self.handles.get(pool) is not old:  # a salvage found it gone meanwhile and replaced it: hand over to that one
-            self.handles[pool].load.remote(held)
+            call(self.handles[pool], ProgressKeeper.load, held)  # type: ignore[call-overload]
             return
         new = self.ensure(pool)
-        new.load.remote(held)  # its first call: before any salvage asks it
+        call(new, ProgressKeeper.load, held)  # type: ignore[call-overload]  # its first call: before any salvage asks it
         self.moves[pool] = self.moves.get(pool, 0) + 1
         log.warning("pool %s: moved its progress keeper, with its snapshots, off node %s: a better node for it is up "
                     "(policies/keeper_placement.py)", pool, where[:12])
 
-    def _replace(self, pool: str, dead: Any, why: str) -> None:
+    def _replace(self, pool: str, dead: ActorHandle[ProgressKeeper], why: str) -> None:
         if self._stopping() or self.handles.get(pool) is not dead:
             return  # stopping, or already replaced (a salvage and a check can find the same death)
         self.restarts[pool] = self.restarts.get(pool, 0) + 1
@@ -200,7 +207,7 @@ class ProgressKeepers:
         resources = {i: n["Resources"] for i, n in (nodes or {}).items()}
         return keeper_selectors(pool.labels, pool.resources, resources, self._island_nodes(pool_name))
 
-    def ensure(self, pool_name: str) -> Any:
+    def ensure(self, pool_name: str) -> ActorHandle[ProgressKeeper]:
         """The pool's keeper: the live one of that name (a restarted monitor finds its predecessor's) or a new one.
 
         A new one goes inside its pool, to a node hosting none of the pool's islands when there is one
@@ -223,11 +230,11 @@ class ProgressKeepers:
         if keeper is None:
             return
         if kind == "diverged":  # its progress is what went wrong: take the snapshot, merge nothing
-            keeper.take.remote(island, incarnation)
+            call(keeper, ProgressKeeper.take, island, incarnation)
             return
         try:
             got = await asyncio.wait_for(
-                self.outer.handle().salvage.remote(island, incarnation, [keeper.take.remote(island, incarnation)]),
+                call(self.outer.handle(), _OuterShell.salvage, island, incarnation, [call(keeper, ProgressKeeper.take, island, incarnation)]),
                 timeout=min(10.0, self.call_timeout_s))
         except Exception as err:  # noqa: BLE001 - best effort: the progress is lost, as without salvage
             log.warning("island %d incarnation %d: no salvage (%s)", island, incarnation,

@@ -16,18 +16,26 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import get_placement_group
 
 from islands.spec import IslandSpec
+from orchestrator.actors.handles import call
+from orchestrator.actors.islands import _IslandShell, _IslandWorker
 from orchestrator.actors.monitor_settings import ActorClasses, MonitorTimeouts, RunAddress
+from orchestrator.actors.outer import _OuterShell
 from orchestrator.actors.placement import create_island_group, island_scheduling, release_group, request_island_group
 from orchestrator.actors.runtime import DATA_PLANE_RUNTIME_ENV
 from orchestrator.actors.slots import SlotState, island_name
 from orchestrator.actors.spares import WarmSpares
 from orchestrator.config import PoolConfig
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from islands.cursor import DataCursor
 
 __all__ = ["IslandLauncher", "RunActors", "find_run_actors", "island_statuses", "stop_islands"]
 
@@ -63,7 +71,7 @@ class IslandLauncher:
         self.island_env = dict(env) if env is not None else DATA_PLANE_RUNTIME_ENV
         self.groups: dict[int, Any] = {}
         self.pending: dict[int, Any] = {}  # island -> its elastic slot's group, requested and not placed yet
-        self.followers: dict[int, list[Any]] = {}
+        self.followers: dict[int, list[ActorHandle[_IslandWorker]]] = {}
         self.spares = WarmSpares(run_id=run.run_id, pools=pools, count=warm_spares, start_spare=self._start_spare,
                                  placement_timeout_s=timeouts.placement_s, call_timeout_s=timeouts.call_s,
                                  stopping=stopping)
@@ -77,13 +85,14 @@ class IslandLauncher:
         """The placement groups of `pool`'s islands and warm spares (where its keeper should not go)."""
         return [g for i, g in self.groups.items() if self.slot_pools[i] == pool] + self.spares.groups(pool)
 
-    def adopt(self, island: int, name: str, followers: list[Any]) -> None:
+    def adopt(self, island: int, name: str, followers: list[ActorHandle[_IslandWorker]]) -> None:
         """Take over the group and followers of an incarnation named `name` that a previous monitor started."""
         self.groups[island] = get_placement_group(name)
         self.followers[island] = followers
 
-    async def place(self, slot: SlotState, spec: IslandSpec, outer: Any, cursor: int | None,
-                    data: list[Any], on_wait: Callable[[float], None] | None = None) -> tuple[Any, int | None] | None:
+    async def place(self, slot: SlotState, spec: IslandSpec, outer: ActorHandle[_OuterShell],
+                    cursor: DataCursor | int | None, data: list[Any], on_wait: Callable[[float], None] | None = None,
+                    ) -> tuple[ActorHandle[_IslandShell], DataCursor | int | None] | None:
         """A process for the new incarnation of `slot` (named in `slot.name`): a warm spare of its pool when there
         is one, else a new process in a new group, waiting for pool capacity without blocking the other islands.
         In an elastic pool the group stays requested until a node has room (`on_wait(since)`, wall time, is
@@ -94,9 +103,9 @@ class IslandLauncher:
         pool = self.pools[slot.pool]
         if pool.workers_per_island == 1 and self.spares.available(slot.pool):
             if cursor is None:
-                cursor = (await asyncio.wait_for(outer.resume_cursor.remote(slot.island),
+                cursor = (await asyncio.wait_for(call(outer, _OuterShell.resume_cursor, slot.island),
                                                  timeout=self.call_timeout_s)) or 0
-            spare = await self.spares.activate(slot.pool, spec, outer.latest.remote(slot.fetcher), cursor)
+            spare = await self.spares.activate(slot.pool, spec, call(outer, _OuterShell.latest, slot.fetcher), cursor)
             if spare is not None:
                 slot.name, handle, self.groups[slot.island] = spare
                 self.spares.refill(slot.pool, data)
@@ -105,8 +114,8 @@ class IslandLauncher:
         # the new process fetches the answers itself, so its start-up (worker, imports, model) overlaps
         # the outer optimizer's own at the start of a run. Nested in a list, the refs are not resolved
         # before the process starts.
-        pending = [outer.latest.remote(slot.fetcher),
-                   None if cursor is not None else outer.resume_cursor.remote(slot.island)]
+        pending = [call(outer, _OuterShell.latest, slot.fetcher),
+                   None if cursor is not None else call(outer, _OuterShell.resume_cursor, slot.island)]
         slot.name = island_name(self.run.run_id, slot.island, slot.incarnation)
         if pool.elastic:
             group = await self._wait_for_room(pool, slot.name, slot.island, on_wait or (lambda since: None))
@@ -154,7 +163,7 @@ class IslandLauncher:
         finally:
             self.pending.pop(island, None)
 
-    def _start_spare(self, pool_name: str, name: str, group: Any, data: list[Any]) -> Any:
+    def _start_spare(self, pool_name: str, name: str, group: Any, data: list[Any]) -> ActorHandle[_IslandShell]:
         """Start a warm spare: an island process with no slot yet, on bundle 0 of `group`."""
         pool = self.pools[pool_name]
         return self.actors.island.options(
@@ -163,12 +172,12 @@ class IslandLauncher:
             resources=dict(pool.resources), scheduling_strategy=island_scheduling(group),
         ).remote(None, data)
 
-    async def start_followers(self, slot: SlotState, spec: IslandSpec, leader: Any, data: list[Any]) -> None:
+    async def start_followers(self, slot: SlotState, spec: IslandSpec, leader: ActorHandle[_IslandShell], data: list[Any]) -> None:
         """Start ranks 1..W-1 of `slot`'s island on bundles 1..W-1 of its group, joining the leader's rendezvous."""
         # The leader (rank 0) opened the rendezvous in its constructor; the leader trains once all have
         # joined (bounded by the group's timeout).
         pool, group = self.pools[slot.pool], self.groups[slot.island]
-        addr, port = await asyncio.wait_for(leader.rendezvous.remote(), timeout=self.placement_timeout_s)
+        addr, port = await asyncio.wait_for(call(leader, _IslandShell.rendezvous), timeout=self.placement_timeout_s)
         self.followers[slot.island] = [
             self.actors.worker.options(
                 name=f"{slot.name}-w{rank}", namespace=self.run.namespace, lifetime="detached",
@@ -179,7 +188,7 @@ class IslandLauncher:
             for rank in range(1, pool.workers_per_island)
         ]
 
-    def kill(self, island: int, leader: Any | None) -> None:
+    def kill(self, island: int, leader: ActorHandle[_IslandShell] | None) -> None:
         """Kill an island's leader (if any) and followers; those already gone are fine. Its group stays (`release`)."""
         if leader is not None:
             try:
@@ -214,9 +223,9 @@ class RunActors:
         followers: leader name -> its followers' handles.
     """
 
-    islands: dict[int, tuple[int, str, Any]] = field(default_factory=dict)
-    spares: list[tuple[str, Any]] = field(default_factory=list)
-    followers: dict[str, list[Any]] = field(default_factory=dict)
+    islands: dict[int, tuple[int, str, ActorHandle[_IslandShell]]] = field(default_factory=dict)
+    spares: list[tuple[str, ActorHandle[_IslandShell]]] = field(default_factory=list)
+    followers: dict[str, list[ActorHandle[_IslandWorker]]] = field(default_factory=dict)
 
 
 async def find_run_actors(*, run_id: str, namespace: str, slots: set[int], call_timeout_s: float) -> RunActors:
@@ -234,7 +243,7 @@ async def find_run_actors(*, run_id: str, namespace: str, slots: set[int], call_
             found.followers.setdefault(follower.group(1), []).append(handle)
             continue
         try:
-            island, inc, _ = await asyncio.wait_for(handle.ping.remote(), timeout=call_timeout_s)
+            island, inc, _ = await asyncio.wait_for(call(handle, _IslandShell.ping), timeout=call_timeout_s)
         except Exception as err:  # noqa: BLE001 - a dead process is rebuilt by the normal path
             log.warning("could not re-adopt %s: %s", name, err)
             continue
@@ -245,13 +254,13 @@ async def find_run_actors(*, run_id: str, namespace: str, slots: set[int], call_
     return found
 
 
-async def _ask_every_island(handles: dict[int, Any], call: Callable[[Any], Any], *, timeout_s: float,
-                            what: str) -> dict[int, Any]:
-    """`call(handle)` of every island in `handles` (island -> leader) at once, each bounded by `timeout_s`; returns
+async def _ask_every_island(handles: dict[int, ActorHandle[_IslandShell]], ask: Callable[[ActorHandle[_IslandShell]], Any], *,
+                            timeout_s: float, what: str) -> dict[int, Any]:
+    """`ask(handle)` of every island in `handles` (island -> leader) at once, each bounded by `timeout_s`; returns
     island -> answer of those that answered. One that fails or does not answer is logged as `what`, not fatal: asked
     one after another, each silent island would hold the whole call for `timeout_s`, past its caller's bound."""
     items = list(handles.items())
-    answers = await asyncio.gather(*(asyncio.wait_for(call(handle), timeout=timeout_s) for _, handle in items),
+    answers = await asyncio.gather(*(asyncio.wait_for(ask(handle), timeout=timeout_s) for _, handle in items),
                                    return_exceptions=True)
     out = {}
     for (island, _), answer in zip(items, answers):
@@ -262,18 +271,18 @@ async def _ask_every_island(handles: dict[int, Any], call: Callable[[Any], Any],
     return out
 
 
-async def stop_islands(handles: dict[int, Any], *, flush: bool, timeout_s: float) -> dict[int, Any]:
+async def stop_islands(handles: dict[int, ActorHandle[_IslandShell]], *, flush: bool, timeout_s: float) -> dict[int, Any]:
     """Stop every island in `handles` (island -> leader) at once; returns island -> final status of those that
     answered (a dying island at stop is reported, not fatal). `flush`: see `LearnerIsland.stop`."""
     # Every island at once: stopped one after another, each waited for the step the previous ones
     # were finishing, and the islands stopped first idled meanwhile (about a step per island after
     # them, counted against goodput; for many islands a long serial stop).
-    return await _ask_every_island(handles, lambda handle: handle.stop.remote(flush=flush), timeout_s=timeout_s,
+    return await _ask_every_island(handles, lambda handle: call(handle, _IslandShell.stop, flush=flush), timeout_s=timeout_s,
                                    what="stop island")
 
 
-async def island_statuses(handles: dict[int, Any], *, timeout_s: float) -> dict[int, Any]:
+async def island_statuses(handles: dict[int, ActorHandle[_IslandShell]], *, timeout_s: float) -> dict[int, Any]:
     """Ask every island in `handles` (island -> leader) for its status at once; returns island -> status of those
     that answered (a dying island keeps its last status, so it is left out)."""
-    return await _ask_every_island(handles, lambda handle: handle.status.remote(), timeout_s=timeout_s,
+    return await _ask_every_island(handles, lambda handle: call(handle, _IslandShell.status), timeout_s=timeout_s,
                                    what="status of stopped island")

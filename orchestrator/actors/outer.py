@@ -22,12 +22,16 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from islands.cursor import DataCursor
 from islands.messages import FragmentUpdate, Submission
+from orchestrator.actors.handles import call
+from orchestrator.actors.islands import _IslandShell
 from orchestrator.actors.outer_state import CheckpointWriter, SalvageLedger
 from orchestrator.actors.runtime import quiet_worker
 from orchestrator.actors.transport import IslandTransport, ShellHooks
 from policies.network import NetworkModel
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
     from orchestrator.actors.published import Prepared
     from orchestrator.core.outer_optimizer import OuterOptimizer, OuterSettings
     from orchestrator.core.rounds import RoundResult
@@ -91,7 +95,7 @@ class _OuterShell:
                            arrived=self._arrived)
         self.transport = IslandTransport(network, island_regions, self.published, hooks, saved=latest.meta)
         self._salvage = SalvageLedger()
-        self._islands: dict[int, tuple[int, Any]] = {}  # island -> (incarnation, handle) while registered
+        self._islands: dict[int, tuple[int, ActorHandle[_IslandShell]]] = {}  # island -> (incarnation, handle) while registered
         self._pollers: dict[int, asyncio.Task] = {}
         self._ticker: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -114,7 +118,7 @@ class _OuterShell:
         results = out[0] if isinstance(out, tuple) else out
         return out, [self.published.put(r.tensors) for r in results]
 
-    def _live(self, island: int) -> tuple[int, Any] | None:
+    def _live(self, island: int) -> tuple[int, ActorHandle[_IslandShell]] | None:
         return self._islands.get(island)
 
     def _progress(self) -> float | None:
@@ -138,7 +142,7 @@ class _OuterShell:
             await self.transport.down(self.transport.region(island), sum(self.published.nbytes))
         return updates
 
-    async def register(self, island: int, incarnation: int, handle: Any) -> None:
+    async def register(self, island: int, incarnation: int, handle: ActorHandle[_IslandShell]) -> None:
         """Admit an island incarnation and start taking its submissions."""
         if self._wake is None:
             self._wake = asyncio.Event()
@@ -196,10 +200,10 @@ class _OuterShell:
 
     # ------------------------------------------------------------ data plane
 
-    async def _poll(self, island: int, incarnation: int, handle: Any) -> None:
+    async def _poll(self, island: int, incarnation: int, handle: ActorHandle[_IslandShell]) -> None:
         while not self._stopping and self._islands.get(island, (None,))[0] == incarnation:
             try:
-                sub: Submission | None = await handle.next_submission.remote(1.0)
+                sub: Submission | None = await call(handle, _IslandShell.next_submission, 1.0)
             except (RayActorError, RayTaskError) as err:
                 reason = str(err).strip().splitlines()[-1][:300]
                 log.info("island %d incarnation %d lost: %s", island, incarnation, reason)  # the monitor says it
@@ -216,20 +220,20 @@ class _OuterShell:
                 return
             await self._send_up(island, sub, handle, sent_at=sub.created_at or time.time())
 
-    async def _send_up(self, island: int, sub: Submission, handle: Any, sent_at: float) -> None:
+    async def _send_up(self, island: int, sub: Submission, handle: ActorHandle[_IslandShell] | None, sent_at: float) -> None:
         """A submission on its island's uplink: counted, and handed to the core now or, over an EMULATED
         network, when its transfer from `sent_at` completes (meanwhile the caller goes on)."""
         if self.transport.send_up(island, sub, handle, sent_at):
             await self._receive(island, sub, handle)
 
-    async def _arrived(self, island: int, sub: Submission, handle: Any) -> None:
+    async def _arrived(self, island: int, sub: Submission, handle: ActorHandle[_IslandShell] | None) -> None:
         # Off an emulated uplink: taken after stop began, it counts as in flight, never merged.
         if self._stopping:
             await self._core(self.core.record_late, sub)
             return
         await self._receive(island, sub, handle)
 
-    async def _receive(self, island: int, sub: Submission, handle: Any) -> None:
+    async def _receive(self, island: int, sub: Submission, handle: ActorHandle[_IslandShell] | None) -> None:
         (results, refusal), prepared = await self._core(self._closing, self.core.receive, sub, self._now())
         await self._publish(results, prepared)
         if refusal is not None and handle is not None:  # None: a salvage, whose island is gone

@@ -20,10 +20,13 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from islands.messages import FragmentUpdate
+from orchestrator.actors.handles import call
+from orchestrator.actors.islands import _IslandShell
 from policies.downlink import DownlinkCopies, decode_fragment
 
 if TYPE_CHECKING:
     import torch
+    from ray.actor import ActorHandle
 
     from orchestrator.core.outer_optimizer import OuterSettings
 
@@ -105,13 +108,13 @@ class PublishedFragments:
         a difference (asked before it is admitted, while nothing is sent to it, so the answer cannot change)."""
         return live_incarnation != incarnation and (island, incarnation) not in self._diffed
 
-    async def held(self, handle: Any) -> list[tuple[int, int]] | None:
+    async def held(self, handle: ActorHandle[_IslandShell]) -> list[tuple[int, int]] | None:
         """(version, epoch) of every fragment an island holds, when differences go down (None: not asked, or no
         answer within 10 s; it then gets whole fragments first)."""
         if not self.delta:
             return None
         try:
-            st = await asyncio.wait_for(handle.status.remote(), timeout=10.0)  # an ObjectRef is awaitable
+            st = await asyncio.wait_for(call(handle, _IslandShell.status), timeout=10.0)  # an ObjectRef is awaitable
         except Exception as err:  # noqa: BLE001 - an island that cannot answer gets whole fragments, as before
             log.info("island status for downlink copies unavailable (%s): whole fragments first", err)
             return None

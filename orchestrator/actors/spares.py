@@ -16,14 +16,21 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import get_placement_group
 
 from islands.spec import IslandSpec
+from orchestrator.actors.handles import call
+from orchestrator.actors.islands import _IslandShell
 from orchestrator.actors.placement import create_island_group, release_group
 from orchestrator.config import PoolConfig
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from islands.cursor import DataCursor
 
 __all__ = ["WarmSpares"]
 
@@ -34,13 +41,13 @@ class WarmSpares:
     """Up to `count` ready island processes per pool: started, adopted after a monitor restart, handed out."""
 
     def __init__(self, *, run_id: str, pools: dict[str, PoolConfig], count: int,
-                 start_spare: Callable[[str, str, Any, list[Any]], Any], placement_timeout_s: float,
+                 start_spare: Callable[[str, str, Any, list[Any]], ActorHandle[_IslandShell]], placement_timeout_s: float,
                  call_timeout_s: float, stopping: Callable[[], bool]) -> None:
         self.run_id, self.pools, self.count = run_id, pools, count
         self._start_spare = start_spare  # (pool, name, group, data) -> handle: IslandLauncher's
         self.placement_timeout_s, self.call_timeout_s = placement_timeout_s, call_timeout_s
         self._stopping = stopping
-        self.ready: dict[str, list[tuple[str, Any, Any]]] = {name: [] for name in pools}  # pool -> (name, handle, group)
+        self.ready: dict[str, list[tuple[str, ActorHandle[_IslandShell], Any]]] = {name: [] for name in pools}  # pool -> (name, handle, group)
         self._seq = 0
         self._tasks: dict[str, asyncio.Task] = {}
 
@@ -56,7 +63,7 @@ class WarmSpares:
         """The placement groups of `pool`'s spares."""
         return [g for _, _, g in self.ready.get(pool, [])]
 
-    def adopt(self, name: str, handle: Any) -> None:
+    def adopt(self, name: str, handle: ActorHandle[_IslandShell]) -> None:
         """Take back a spare a previous monitor started (found by name after a monitor restart)."""
         pool = name.split("-spare-")[1].rsplit("-", 1)[0] if "-spare-" in name else None
         if pool in self.ready:
@@ -91,7 +98,7 @@ class WarmSpares:
                     return
                 handle = self._start_spare(pool_name, name, group, data)
                 try:
-                    await asyncio.wait_for(handle.ping.remote(), timeout=self.placement_timeout_s)
+                    await asyncio.wait_for(call(handle, _IslandShell.ping), timeout=self.placement_timeout_s)
                 except Exception as err:  # noqa: BLE001
                     # A run that stops while a spare starts kills it: nothing went wrong, so not a console warning.
                     (log.info if self._stopping() else log.warning)("warm spare %s failed to start: %s", name, err)
@@ -103,7 +110,7 @@ class WarmSpares:
         finally:
             self._tasks.pop(pool_name, None)
 
-    async def activate(self, pool: str, spec: IslandSpec, latest: Any, cursor: int) -> tuple[str, Any, Any] | None:
+    async def activate(self, pool: str, spec: IslandSpec, latest: Any, cursor: DataCursor | int) -> tuple[str, ActorHandle[_IslandShell], Any] | None:
         """Hand the next usable spare of `pool` the slot of `spec`; returns its (name, handle, group), or None
         when no spare is left (the caller starts a process cold).
 
@@ -113,7 +120,7 @@ class WarmSpares:
         while self.ready[pool]:
             name, handle, group = self.ready[pool].pop(0)
             try:
-                await asyncio.wait_for(handle.activate.remote(spec, latest, cursor), timeout=self.call_timeout_s)
+                await asyncio.wait_for(call(handle, _IslandShell.activate, spec, latest, cursor), timeout=self.call_timeout_s)
             except Exception as err:  # e.g. the spare's node died too: try the next, then cold
                 if await self._still_a_spare(handle):  # the outer's answer failed, not the spare: keep it
                     self.ready[pool].insert(0, (name, handle, group))
@@ -125,9 +132,9 @@ class WarmSpares:
             return name, handle, group
         return None
 
-    async def _still_a_spare(self, handle: Any) -> bool:
+    async def _still_a_spare(self, handle: ActorHandle[_IslandShell]) -> bool:
         try:
-            island, _, _ = await asyncio.wait_for(handle.ping.remote(), timeout=self.call_timeout_s)
+            island, _, _ = await asyncio.wait_for(call(handle, _IslandShell.ping), timeout=self.call_timeout_s)
         except Exception:  # noqa: BLE001 - dead or unreachable
             return False
         return island is None

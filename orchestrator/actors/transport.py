@@ -23,9 +23,14 @@ from typing import TYPE_CHECKING, Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from islands.messages import FragmentUpdate, Submission
+from orchestrator.actors.handles import call
+from orchestrator.actors.islands import _IslandShell
 from policies.network import LinkSchedule, NetworkModel
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
     from orchestrator.actors.published import PublishedFragments
 
 log = logging.getLogger(__name__)
@@ -39,9 +44,10 @@ class ShellHooks:
     """What the transport asks of the shell that owns it."""
 
     run_on_core: Callable[..., Awaitable[Any]]  # run fn(*args) on the core's thread
-    live: Callable[[int], tuple[int, Any] | None]  # island -> (incarnation, handle) while it is registered
+    live: Callable[[int], tuple[int, ActorHandle[_IslandShell]] | None]  # island -> (incarnation, handle) while it is registered
     stopping: Callable[[], bool]  # the shell is stopping: nothing more goes down
-    arrived: Callable[[int, Submission, Any], Awaitable[None]]  # a submission came off its emulated uplink
+    # A submission came off its emulated uplink (handle None: a salvage, whose island is gone).
+    arrived: Callable[[int, Submission, ActorHandle[_IslandShell] | None], Awaitable[None]]
 
 
 @dataclasses.dataclass
@@ -97,7 +103,7 @@ class IslandTransport:
 
     # ------------------------------------------------------------ uplink
 
-    def send_up(self, island: int, sub: Submission, handle: Any, sent_at: float) -> bool:
+    def send_up(self, island: int, sub: Submission, handle: ActorHandle[_IslandShell] | None, sent_at: float) -> bool:
         """A submission on its island's uplink, counted. True: the caller hands it to the core now; False: it
         is on an EMULATED link and reaches `hooks.arrived` when its transfer from `sent_at` completes."""
         region = self.region(island)
@@ -109,7 +115,7 @@ class IslandTransport:
         self.links.account(region, "up", sub.nbytes)
         return True
 
-    async def _arrive(self, island: int, sub: Submission, handle: Any, done_at: float) -> None:
+    async def _arrive(self, island: int, sub: Submission, handle: ActorHandle[_IslandShell] | None, done_at: float) -> None:
         """An uplink transfer: wait until it completes, then hand the submission on."""
         wait = done_at - time.time()
         if wait > 0:
@@ -142,7 +148,7 @@ class IslandTransport:
             await asyncio.sleep(wait)
         self.waits.down += max(wait, 0.0)
 
-    def send_down(self, island: int, handle: Any, update: FragmentUpdate, tensors: list | None) -> None:
+    def send_down(self, island: int, handle: ActorHandle[_IslandShell], update: FragmentUpdate, tensors: list | None) -> None:
         """Send a fragment version to an island: now, or over its EMULATED downlink, whole or as a difference.
 
         `update.tensors` is the version's shared whole-fragment ref; `tensors` are its float32 values,
@@ -156,7 +162,7 @@ class IslandTransport:
         region = self.region(island)
         if not self.network.emulated and not self._published.delta:
             self.links.account(region, "down", self._published.nbytes[update.fragment])
-            handle.adopt.remote(update)  # fire and forget: a dead island shows up in its poller
+            call(handle, _IslandShell.adopt, update)  # fire and forget: a dead island shows up in its poller
             return
         queue = self._down_queue.setdefault(island, {})
         waiting = queue.get(update.fragment)
@@ -195,13 +201,13 @@ class IslandTransport:
                 if now_live is None or now_live[0] != live[0] or hooks.stopping():
                     self._published.forget(island)  # never delivered: whatever goes next goes whole
                     continue
-                ack = now_live[1].adopt.remote(update)
+                ack = call(now_live[1], _IslandShell.adopt, update)
                 if delta:
                     await self._confirmed(island, update, ack)
         finally:
             self._down_senders.discard(island)
 
-    async def _confirmed(self, island: int, update: FragmentUpdate, ack: Any) -> None:
+    async def _confirmed(self, island: int, update: FragmentUpdate, ack: ObjectRef[None]) -> None:
         # Whole fragments need no order (fire and forget); a difference is awaited, and one the island did not
         # confirm makes its next fragments go whole.
         try:

@@ -26,10 +26,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from orchestrator.config import load_config
 from orchestrator.core.accounting import incarnation_tokens, shown_fates
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 log = logging.getLogger(__name__)
 
@@ -277,14 +280,18 @@ def run_view(run_id: str, *, timeout_s: float = 60.0) -> dict:
     """Everything `diloco status` prints, read from the run's actors (no driver involved)."""
     import ray
 
+    from orchestrator.actors.handles import call
+    from orchestrator.actors.health_monitor import HealthMonitor
+    from orchestrator.actors.outer import _OuterShell
     from orchestrator.actors.runtime import NAMESPACE
     from orchestrator.run.metrics import estimated_run_start, goodput_so_far, live_ledger
 
-    outer = ray.get_actor(f"outer-{run_id}", namespace=NAMESPACE)
-    monitor = ray.get_actor(f"monitor-{run_id}", namespace=NAMESPACE)
-    snapshot = ray.get(monitor.snapshot.remote(), timeout=timeout_s)  # first: the islands' statuses never newer than the ledger
-    status, accounting, extra = ray.get([outer.status.remote(), outer.accounting.remote(), outer.restored_extra.remote()],
-                                        timeout=timeout_s)
+    outer: ActorHandle[_OuterShell] = ray.get_actor(f"outer-{run_id}", namespace=NAMESPACE)
+    monitor: ActorHandle[HealthMonitor] = ray.get_actor(f"monitor-{run_id}", namespace=NAMESPACE)
+    # First: the islands' statuses never newer than the ledger.
+    snapshot = ray.get(call(monitor, HealthMonitor.snapshot), timeout=timeout_s)
+    status, accounting, extra = ray.get([call(outer, _OuterShell.status), call(outer, _OuterShell.accounting),
+                                         call(outer, _OuterShell.restored_extra)], timeout=timeout_s)
     now = time.time()
     run_start = estimated_run_start(snapshot["timeline"])
     # The driver's token ledger, as it noted it at its last tick (every half second): the count its final table will

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -39,6 +39,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from islands.builtin import as_recipe
 from islands.spec import ModelConfig, ModelRecipe
 from islands.trainer import InnerTrainer
+from orchestrator.actors.chaos_injector import ChaosInjector
+from orchestrator.actors.handles import call
+from orchestrator.actors.health_monitor import HealthMonitor
+from orchestrator.actors.outer import _OuterShell
 from orchestrator.actors.remote import (
     WORKER_ENV,
     ignore_zero_copy_warnings,
@@ -82,6 +86,9 @@ from orchestrator.settings import injector_join_nodes, inner_settings, island_sp
 from policies.chaos import tape_from_config
 from policies.fragments import FragmentPlan, plan_fragments
 from policies.network import NetworkModel, build_network
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 # Re-exported: callers import these from the driver (the CLI, benchmarks, tests).
 __all__ = [
@@ -448,6 +455,10 @@ class Run:
     world: World  # these three from the set-up on (_setup)
     ledger: SessionLedger
     evals: RunEvaluations
+    # The run's actors, from the set-up on too (None until it started them: the clean-up reads them either way).
+    outer: ActorHandle[_OuterShell]
+    monitor: ActorHandle[HealthMonitor]
+    injector: ActorHandle[ChaosInjector] | None  # a run with a fault tape's
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, progress: Callable[[Progress], None] | None = None,
                  resume: bool = False, stages: Callable[[Stage], None] | None = None,
@@ -470,7 +481,7 @@ class Run:
         self.resume = resume
         self.run_id = f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}"
         self.events = EventLog(self.run_dir)
-        self.outer = self.monitor = self.injector = None
+        self.outer = self.monitor = self.injector = None  # type: ignore[assignment]  # set up by _setup
         self.snapshot: dict = {"slots": {}, "timeline": [], "detect_s": [], "rejoin_s": []}
         self.stop = stop or StopRequest()
         self.training_began = False  # set once every island of the first placement trains
@@ -531,17 +542,17 @@ class Run:
             # A fresh run has nothing to ask the outer optimizer first: the monitor (and through it the
             # islands) starts while the outer's process is still importing, not after it (~5 s per run).
             return
-        extra = self._get(self.outer.restored_extra.remote(), timeout=start_timeout_s(self.cfg))  # starts, restores
-        acct = self._get(self.outer.accounting.remote())
-        restored = self._get(self.outer.status.remote())["ledger"]  # the checkpoint's merged and refused
+        extra = self._get(call(self.outer, _OuterShell.restored_extra), timeout=start_timeout_s(self.cfg))  # starts, restores
+        acct = self._get(call(self.outer, _OuterShell.accounting))
+        restored = self._get(call(self.outer, _OuterShell.status))["ledger"]  # the checkpoint's merged and refused
         self.ledger.resume(restored=restored, extra=extra, acct=acct)
         # Before any checkpoint of this session: each one carries this session's records.
-        self._get(self.outer.note.remote(**self.ledger.note()))
+        self._get(call(self.outer, _OuterShell.note, **self.ledger.note()))
 
     def _start_islands(self, initial: dict[str, torch.Tensor]) -> None:
         """Have the monitor start the islands and wait for them (and a fresh run's outer optimizer), reporting
         each island as it comes up; note the starting point to score."""
-        started = self.monitor.ensure_started.remote(fresh=not self.resume, data=[self.data_ref])
+        started = call(self.monitor, HealthMonitor.ensure_started, fresh=not self.resume, data=[self.data_ref])
         # The starting point, how far the loss fell from. A fresh run evaluates the parameters it seeded
         # (version 0 of every fragment): asking the outer optimizer raced the islands, which on a quick
         # start had merged a few rounds before it answered (seen in a notebook). It is scored once an island
@@ -554,7 +565,7 @@ class Run:
             self.evals.hold_start(initial, self.world.plan.num_fragments)
         # A fresh run's outer optimizer is up (or says why not) while islands start; a resumed run's was asked
         # for its metadata above.
-        wait_for_start(started, [] if self.resume else [self.outer.restored_extra.remote()], cfg=self.cfg,
+        wait_for_start(started, [] if self.resume else [call(self.outer, _OuterShell.restored_extra)], cfg=self.cfg,
                        monitor=self.monitor, first_inc=self.ledger.first_inc, timeout_s=start_timeout_s(self.cfg),
                        get=self._get, stages=self.startup)
 
@@ -564,27 +575,27 @@ class Run:
     # ------------------------------------------------------------------ loop
 
     def _refresh(self) -> None:
-        self._get(self.monitor.ensure_started.remote(data=[self.data_ref]))  # re-adopts islands after a monitor restart
-        self.snapshot = self._get(self.monitor.snapshot.remote())
+        self._get(call(self.monitor, HealthMonitor.ensure_started, data=[self.data_ref]))  # re-adopts islands after a monitor restart
+        self.snapshot = self._get(call(self.monitor, HealthMonitor.snapshot))
         self.callbacks.island_events(self.snapshot, self.ledger.processed)
 
     def _accounting(self) -> dict:
         """The outer optimizer's accounting(), with what earlier reads saw (SessionLedger.keep_accounting)."""
-        return self.ledger.keep_accounting(self._get(self.outer.accounting.remote()))
+        return self.ledger.keep_accounting(self._get(call(self.outer, _OuterShell.accounting)))
 
     def _evaluate(self, t0: float) -> dict:
         """Evaluate the run's model now: the global parameters, or their moving average under run.average_window.
         The point's token counts are the ledger's at this read, its `wall_s` (from `t0`) and `at` the read's."""
         read_mono, read_at = time.monotonic(), time.time()
-        params = self._get(self.outer.served_parameters.remote())
-        status = self._get(self.outer.status.remote())
+        params = self._get(call(self.outer, _OuterShell.served_parameters))
+        status = self._get(call(self.outer, _OuterShell.status))
         fates = self.ledger.account(status, self.snapshot)
         return self.evals.score(params, versions=list(status["versions"]), tokens=self.ledger.processed,
                                 merged=sum(fates["merged"]) / len(fates["merged"]), wall_s=read_mono - t0, at=read_at)
 
     def _drain_events(self) -> int:
         """Take the rounds and refusals the outer optimizer recorded since the last call; returns how many rounds."""
-        got = self._get(self.outer.drain_events.remote())
+        got = self._get(call(self.outer, _OuterShell.drain_events))
         self.events.add("rounds", got["rounds"])
         self.events.add("refusals", got["refusals"])
         self.metrics.record_events(got["rounds"], got["refusals"], self.snapshot)
@@ -619,13 +630,13 @@ class Run:
         while True:
             try:
                 self._refresh()
-                status = self._get(self.outer.status.remote())
+                status = self._get(call(self.outer, _OuterShell.status))
                 self.ledger.account(status, self.snapshot)
                 incarnations = {str(i): s["incarnation"] for i, s in self.snapshot["slots"].items()}
-                self._get(self.outer.note.remote(**self.ledger.note(), run_id=self.run_id, incarnations=incarnations,
-                                                 progress=self.ledger.processed / budget))
+                self._get(call(self.outer, _OuterShell.note, **self.ledger.note(), run_id=self.run_id, incarnations=incarnations,
+                               progress=self.ledger.processed / budget))
                 if self.injector is not None:  # a fixed tape's faults trigger on the run's progress: no reply awaited
-                    self.injector.note_progress.remote(self.ledger.processed / budget)
+                    call(self.injector, ChaosInjector.note_progress, self.ledger.processed / budget)
             except _TRANSIENT as err:  # an actor restarting: Ray brings it back, try again next tick
                 _warn_transient(err)
                 time.sleep(0.5)
@@ -682,14 +693,14 @@ class Run:
         flush = self.cfg.run.final_flush
         stop_began = time.time()  # uptime's clock ends here: from now on versions are held on purpose
         if flush:  # no round closes between the islands' last cuts and the final merge
-            self._get(self.outer.hold.remote())
+            self._get(call(self.outer, _OuterShell.hold))
         t_stop = time.monotonic()
-        self.snapshot = self._get(self.monitor.stop.remote(flush=flush), timeout=self.cfg.run.call_timeout_s + 30)
+        self.snapshot = self._get(call(self.monitor, HealthMonitor.stop, flush=flush), timeout=self.cfg.run.call_timeout_s + 30)
         log.info("islands stopped in %.1fs", time.monotonic() - t_stop)
         run_end, wall = time.time(), time.monotonic() - t0
         if flush:
             self._final_flush(t_stop)
-        self._get(self.outer.stop.remote(), timeout=self.cfg.run.call_timeout_s + 30)
+        self._get(call(self.outer, _OuterShell.stop), timeout=self.cfg.run.call_timeout_s + 30)
         record, new_rounds = self._record(t0, stop_began=stop_began, run_end=run_end, wall=wall)
         publish_outcome(record, new_rounds, metrics=self.metrics, callbacks=self.callbacks, events=self.events)
         summary = run_summary(record)
@@ -701,27 +712,27 @@ class Run:
         """Merge the stopped islands' last progress (run.final_flush), scoring the model before it first."""
         # The global model as the last regular round left it, scored on the same held-out batches: what
         # the final flush changes shows in the summary without another run's noise (RESULTS.md: a lead).
-        self.evals.before_flush_loss = self.evals.loss(self._get(self.outer.served_parameters.remote()))
-        closed = self._get(self.outer.finish.remote(self.cfg.run.call_timeout_s), timeout=self.cfg.run.call_timeout_s + 30)
+        self.evals.before_flush_loss = self.evals.loss(self._get(call(self.outer, _OuterShell.served_parameters)))
+        closed = self._get(call(self.outer, _OuterShell.finish, self.cfg.run.call_timeout_s), timeout=self.cfg.run.call_timeout_s + 30)
         log.info("final flush: %d rounds closed with the islands' last progress (%.1fs after stop began)",
                  closed, time.monotonic() - t_stop)
-        self.snapshot = self._get(self.monitor.refresh_statuses.remote(), timeout=self.cfg.run.call_timeout_s + 30)
+        self.snapshot = self._get(call(self.monitor, HealthMonitor.refresh_statuses), timeout=self.cfg.run.call_timeout_s + 30)
 
     def _record(self, t0: float, *, stop_began: float, run_end: float, wall: float) -> tuple[SessionRecord, int]:
         """Gather the stopped session's outcome from the stopped actors: its record and the rounds drained last.
         Checkpoints the final model and ledger on the way, and evaluates the final model."""
         acct = self._accounting()
-        status = self._get(self.outer.status.remote())  # stopped: its ledger is final
+        status = self._get(call(self.outer, _OuterShell.status))  # stopped: its ledger is final
         fates = self.ledger.account(status, self.snapshot)
         live, dead = island_statuses(self.snapshot)
         # The last checkpoint holds the final model (orchestrator.run.trained reads it) and the final ledger.
-        self._get(self.outer.note.remote(**self.ledger.note()))
-        self._get(self.outer.checkpoint.remote())
-        faults = self._get(self.injector.report.remote()) if self.injector is not None else []
+        self._get(call(self.outer, _OuterShell.note, **self.ledger.note()))
+        self._get(call(self.outer, _OuterShell.checkpoint))
+        faults = self._get(call(self.injector, ChaosInjector.report)) if self.injector is not None else []
         new_rounds = self._drain_events()
         final_eval = self._evaluate(t0)
         if self.cfg.run.average_window is not None:  # the raw global model on the same batches: what averaging gave
-            self.evals.raw_loss = self.evals.loss(self._get(self.outer.global_parameters.remote()))
+            self.evals.raw_loss = self.evals.loss(self._get(call(self.outer, _OuterShell.global_parameters)))
         self._report(t0, status)
         good = self.ledger.goodput(acct, fates=fates, timeline=self.snapshot["timeline"], run_start=self.run_start,
                                    run_end=run_end, islands=self.cfg.num_islands, stop_began=stop_began)

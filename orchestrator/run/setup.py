@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -19,7 +19,11 @@ import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from islands.spec import IslandSpec
+from orchestrator.actors.chaos_injector import ChaosInjector
+from orchestrator.actors.handles import call
+from orchestrator.actors.health_monitor import HealthMonitor
 from orchestrator.actors.monitor_settings import ActorClasses, RunAddress
+from orchestrator.actors.outer import _OuterShell
 from orchestrator.actors.placement import remove_run_groups
 from orchestrator.actors.remote import (
     NAMESPACE,
@@ -44,6 +48,9 @@ from orchestrator.settings import (
     outer_settings,
 )
 from policies.fragments import FragmentPlan
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +116,7 @@ def start_timeout_s(cfg: RunConfig) -> float:
 
 def start_outer(cfg: RunConfig, run_id: str, ckpt_uri: str, *, plan: FragmentPlan, embedding_names: frozenset[str],
                 buffer_names: frozenset[str], network: Any, island_regions: dict[int, str],
-                optimizer: Any = None) -> tuple[str, Any]:
+                optimizer: Any = None) -> tuple[str, ActorHandle[_OuterShell]]:
     """Start the run's outer optimizer on checkpoints under `ckpt_uri`: (its name, its handle). `optimizer`: the
     public API's outer optimizer factory, in place of the config's; `network`: the links it delivers over."""
     name = f"outer-{run_id}"
@@ -119,7 +126,7 @@ def start_outer(cfg: RunConfig, run_id: str, ckpt_uri: str, *, plan: FragmentPla
     return name, outer
 
 
-def start_monitor(cfg: RunConfig, run_id: str, specs: list[IslandSpec], outer_name: str) -> tuple[str, Any]:
+def start_monitor(cfg: RunConfig, run_id: str, specs: list[IslandSpec], outer_name: str) -> tuple[str, ActorHandle[HealthMonitor]]:
     """Start the run's health monitor (which places and keeps the islands): (its name, its handle)."""
     name = f"monitor-{run_id}"
     job_env = dict(ray.get_runtime_context().runtime_env)
@@ -146,28 +153,29 @@ def monitor_runtime_env(job_env: dict) -> dict | None:
 
 
 def start_injector(tape: Any, run_id: str, monitor_name: str, run_start: float, timeout_s: float,
-                   join_nodes: dict[int, dict]) -> Any:
+                   join_nodes: dict[int, dict]) -> ActorHandle[ChaosInjector]:
     """Start the chaos injector on `tape` (its clock counts from `run_start`) and return its handle. `join_nodes`:
     what a `node_joins` node of each island's pool offers (orchestrator.settings.injector_join_nodes)."""
     injector = ChaosInjectorActor.options(name=f"chaos-{run_id}", namespace=NAMESPACE, num_cpus=0,
                                           scheduling_strategy=here(), runtime_env=CONTROL_PLANE_RUNTIME_ENV).remote(
         tape, namespace=NAMESPACE, monitor_name=monitor_name, run_start=run_start,
         protected_node=ray.get_runtime_context().get_node_id(), ender_cls=NodeEnderActor, join_nodes=join_nodes)
-    ray.get(injector.start.remote(), timeout=timeout_s)
+    ray.get(call(injector, ChaosInjector.start), timeout=timeout_s)
     return injector
 
 
-def stop_session(run_id: str, monitor: Any, injector: Any, timeout_s: float) -> None:
+def stop_session(run_id: str, monitor: ActorHandle[HealthMonitor] | None, injector: ActorHandle[ChaosInjector] | None,
+                 timeout_s: float) -> None:
     """Take a session's actors down: the monitor's islands and placement groups, the chaos injector's nodes, then
     every named actor of the run (islands are detached: they would outlive the driver). Failures are logged."""
     if monitor is not None:
         try:
-            ray.get(monitor.teardown.remote(), timeout=timeout_s)
+            ray.get(call(monitor, HealthMonitor.teardown), timeout=timeout_s)
         except Exception as err:
             log.warning("monitor teardown: %s", err)
     if injector is not None:  # the nodes its node_joins faults started must not outlive the run
         try:
-            ray.get(injector.stop.remote(), timeout=60)
+            ray.get(call(injector, ChaosInjector.stop), timeout=60)
         except Exception as err:
             log.warning("chaos injector stop: %s", err)
     kill_run_actors(run_id)

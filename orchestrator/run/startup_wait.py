@@ -11,18 +11,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
 
+from orchestrator.actors.handles import call
+from orchestrator.actors.health_monitor import HealthMonitor
 from orchestrator.config import RunConfig
 from orchestrator.run.startup import StartupStages, islands_ready, stepped_islands
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 log = logging.getLogger(__name__)
 
 
-def wait_for_start(started: Any, others: list, *, cfg: RunConfig, monitor: Any, first_inc: dict[int, int],
+def wait_for_start(started: Any, others: list, *, cfg: RunConfig, monitor: ActorHandle[HealthMonitor], first_inc: dict[int, int],
                    timeout_s: float, get: Callable[..., Any], stages: StartupStages) -> None:
     """Wait for `started` (the monitor's ensure_started call) and `others` (e.g. a fresh run's outer optimizer
     coming up) for `timeout_s`, longer while an elastic pool waits for machines. Process starts, not control
@@ -48,7 +53,7 @@ def wait_for_start(started: Any, others: list, *, cfg: RunConfig, monitor: Any, 
                 cause = str(err).strip().splitlines()[-1]
                 raise RuntimeError(f"islands failed to start: {cause}") from None
         if listening or elastic:
-            snap = get(monitor.snapshot.remote()) if started in waits else None
+            snap = get(call(monitor, HealthMonitor.snapshot)) if started in waits else None
             now_ready = need if snap is None else min(islands_ready(snap, first_inc), need)
             if now_ready > ready and listening:
                 ready = now_ready
