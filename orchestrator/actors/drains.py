@@ -4,7 +4,7 @@ Ray 2.60 drains a node through one GCS call (`GcsClient.drain_node`), which `ray
 and cloud preemption handlers all use: the node accepts no new work from then on, and whoever asked ends it at
 the deadline (Ray itself does not). The GCS answers `get_draining_nodes` with every draining node's deadline,
 so the health monitor polls that once a second (one small RPC, no torch) and has its islands there leave in
-time (HealthMonitor._leave).
+time (ElasticMembership in membership.py).
 """
 
 from __future__ import annotations

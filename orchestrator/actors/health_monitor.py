@@ -20,7 +20,8 @@ The monitor is the coordinator (watch, fail, restart, reintegrate); each collabo
 all in orchestrator/actors/: `IslandLauncher` places, starts and kills island processes, taking a
 warm spare (`WarmSpares`, spares.py) before a cold start (launcher.py); `ProgressKeepers` runs the
 pools' keepers and salvage (keepers.py); `OuterLink` talks to the outer optimizer and notices its
-restarts (outer_link.py); `RecoveryRecord` keeps the timeline and detect/rejoin times, and what the
+restarts (outer_link.py); `ElasticMembership` starts elastic pools' islands as room appears and has islands
+leave drained nodes (membership.py); `RecoveryRecord` keeps the timeline and detect/rejoin times, and what the
 monitor parks to survive its own restart (recovery_record.py). Settings are typed (monitor_settings.py).
 """
 
@@ -36,15 +37,14 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from islands.spec import IslandSpec
-from orchestrator.actors.drains import DrainWatch
 from orchestrator.actors.keepers import ProgressKeepers
 from orchestrator.actors.launcher import IslandLauncher, find_run_actors, island_statuses, stop_islands
+from orchestrator.actors.membership import ElasticMembership
 from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorPools, MonitorTimeouts, RunAddress
 from orchestrator.actors.outer_link import OuterLink
-from orchestrator.actors.placement import no_room
-from orchestrator.actors.recovery_record import RecoveryRecord, parked_state, restore_parked
+from orchestrator.actors.recovery_record import RecoveryRecord, monitor_snapshot, parked_state, restore_parked
 from orchestrator.actors.runtime import quiet_worker
-from orchestrator.actors.slots import SlotState, has_submitted, islands_stepped
+from orchestrator.actors.slots import DOWN, SlotState, has_submitted, islands_stepped
 from policies.health import assess_island
 from policies.island_states import ENDED_BADLY, IslandState
 from policies.restart import RestartBudget
@@ -53,9 +53,6 @@ __all__ = ["HealthMonitor"]
 
 log = logging.getLogger(__name__)
 
-_DOWN = (IslandState.DEAD, IslandState.RESTARTING, IslandState.VACANT)  # a slot with no live incarnation to fail
-
-
 def observed_state(reported: str, *, stepped: bool, was: str) -> str:
     """A slot's timeline state from its island's answer: blocked as it says, training once it has stepped, else
     what the slot was (starting or reintegrating until the first step)."""
@@ -63,11 +60,6 @@ def observed_state(reported: str, *, stepped: bool, was: str) -> str:
         return IslandState.BLOCKED
     return IslandState.TRAINING if stepped else was
 
-# A drained island stops DRAIN_MARGIN_S before its node's deadline at the latest; a drain without a deadline
-# gives it DRAIN_WITHOUT_DEADLINE_S.
-DRAIN_MARGIN_S, DRAIN_WITHOUT_DEADLINE_S = 2.0, 60.0
-# A run below an elastic pool's minimum says what it waits for once the monitor has been up this long.
-WAIT_NOTICE_S = 5.0
 
 
 class HealthMonitor:
@@ -111,14 +103,15 @@ class HealthMonitor:
         self.handles: dict[int, Any] = {}  # island -> leader of its live incarnation
         self.watchers: dict[int, asyncio.Task] = {}
         self.restarting: dict[int, asyncio.Task] = {}
-        self.joining: dict[int, asyncio.Task] = {}  # elastic slots waiting for room in their pool
-        self.leaving: dict[int, asyncio.Task] = {}  # islands leaving with their drained node
-        self.drains = DrainWatch(self.timeouts.tick_s)
+        self.membership = ElasticMembership(
+            pools=self.pools, slots=self.slots, handles=self.handles, restarting=self.restarting, record=self.record,
+            launcher=self.launcher, outer=self.outer, budget=restart, timeouts=timeouts, start=self._start,
+            teardown=self._teardown, fail=self._fail, stopping=stopping)
+        self.joining, self.leaving = self.membership.joining, self.membership.leaving  # the same dicts
         self._failing: set[int] = set()  # slots inside _fail(), before their restart task exists
         self._loop_task: asyncio.Task | None = None
         self._after_steps_task: asyncio.Task | None = None
         self._stopping = False
-        self._began = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -150,65 +143,13 @@ class HealthMonitor:
         # An elastic pool's slots wait for room in the background; the run needs only its minimum placed.
         for slot in todo:
             if self.pools[slot.pool].elastic:
-                self.joining[slot.island] = asyncio.get_running_loop().create_task(self._join(slot))
+                self.membership.join_later(slot)
         starts = [self._start(slot) for slot in todo if not self.pools[slot.pool].elastic]
         if fresh:
-            await asyncio.gather(*starts, self._until_required())
+            await asyncio.gather(*starts, self.membership.until_required())
         else:  # keepers a previous monitor started are taken back at once: salvage needs them from the start
             await asyncio.gather(*starts, self.keepers.start(self.launcher.placed))
         self._after_steps_task = asyncio.get_running_loop().create_task(self._start_when_islands_step(fresh))
-
-    def waiting_for(self) -> list[str]:
-        """What the run waits for before it can start, one line per elastic pool below its minimum (empty when
-        none is): how many of its islands are placed, and the room it lacks."""
-        lines = []
-        for name, pool in self.pools.items():
-            if not pool.elastic:
-                continue
-            placed = sum(1 for s in self.slots.values() if s.pool == name and s.island in self.handles)
-            if placed < pool.required_islands:
-                lines.append(f"{no_room(pool, 0).split(' within ')[0]}: {placed} of min {pool.required_islands} "
-                             f"islands placed; add nodes with labels {pool.labels or '{}'} (ray start --labels ...)")
-        return lines
-
-    def _waiting_notice(self) -> list[str]:
-        """`waiting_for`, once the monitor has been up WAIT_NOTICE_S (placing and starting an island takes seconds
-        even where a node has room: saying "no node could host" before that would be wrong)."""
-        return self.waiting_for() if time.monotonic() - self._began >= WAIT_NOTICE_S else []
-
-    async def _until_required(self) -> None:
-        """Return once every elastic pool has its minimum of islands up, logging what it waits for meanwhile (in
-        this actor's log; the driver says it to the user from the snapshot's "waiting")."""
-        said = 0.0
-        while not self._stopping:
-            lines = self.waiting_for()
-            if not lines:
-                return
-            if time.monotonic() - said >= 30.0:
-                for line in lines:
-                    log.info("waiting for %s", line)
-                said = time.monotonic()
-            await asyncio.sleep(self.timeouts.tick_s)
-
-    async def _join(self, slot: SlotState) -> None:
-        """An elastic slot: wait for room in its pool, then start an island there (a join when it had been vacant).
-        Retried with backoff if the start fails, like a restart, until it succeeds or the run stops."""
-        while not self._stopping:
-            vacant_before = slot.state == IslandState.VACANT
-            try:
-                await self._start(slot)
-            except Exception as err:  # noqa: BLE001 - e.g. the new actor died while starting
-                log.error("island %d incarnation %d failed to join: %s", slot.island, slot.incarnation, err)
-                await self._teardown(slot)
-                await asyncio.sleep(max(self.budget.on_failure(slot.island, time.monotonic()).at - time.monotonic(), 0.5))
-                continue
-            if slot.island in self.handles and (vacant_before or slot.joined_vacant):
-                slot.joins += 1
-                self.record.joins.append({"island": slot.island, "incarnation": slot.incarnation, "node": slot.node,
-                                          "at": time.time()})
-                log.warning("island %d incarnation %d joined on node %s", slot.island, slot.incarnation, slot.node)
-            break
-        self.joining.pop(slot.island, None)
 
     async def _start_when_islands_step(self, keepers: bool) -> None:
         """Once every island has stepped (slots.islands_stepped): the pools' keepers when `keepers`, then
@@ -226,20 +167,14 @@ class HealthMonitor:
         """Take back the islands, followers and spares a previous monitor of this run left; returns the slots."""
         found = await find_run_actors(run_id=self.run.run_id, namespace=self.run.namespace, slots=set(self.slots),
                                       call_timeout_s=self.timeouts.call_s)
-        for name, handle in found.spares:
-            self.launcher.spares.adopt(name, handle)
+        self.launcher.take_back(found)
         for island, (inc, name, handle) in found.islands.items():
             slot = self.slots[island]
             self.handles[island] = handle
-            self.launcher.adopt(island, name, found.followers.pop(name, []))
             slot.adopt(inc, name, time.monotonic())
             self.record.mark(slot, IslandState.TRAINING)
             self.watchers[island] = asyncio.get_running_loop().create_task(self._watch(slot, inc))
             log.warning("re-adopted island %d incarnation %d (%s) after a monitor restart", island, inc, name)
-        for name, orphans in found.followers.items():  # followers of a leader that is gone: their island is rebuilt whole
-            log.warning("killing %d followers of %s, whose leader is gone", len(orphans), name)
-            for handle in orphans:
-                ray.kill(handle, no_restart=True)
         return set(found.islands)
 
     async def _start(self, slot: SlotState, *, cursor: int | None = None) -> None:
@@ -304,7 +239,7 @@ class HealthMonitor:
                 return
 
     async def _fail(self, slot: SlotState, kind: str, reason: str, *, leaving: bool = False) -> None:
-        if slot.island in self.restarting or slot.island in self._failing or slot.state in _DOWN:
+        if slot.island in self.restarting or slot.island in self._failing or slot.state in DOWN:
             return
         if slot.island in self.leaving and not leaving:
             return  # the leave in progress decides: merged and gone, or a failure after all
@@ -374,7 +309,7 @@ class HealthMonitor:
         while not self._stopping:
             await asyncio.sleep(self.timeouts.tick_s)
             try:
-                await self._check_drains()
+                await self.membership.check_drains()
                 await self._check_outer()
                 await asyncio.gather(*(self._check(slot) for slot in self.slots.values()))
                 self.keepers.check_when_due()
@@ -384,55 +319,6 @@ class HealthMonitor:
                     last_saved = time.monotonic()
             except Exception as err:  # noqa: BLE001 - the monitor itself must keep going
                 log.warning("health check round failed: %s", err)
-
-    async def _check_drains(self) -> None:
-        """Islands on a node being drained (a preemption notice, the autoscaler taking it back) leave before its
-        deadline, their progress merged (`_leave`)."""
-        draining = await self.drains.poll()
-        for slot in self.slots.values():
-            if (slot.node in draining and slot.island in self.handles and slot.island not in self.leaving
-                    and slot.island not in self.restarting and slot.state not in _DOWN):
-                self.leaving[slot.island] = asyncio.get_running_loop().create_task(
-                    self._leave(slot, slot.node, draining[slot.node]))
-
-    async def _leave(self, slot: SlotState, node: str, deadline: float | None) -> None:
-        """Island `slot` leaves its drained node: it stops with a flush (every fragment's progress cut), the outer
-        optimizer takes and merges the cuts (`OuterOptimizer.leave`), and the slot turns vacant until its pool has
-        room again (another node, or this one if its drain is cancelled). If the island dies first, or the
-        leave cannot finish before the deadline, it fails as today (salvage, restart)."""
-        island, inc, handle = slot.island, slot.incarnation, self.handles[slot.island]
-        left_s = (deadline - time.time()) if deadline else DRAIN_WITHOUT_DEADLINE_S
-        log.warning("island %d incarnation %d leaves node %s, which is being drained (%s)", island, inc, node,
-                    f"{left_s:.0f} s to its deadline" if deadline else "no deadline")
-        self.record.mark(slot, IslandState.LEAVING)
-        try:
-            budget = max(left_s - DRAIN_MARGIN_S, 1.0)
-            t0 = time.monotonic()
-            await asyncio.wait_for(handle.stop.remote(timeout_s=budget, flush=True), timeout=budget)
-            rest = max(budget - (time.monotonic() - t0), 1.0)
-            outer = self.outer.handle()
-            took = await asyncio.wait_for(outer.leave.remote(island, inc, rest), timeout=rest + self.timeouts.call_s)
-            final = await asyncio.wait_for(handle.status.remote(), timeout=self.timeouts.call_s)
-        except Exception as err:  # noqa: BLE001 - gone before it could leave: today's failure path
-            self.leaving.pop(island, None)
-            if slot.incarnation == inc:
-                await self._fail(slot, "dead", f"drained node went before the island left: {err}"[:200], leaving=True)
-            return
-        slot.finals.append(final)
-        slot.status, slot.leaves = None, slot.leaves + 1
-        self.launcher.kill(island, self.handles.pop(island, None))
-        self.launcher.release(island)
-        self.record.leaves.append({"island": island, "incarnation": inc, "node": node, "at": time.time(),
-                                   "deadline": deadline, "merged": took["merged"], "waited_s": took["waited_s"],
-                                   # every token it processed reached the outer optimizer when the two agree
-                                   "tokens": final.tokens, "received": took["received"]})
-        self.record.mark(slot, IslandState.VACANT)
-        log.warning("island %d incarnation %d left node %s after %.1f s (its progress %s; %d of %d tokens received)",
-                    island, inc, node, took["waited_s"], "merged" if took["merged"] else "not all merged in time",
-                    took["received"], final.tokens)
-        self.leaving.pop(island, None)
-        if not self._stopping:
-            self.joining[island] = asyncio.get_running_loop().create_task(self._join(slot))
 
     async def _check_outer(self) -> None:
         """One round with the outer optimizer (OuterLink.check): resyncs, diverged islands, registrations."""
@@ -451,7 +337,7 @@ class HealthMonitor:
     async def _check(self, slot: SlotState) -> None:
         handle = self.handles.get(slot.island)
         if (handle is None or slot.island in self.restarting or slot.island in self.leaving
-                or slot.state in (*_DOWN, IslandState.STOPPED, IslandState.LEAVING)):
+                or slot.state in (*DOWN, IslandState.STOPPED, IslandState.LEAVING)):
             return
         now = time.monotonic()
         ok = True
@@ -492,14 +378,8 @@ class HealthMonitor:
 
     def snapshot(self) -> dict:
         """Slots, their latest statuses, the timeline so far, detect and rejoin times."""
-        r, k = self.record, self.keepers
-        return {
-            "slots": {i: dataclasses.asdict(s) | {"status": s.status, "finals": list(s.finals)} for i, s in self.slots.items()},
-            "timeline": list(r.timeline), "detect_s": list(r.detect_s), "rejoin_s": list(r.rejoin_s),
-            "spares": self.launcher.spares.counts(), "detections": list(r.detections),
-            "salvages": list(k.salvages), "keeper_restarts": dict(k.restarts), "keeper_moves": dict(k.moves),
-            "joins": list(r.joins), "leaves": list(r.leaves), "waiting": self._waiting_notice(),
-        }
+        return monitor_snapshot(self.slots, self.record, self.keepers, spares=self.launcher.spares.counts(),
+                                waiting=self.membership.waiting_notice())
 
     async def stop(self, flush: bool = False) -> dict:
         """Stop monitoring and every island; returns the final snapshot.

@@ -90,6 +90,18 @@ class IslandLauncher:
         self.groups[island] = get_placement_group(name)
         self.followers[island] = followers
 
+    def take_back(self, found: RunActors) -> None:
+        """After a monitor restart, what `found` (find_run_actors) holds: the warm spares, and each leader's group
+        and followers; followers whose leader is gone are killed (their island is rebuilt whole)."""
+        for name, handle in found.spares:
+            self.spares.adopt(name, handle)
+        for island, (_, name, _) in found.islands.items():
+            self.adopt(island, name, found.followers.pop(name, []))
+        for name, orphans in found.followers.items():
+            log.warning("killing %d followers of %s, whose leader is gone", len(orphans), name)
+            for handle in orphans:
+                ray.kill(handle, no_restart=True)
+
     async def place(self, slot: SlotState, spec: IslandSpec, outer: ActorHandle[_OuterShell],
                     cursor: DataCursor | int | None, data: list[Any], on_wait: Callable[[float], None] | None = None,
                     ) -> tuple[ActorHandle[_IslandShell], DataCursor | int | None] | None:

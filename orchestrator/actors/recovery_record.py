@@ -6,6 +6,7 @@ of the state the monitor parks with the outer optimizer, so that it survives a m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -18,7 +19,7 @@ from policies.island_states import IslandState
 if TYPE_CHECKING:
     from orchestrator.actors.keepers import ProgressKeepers
 
-__all__ = ["RecoveryRecord", "parked_state", "restore_parked"]
+__all__ = ["RecoveryRecord", "monitor_snapshot", "parked_state", "restore_parked"]
 
 _NOT_LIVE = (IslandState.DEAD, IslandState.RESTARTING, IslandState.STARTING, IslandState.VACANT)
 """Slot states of no live incarnation that could have died unseen (a first start just starts again)."""
@@ -105,6 +106,21 @@ class RecoveryRecord:
         self.detections = list(saved["detections"])
         self.faults = dict(saved["faults"])
         self.joins, self.leaves = list(saved.get("joins", [])), list(saved.get("leaves", []))
+
+
+def monitor_snapshot(slots: dict[int, SlotState], record: RecoveryRecord, keepers: ProgressKeepers, *,
+                     spares: dict, waiting: list[str]) -> dict:
+    """What HealthMonitor.snapshot answers: slots with their latest statuses, the timeline so far, detect and rejoin
+    times, salvages, keeper restarts and moves, joins and leaves, the warm `spares` counts and what the run is
+    `waiting` for."""
+    r, k = record, keepers
+    return {
+        "slots": {i: dataclasses.asdict(s) | {"status": s.status, "finals": list(s.finals)} for i, s in slots.items()},
+        "timeline": list(r.timeline), "detect_s": list(r.detect_s), "rejoin_s": list(r.rejoin_s),
+        "spares": spares, "detections": list(r.detections),
+        "salvages": list(k.salvages), "keeper_restarts": dict(k.restarts), "keeper_moves": dict(k.moves),
+        "joins": list(r.joins), "leaves": list(r.leaves), "waiting": waiting,
+    }
 
 
 def parked_state(slots: dict[int, SlotState], record: RecoveryRecord, keepers: ProgressKeepers) -> dict:

@@ -14,7 +14,9 @@ from typing import Any
 
 from policies.island_states import IslandState
 
-__all__ = ["SlotState", "has_submitted", "island_name", "islands_stepped"]
+__all__ = ["DOWN", "SlotState", "has_submitted", "island_name", "islands_stepped"]
+
+DOWN = (IslandState.DEAD, IslandState.RESTARTING, IslandState.VACANT)  # a slot with no live incarnation to fail
 
 
 @dataclass
