@@ -31,16 +31,19 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from islands.spec import IslandSpec
+from orchestrator.actors.handles import call
+from orchestrator.actors.islands import _IslandShell
 from orchestrator.actors.keepers import ProgressKeepers
 from orchestrator.actors.launcher import IslandLauncher, find_run_actors, island_statuses, stop_islands
 from orchestrator.actors.membership import ElasticMembership
 from orchestrator.actors.monitor_settings import ActorClasses, HealthThresholds, MonitorPools, MonitorTimeouts, RunAddress
+from orchestrator.actors.outer import _OuterShell
 from orchestrator.actors.outer_link import OuterLink
 from orchestrator.actors.recovery_record import RecoveryRecord, monitor_snapshot, parked_state, restore_parked
 from orchestrator.actors.runtime import quiet_worker
@@ -48,6 +51,9 @@ from orchestrator.actors.slots import DOWN, SlotState, has_submitted, islands_st
 from policies.health import assess_island
 from policies.island_states import ENDED_BADLY, IslandState
 from policies.restart import RestartBudget
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 __all__ = ["HealthMonitor"]
 
@@ -100,7 +106,7 @@ class HealthMonitor:
         self.record = RecoveryRecord()
         # A slot's next start uses incarnation + 1: a resumed run continues above the previous driver's.
         self.slots = {s.island: SlotState(s.island, s.pool, incarnation=s.incarnation - 1) for s in specs}
-        self.handles: dict[int, Any] = {}  # island -> leader of its live incarnation
+        self.handles: dict[int, ActorHandle[_IslandShell]] = {}  # island -> leader of its live incarnation
         self.watchers: dict[int, asyncio.Task] = {}
         self.restarting: dict[int, asyncio.Task] = {}
         self.membership = ElasticMembership(
@@ -210,8 +216,8 @@ class HealthMonitor:
         try:
             if self.pools[slot.pool].workers_per_island > 1:
                 await self.launcher.start_followers(slot, spec, handle, self.data)
-            slot.node = await asyncio.wait_for(handle.node_id.remote(), timeout=self.timeouts.placement_s)
-            await self.outer.call(outer.register.remote(slot.island, slot.incarnation, handle))
+            slot.node = await asyncio.wait_for(call(handle, _IslandShell.node_id), timeout=self.timeouts.placement_s)
+            await self.outer.call(call(outer, _OuterShell.register, slot.island, slot.incarnation, handle))
         except BaseException:
             ray.kill(handle, no_restart=True)  # never leave a half-started detached island behind
             self.launcher.kill_followers(slot.island)
@@ -229,7 +235,7 @@ class HealthMonitor:
         handle = self.handles[slot.island]
         while not self._stopping and slot.incarnation == incarnation:
             try:
-                state = await handle.watch.remote(5.0)
+                state = await call(handle, _IslandShell.watch, 5.0)
             except (RayActorError, RayTaskError) as err:
                 if not self._stopping and slot.incarnation == incarnation:
                     await self._fail(slot, "dead", str(err).strip().splitlines()[-1][:200])
@@ -274,7 +280,7 @@ class HealthMonitor:
         # Rebuild whole: kill the actors (leader and followers), then remove the group (never the reverse).
         self.launcher.kill(slot.island, self.handles.pop(slot.island, None))
         try:
-            await self.outer.call(self.outer.handle().unregister.remote(slot.island))
+            await self.outer.call(call(self.outer.handle(), _OuterShell.unregister, slot.island))
         except Exception as err:  # noqa: BLE001 - the outer optimizer may itself be restarting
             log.warning("unregister island %d: %s", slot.island, err)
         self.launcher.release(slot.island)
@@ -343,7 +349,7 @@ class HealthMonitor:
         ok = True
         incarnation = slot.incarnation
         try:
-            st = await asyncio.wait_for(handle.status.remote(), timeout=min(2.0, self.timeouts.call_s))
+            st = await asyncio.wait_for(call(handle, _IslandShell.status), timeout=min(2.0, self.timeouts.call_s))
             if self._moved_on(slot, incarnation):
                 return  # the slot failed (or moved on) while we waited: this answer is about the past
             if slot.observe(st, now) and slot.state in (IslandState.STARTING, IslandState.REINTEGRATING):

@@ -13,17 +13,23 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.actors.drains import DrainWatch
+from orchestrator.actors.handles import call
+from orchestrator.actors.islands import _IslandShell
 from orchestrator.actors.launcher import IslandLauncher
 from orchestrator.actors.monitor_settings import MonitorTimeouts
+from orchestrator.actors.outer import _OuterShell
 from orchestrator.actors.outer_link import OuterLink
 from orchestrator.actors.placement import no_room
 from orchestrator.actors.recovery_record import RecoveryRecord
 from orchestrator.actors.slots import DOWN, SlotState
 from policies.island_states import IslandState
 from policies.restart import RestartBudget
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 __all__ = ["DRAIN_MARGIN_S", "DRAIN_WITHOUT_DEADLINE_S", "WAIT_NOTICE_S", "ElasticMembership"]
 
@@ -41,7 +47,8 @@ class ElasticMembership:
     `restarting` (slots being restarted), and calls back into it: `start(slot)` places an island, `teardown(slot)`
     removes one, `fail(slot, kind, reason, leaving=True)` is a failure, `stopping()` says the run stops."""
 
-    def __init__(self, *, pools: dict[str, Any], slots: dict[int, SlotState], handles: dict[int, Any],
+    def __init__(self, *, pools: dict[str, Any], slots: dict[int, SlotState],
+                 handles: dict[int, ActorHandle[_IslandShell]],
                  restarting: dict[int, asyncio.Task], record: RecoveryRecord, launcher: IslandLauncher,
                  outer: OuterLink, budget: RestartBudget, timeouts: MonitorTimeouts,
                  start: Callable[[SlotState], Awaitable[None]], teardown: Callable[[SlotState], Awaitable[None]],
@@ -137,11 +144,11 @@ class ElasticMembership:
         try:
             budget = max(left_s - DRAIN_MARGIN_S, 1.0)
             t0 = time.monotonic()
-            await asyncio.wait_for(handle.stop.remote(timeout_s=budget, flush=True), timeout=budget)
+            await asyncio.wait_for(call(handle, _IslandShell.stop, timeout_s=budget, flush=True), timeout=budget)
             rest = max(budget - (time.monotonic() - t0), 1.0)
             outer = self.outer.handle()
-            took = await asyncio.wait_for(outer.leave.remote(island, inc, rest), timeout=rest + self.timeouts.call_s)
-            final = await asyncio.wait_for(handle.status.remote(), timeout=self.timeouts.call_s)
+            took = await asyncio.wait_for(call(outer, _OuterShell.leave, island, inc, rest), timeout=rest + self.timeouts.call_s)
+            final = await asyncio.wait_for(call(handle, _IslandShell.status), timeout=self.timeouts.call_s)
         except Exception as err:  # noqa: BLE001 - gone before it could leave: today's failure path
             self.leaving.pop(island, None)
             if slot.incarnation == inc:
