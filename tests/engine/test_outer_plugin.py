@@ -10,15 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from islands.messages import Submission
 from orchestrator.config import ConfigError, RunConfig, load_config
 from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.core.fragment_optimizers import OUTER_STATE_PREFIX
 from orchestrator.core.outer_optimizer import OuterOptimizer
 from orchestrator.run.workload import Workload, _check_outer_optimizer
-from policies.compression import compress
 from policies.fragments import plan_fragments
 from policies.torch_outer_optimizer import TorchOuterOptimizer
+from tests.engine.nano import feed_rounds
 from tests.from_config import outer_from_config
 
 SHAPES = {"a": (16, 8), "b": (32,), "c": (8, 4), "bn.running_mean": (4,)}
@@ -53,28 +52,11 @@ def _core(optimizer=None, islands: int = 3, outer: dict | None = None, **overrid
     return core
 
 
-def _feed(core: OuterOptimizer, rounds: int, seed: int = 0, start: int = 0) -> int:
-    """Each island submits every fragment each round (a shared direction plus noise); returns tokens sent."""
-    gen = torch.Generator().manual_seed(seed)
-    sent = 0
-    for r in range(start, start + rounds):
-        for island in sorted(core.islands):
-            for p, frag in enumerate(core.params):
-                deltas = [0.05 * t + 0.01 * torch.randn(t.shape, generator=gen) for t in frag]
-                sub = Submission(island=island, incarnation=1, seq=r * 10 + p, fragment=p,
-                                 base_version=core.versions[p], tokens=1000, inner_steps=40, step_time_s=0.1,
-                                 train_loss=3.0, payload=[compress(d, "none") for d in deltas])
-                _, refusal = core.receive(sub, now=float(r))
-                assert refusal is None, refusal.reason
-                sent += 1000
-    return sent
-
-
 def test_a_plugin_merges_partial_rounds_and_the_ledger_adds_up():
     core = _core(PATH, poison_guard=True)  # the guard reads Adam's first moment as the fragment's momentum
     assert all(isinstance(o, TorchOuterOptimizer) for o in core._opts)
     buffer_before = core.global_parameters()["bn.running_mean"]
-    sent = _feed(core, rounds=5)
+    sent = feed_rounds(core, rounds=5)
     core.close_all(now=10.0)
     ledger = core.ledger()
     assert sum(ledger["merged"]) == sent and sum(ledger["refused"]) == 0 and sum(ledger["pending"]) == 0
@@ -93,7 +75,7 @@ def test_a_plugin_merges_partial_rounds_and_the_ledger_adds_up():
 def test_torch_nesterov_sgd_through_the_core_ends_where_the_builtin_does():
     builtin, plugin = _core(min_quorum=3), _core(nesterov, min_quorum=3)  # K = all 3: full rounds
     for core in (builtin, plugin):
-        _feed(core, rounds=4)
+        feed_rounds(core, rounds=4)
     assert all(r.step_scale == 1.0 for r in plugin.rounds) and len(plugin.rounds) == 8
     assert [r.participants for r in builtin.rounds] == [r.participants for r in plugin.rounds]
     a, b = builtin.global_parameters(), plugin.global_parameters()
@@ -103,7 +85,7 @@ def test_torch_nesterov_sgd_through_the_core_ends_where_the_builtin_does():
 
 def test_a_plugins_checkpoint_gives_a_fresh_core_the_same_next_rounds(tmp_path):
     core = _core(PATH)
-    _feed(core, rounds=3)
+    feed_rounds(core, rounds=3)
     tensors, meta = core.state_dict()
     assert any(k.startswith(OUTER_STATE_PREFIX) for k in tensors) and not any(k.startswith("momentum/") for k in tensors)
     assert meta["outer_state"][0]["kind"] == "Adam"
@@ -116,15 +98,15 @@ def test_a_plugins_checkpoint_gives_a_fresh_core_the_same_next_rounds(tmp_path):
     for p in range(core.plan.num_fragments):
         for x, y in zip(core._opts[p].momentum_buffers(), fresh._opts[p].momentum_buffers()):
             assert (x is None and y is None) or torch.equal(x, y)
-    _feed(core, rounds=2, seed=7, start=3)
-    _feed(fresh, rounds=2, seed=7, start=3)
+    feed_rounds(core, rounds=2, seed=7, start=3)
+    feed_rounds(fresh, rounds=2, seed=7, start=3)
     a, b = core.global_parameters(), fresh.global_parameters()
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
 def test_a_checkpoint_of_the_other_kind_starts_the_optimizer_afresh(caplog):
     builtin = _core()
-    _feed(builtin, rounds=2)
+    feed_rounds(builtin, rounds=2)
     tensors, meta = builtin.state_dict()
     assert "outer_state" not in meta  # the built-in's checkpoint is as it always was
     plugin = _core(PATH)

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from examples.extending.pier_warmup import PierWarmupSGD, make, momentum_at
-from islands.messages import Submission
 from orchestrator.config import ConfigError, load_config
 from orchestrator.core.checkpoint import CheckpointStore
 from orchestrator.core.outer_optimizer import OuterOptimizer
 from orchestrator.run.workload import _check_outer_optimizer
-from policies.compression import compress
 from policies.fragments import plan_fragments
+from tests.engine.nano import feed_rounds
 from tests.from_config import outer_from_config
 
 PATH = "examples.extending.pier_warmup:make"
@@ -109,27 +108,13 @@ def _core(optimizer=PATH, islands: int = 3) -> OuterOptimizer:
     return core
 
 
-def _feed(core: OuterOptimizer, rounds: int, seed: int = 0, start: int = 0) -> None:
-    """Every island submits every fragment each round: a shared direction plus noise."""
-    gen = torch.Generator().manual_seed(seed)
-    for r in range(start, start + rounds):
-        for island in sorted(core.islands):
-            for p, frag in enumerate(core.params):
-                deltas = [0.05 * t + 0.01 * torch.randn(t.shape, generator=gen) for t in frag]
-                sub = Submission(island=island, incarnation=1, seq=r * 10 + p, fragment=p,
-                                 base_version=core.versions[p], tokens=1000, inner_steps=40, step_time_s=0.1,
-                                 train_loss=3.0, payload=[compress(d, "none") for d in deltas])
-                _, refusal = core.receive(sub, now=float(r))
-                assert refusal is None, refusal.reason
-
-
 def test_the_config_path_builds_it_and_it_trains_through_the_core():
     cfg = load_config(None, [f"outer.optimizer={PATH}"])
     assert cfg.outer.optimizer == PATH
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     _check_outer_optimizer(cfg, None, model)  # the preflight `diloco train` runs before Ray: passes
     core = _core()
-    _feed(core, rounds=3)
+    feed_rounds(core, rounds=3)
     assert core.versions == [3, 3]
     for opt in core._opts:
         built = opt.optimizer
@@ -142,7 +127,7 @@ def test_the_config_path_builds_it_and_it_trains_through_the_core():
 def test_the_warm_up_changes_the_run_and_none_is_the_builtin():
     builtin, flat, warm = _core(None), _core(functools.partial(make, start_momentum=0.9)), _core()
     for core in (builtin, flat, warm):
-        _feed(core, rounds=3)
+        feed_rounds(core, rounds=3)
     a, b, c = builtin.global_parameters(), flat.global_parameters(), warm.global_parameters()
     assert all(torch.equal(a[n], b[n]) for n in a), "no warm-up: the built-in outer step, bitwise"
     assert all(not torch.allclose(a[n], c[n]) for n in a), "a warm-up moves every tensor less far in its first rounds"
@@ -150,7 +135,7 @@ def test_the_warm_up_changes_the_run_and_none_is_the_builtin():
 
 def test_a_checkpoint_through_the_store_gives_the_same_next_rounds(tmp_path):
     core = _core()
-    _feed(core, rounds=2)
+    feed_rounds(core, rounds=2)
     tensors, meta = core.state_dict()
     store = CheckpointStore(str(tmp_path / "ckpt"))
     store.save(1, tensors, {"outer": meta})
@@ -159,8 +144,8 @@ def test_a_checkpoint_through_the_store_gives_the_same_next_rounds(tmp_path):
     fresh = _core()
     fresh.load_state_dict(saved.tensors, saved.meta["outer"])
     assert {fresh._opts[0].optimizer.state[p]["step"] for p in fresh._opts[0].params} == {2}, "the count came back"
-    _feed(core, rounds=3, seed=7, start=2)
-    _feed(fresh, rounds=3, seed=7, start=2)
+    feed_rounds(core, rounds=3, seed=7, start=2)
+    feed_rounds(fresh, rounds=3, seed=7, start=2)
     a, b = core.global_parameters(), fresh.global_parameters()
     assert all(torch.equal(a[n], b[n]) for n in a)
 
