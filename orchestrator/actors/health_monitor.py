@@ -113,7 +113,6 @@ class HealthMonitor:
             pools=self.pools, slots=self.slots, handles=self.handles, restarting=self.restarting, record=self.record,
             launcher=self.launcher, outer=self.outer, budget=restart, timeouts=timeouts, start=self._start,
             teardown=self._teardown, fail=self._fail, stopping=stopping)
-        self.joining, self.leaving = self.membership.joining, self.membership.leaving  # the same dicts
         self._failing: set[int] = set()  # slots inside _fail(), before their restart task exists
         self._loop_task: asyncio.Task | None = None
         self._after_steps_task: asyncio.Task | None = None
@@ -247,7 +246,7 @@ class HealthMonitor:
     async def _fail(self, slot: SlotState, kind: str, reason: str, *, leaving: bool = False) -> None:
         if slot.island in self.restarting or slot.island in self._failing or slot.state in DOWN:
             return
-        if slot.island in self.leaving and not leaving:
+        if slot.island in self.membership.leaving and not leaving:
             return  # the leave in progress decides: merged and gone, or a failure after all
         # One failure at a time per slot, until its restart task is registered (the teardown below awaits).
         self._failing.add(slot.island)
@@ -342,7 +341,7 @@ class HealthMonitor:
 
     async def _check(self, slot: SlotState) -> None:
         handle = self.handles.get(slot.island)
-        if (handle is None or slot.island in self.restarting or slot.island in self.leaving
+        if (handle is None or slot.island in self.restarting or slot.island in self.membership.leaving
                 or slot.state in (*DOWN, IslandState.STOPPED, IslandState.LEAVING)):
             return
         now = time.monotonic()
@@ -393,9 +392,9 @@ class HealthMonitor:
         Outboxes freeze, unless `flush`: then each island cuts its remaining progress into submissions
         the outer optimizer still takes (see `LearnerIsland.stop`)."""
         self._stopping = True
-        for task in [*self.restarting.values(), *self.joining.values()]:
+        for task in [*self.restarting.values(), *self.membership.joining.values()]:
             task.cancel()
-        for task in list(self.leaving.values()):  # a leave under way finishes: its flush is what stop would do
+        for task in list(self.membership.leaving.values()):  # a leave under way finishes: its flush is what stop would do
             await asyncio.wait([task], timeout=self.timeouts.call_s)
         for island, st in (await stop_islands(self.handles, flush=flush, timeout_s=self.timeouts.call_s)).items():
             self.slots[island].status = st
