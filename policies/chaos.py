@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from policies.fault_kinds import (
 
 __all__ = [
     "CAPACITY_KINDS", "DRAIN_DEADLINE_S", "FAILURE_KINDS", "FAULT_KINDS", "JOINED_NODE_DEADLINE_S", "KILL_KINDS",
-    "POISON_KINDS", "RUN_KINDS", "Fault", "FaultTape", "poisson_tape",
+    "POISON_KINDS", "RUN_KINDS", "Fault", "FaultTape", "poisson_tape", "retarget_island",
     "fixed_tape", "fixed_budget_tape",
     "parse_chaos_spec",
     "tape_from_config",
@@ -53,7 +53,7 @@ __all__ = [
 
 _RUN_STREAM = 2**32 - 1  # the run's Poisson stream's seed word, beside the islands' 0, 1, ... (poisson_tape)
 
-_FAULT_FIELDS = ("island", "kind", "at_s", "at_step", "incarnation", "duration_s", "factor", "at_progress")
+_FAULT_FIELDS = ("island", "kind", "at_s", "at_step", "incarnation", "duration_s", "factor", "at_progress", "retarget")
 _TRIGGERS = ("at_s", "at_step", "at_progress")
 
 
@@ -88,6 +88,9 @@ class Fault:
         incarnation: incarnation ``at_step`` counts in, ``>= 1`` (informational for ``at_s``).
         duration_s: ``>= 0``, meaning by kind (its class in policies/fault_kinds.py; recovery delay for kills).
         factor: step-time multiplier of a ``slow`` fault, ``> 1``; must stay 1.0 for kinds that take none.
+        retarget: a time or progress fault of an island or node kind that finds its island down when due hits the
+            next live island instead (:func:`retarget_island`) rather than waiting for its own to come back; so a
+            tape's fault rate holds however long restarts take. Default ``False``: the fault waits.
     """
 
     island: int
@@ -98,6 +101,7 @@ class Fault:
     duration_s: float = 0.0
     factor: float = 1.0
     at_progress: float | None = None  # last: positional construction (island, kind, at_s, at_step, ...) is unchanged
+    retarget: bool = False
 
     def __post_init__(self) -> None:
         _require(_is_int(self.island) and self.island >= 0,
@@ -127,6 +131,12 @@ class Fault:
                  f"Fault.duration_s must be a finite number >= 0, got {self.duration_s!r}; 0 = the kind's default")
         _require(_is_number(self.factor) and math.isfinite(self.factor),
                  f"Fault.factor must be a finite number, got {self.factor!r}")
+        _require(isinstance(self.retarget, bool), f"Fault.retarget must be true or false, got {self.retarget!r}")
+        if self.retarget:
+            _require(self.at_step is None, "Fault.retarget needs an at_s or at_progress trigger (an at_step fault "
+                     "names one incarnation's step); drop retarget or trigger it by time or progress")
+            _require(not fault_kind(self.kind).per_run, f"Fault.retarget is for faults of an island or its node; "
+                     f"{self.kind!r} hits the run itself, so drop retarget")
         fault_kind(self.kind).check(self)  # the kind's own rules: a slow fault's factor, a drain's deadline, ...
         for name, cast in (("island", int), ("incarnation", int), ("duration_s", float), ("factor", float)):
             object.__setattr__(self, name, cast(getattr(self, name)))
@@ -143,12 +153,13 @@ class Fault:
             fault_kinds.index(self.kind),
             self.duration_s,
             self.factor,
+            self.retarget,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict; the unset trigger is left out."""
+        """Plain dict; the unset trigger is left out, and ``retarget`` when false (tapes without it read as before)."""
         d = dataclasses.asdict(self)
-        return {k: v for k, v in d.items() if not (k in _TRIGGERS and v is None)}
+        return {k: v for k, v in d.items() if not (k in _TRIGGERS and v is None) and not (k == "retarget" and not v)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Fault:
@@ -278,6 +289,7 @@ def poisson_tape(
     slow_factor: float = 4.0,
     slow_duration_s: float = 0.0,
     drain_deadline_s: float = DRAIN_DEADLINE_S,
+    retarget: bool = False,
 ) -> FaultTape:
     """Independent Poisson failures per island over ``(start_s, horizon_s)``.
 
@@ -319,11 +331,13 @@ def poisson_tape(
         slow_duration_s: ``duration_s`` of drawn ``slow`` faults (0 = until the incarnation dies).
         drain_deadline_s: ``duration_s`` of drawn ``drain_node`` faults: the drained node's deadline, ``> 0``.
             Drawn ``node_joins`` faults add a node that stays.
+        retarget: set :attr:`Fault.retarget` on the islands' faults: one due while its island is down hits the next
+            live island, so the faults fire at the tape's rate even when restarts are slow (the soak's tape).
     """
     _check_poisson(
         mtbf_s=mtbf_s, seed=seed, kinds=kinds, kind_weights=kind_weights, recovery_delay_s=recovery_delay_s,
         min_gap_s=min_gap_s, start_s=start_s, slow_factor=slow_factor, slow_duration_s=slow_duration_s,
-        drain_deadline_s=drain_deadline_s,
+        drain_deadline_s=drain_deadline_s, retarget=retarget,
     )
     _check_common(islands=islands, horizon_s=horizon_s, start_s=start_s)
     kinds = tuple(kinds)
@@ -353,15 +367,17 @@ def poisson_tape(
                 continue
             params = TapeParams(recovery_delay_s=delay, slow_factor=slow_factor, slow_duration_s=slow_duration_s,
                                 drain_deadline_s=drain_deadline_s)
-            faults.append(Fault(island=0 if m is None else m, kind=kind, at_s=t, **of_kind.drawn(params)))
+            faults.append(Fault(island=0 if m is None else m, kind=kind, at_s=t, retarget=retarget and m is not None,
+                                **of_kind.drawn(params)))
             gap = float(min_gap_s)
     return FaultTape(tuple(faults))
 
 
 def _check_poisson(
     *, mtbf_s, seed, kinds, kind_weights, recovery_delay_s, min_gap_s, start_s, slow_factor, slow_duration_s,
-    drain_deadline_s=DRAIN_DEADLINE_S,
+    drain_deadline_s=DRAIN_DEADLINE_S, retarget=False,
 ) -> None:
+    _require(isinstance(retarget, bool), f"retarget must be true or false, got {retarget!r}")
     _require(_is_number(drain_deadline_s) and math.isfinite(drain_deadline_s) and drain_deadline_s > 0,
              f"drain_deadline_s must be a finite number > 0, got {drain_deadline_s!r}; use e.g. 20")
     _require(_is_number(mtbf_s) and math.isfinite(mtbf_s) and mtbf_s > 0,
@@ -467,6 +483,12 @@ def _floats(value: str) -> list[float]:
     return [float(v) for v in value.split("|")]
 
 
+def _bool(value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise ValueError(value)
+    return value.lower() == "true"
+
+
 def _pair(value: str) -> list[float]:
     lo_hi = _floats(value)
     return lo_hi * 2 if len(lo_hi) == 1 else lo_hi
@@ -477,7 +499,7 @@ _SPEC_KEYS: dict[str, dict[str, Any]] = {
     "poisson": {
         "mtbf_s": float, "seed": int, "kinds": lambda v: [k.strip() for k in v.split("|")], "kind_weights": _floats,
         "recovery_delay_s": _pair, "min_gap_s": float, "start_s": float, "slow_factor": float,
-        "slow_duration_s": float, "drain_deadline_s": float,
+        "slow_duration_s": float, "drain_deadline_s": float, "retarget": lambda v: _bool(v),
     },
     "fixed": {"failures_per_island": int, "kind": str, "start": float, "until": float, "seed": int, "slow_factor": float},
 }
@@ -551,6 +573,17 @@ def parse_chaos_spec(spec: str) -> dict:
     if s.endswith((".yaml", ".yml")):
         return {"mode": "tape", "path": s}
     raise ValueError(f"unknown chaos spec {spec!r}; valid forms: {_VALID_SPECS}")
+
+
+def retarget_island(island: int, live: Collection[int]) -> int | None:
+    """Where a retargeted fault (:attr:`Fault.retarget`) of a down ``island`` goes: the first live island after it in
+    slot order, wrapping around (``island`` itself if it is live); ``None`` when no island is live (it waits).
+
+    The next one, not a random one, so a replay of a tape against the same liveness hits the same islands."""
+    if not live:
+        return None
+    ordered = sorted(live)
+    return next((i for i in ordered if i >= island), ordered[0])
 
 
 def tape_from_config(config: Mapping[str, Any], *, islands: int, horizon_s: float) -> FaultTape:

@@ -2,7 +2,9 @@
 
 Time faults (`at_s`, seconds since the run started) and progress faults (`at_progress`, a fraction of the
 token budget, which the driver reports through `note_progress`) hit whatever incarnation of the island is
-live then; step faults (`at_step`) hit the named incarnation once it has taken that many inner steps.
+live then; step faults (`at_step`) hit the named incarnation once it has taken that many inner steps. A time or
+progress fault due while its island is down waits for it, unless it is `retarget`ed: then the next live island
+takes it (`policies.chaos.retarget_island`; the soak's tape, whose rate must hold however slow restarts are).
 Every executed fault is reported to the health monitor (so it can measure time to detect and honour a
 recovery delay) and kept for the run's event log, so tests can assert exact counts.
 
@@ -30,6 +32,7 @@ whether it is done). The island kinds (hang, slow, drop, corrupt, the poisons) s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -50,7 +53,7 @@ from orchestrator.actors.drains import drain_node
 from orchestrator.actors.handles import call
 from orchestrator.actors.islands import _IslandShell
 from orchestrator.actors.runtime import quiet_worker
-from policies.chaos import Fault, FaultTape
+from policies.chaos import Fault, FaultTape, retarget_island
 from policies.fault_kinds import ISLAND, JOINED_NODE_DEADLINE_S, NODE, FaultKind, fault_kind
 
 if TYPE_CHECKING:
@@ -182,6 +185,14 @@ class ChaosInjector:
         if kind.target not in (ISLAND, NODE):  # the run's actors, a pool's new node: no incarnation to look up
             return await fire(monitor, fault)
         inc, name, node = await call(monitor, HealthMonitor.current, fault.island)
+        if name is None and fault.retarget:  # its island is down: the next live one takes it (Fault.retarget)
+            target = retarget_island(fault.island, await call(monitor, HealthMonitor.live_islands))
+            if target is None:
+                return False
+            moved_from, fault = fault.island, dataclasses.replace(fault, island=target)
+            inc, name, node = await call(monitor, HealthMonitor.current, target)
+        else:
+            moved_from = None
         if fault.at_step is not None and inc > fault.incarnation:
             self._record(fault, inc, "skipped: its incarnation is gone")
             return True
@@ -199,7 +210,7 @@ class ChaosInjector:
         if kind.reported:
             await call(monitor, HealthMonitor.note_fault, fault.island, inc, fault.kind, now, kind.recovery_delay_s(fault))
         await fire(fault, LiveIsland(inc, handle, node))
-        self._record(fault, inc, "fired", at=now)
+        self._record(fault, inc, "fired", at=now, retargeted_from=moved_from)
         if kind.reported:
             log.info("%s on island %d incarnation %d", fault.kind, fault.island, inc)  # the monitor's line says it, once
         return True
@@ -303,9 +314,13 @@ class ChaosInjector:
                 os.killpg(proc.pid, signal.SIGKILL)
         return len(self.joined)
 
-    def _record(self, fault: Fault, incarnation: int, outcome: str, at: float | None = None) -> None:
-        self.executed.append({"island": fault.island, "incarnation": incarnation, "kind": fault.kind,
-                              "outcome": outcome, "at": at or time.time(), "run_s": (at or time.time()) - self.run_start})
+    def _record(self, fault: Fault, incarnation: int, outcome: str, at: float | None = None,
+                retargeted_from: int | None = None) -> None:
+        # retargeted_from: the tape's island, down when the fault was due (Fault.retarget), else None; in every
+        # record, so the event log's column is there whichever record comes first.
+        self.executed.append({"island": fault.island, "incarnation": incarnation, "kind": fault.kind, "outcome": outcome,
+                              "at": at or time.time(), "run_s": (at or time.time()) - self.run_start,
+                              "retargeted_from": retargeted_from})
 
     async def report(self) -> list[dict]:
         """Every fault fired or skipped so far, in order."""

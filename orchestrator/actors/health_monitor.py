@@ -381,6 +381,10 @@ class HealthMonitor:
         slot = self.slots[island]
         return slot.incarnation, slot.name if island in self.handles else None, slot.node
 
+    def live_islands(self) -> list[int]:
+        """The slots with a live incarnation (those `current` names an actor for), in slot order."""
+        return sorted(self.handles)
+
     def snapshot(self) -> dict:
         """Slots, their latest statuses, the timeline so far, detect and rejoin times."""
         return monitor_snapshot(self.slots, self.record, self.keepers, spares=self.launcher.spares.counts(),

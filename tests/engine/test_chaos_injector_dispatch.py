@@ -126,3 +126,47 @@ def test_a_kind_whose_mechanism_the_injector_lacks_is_refused_when_the_tape_is_l
         assert "\n" not in str(info.value)
     finally:
         fault_kinds.unregister("teleport_island")
+
+
+class ByIsland(Remote):
+    """A stand-in `monitor.current` whose reply depends on the island asked about."""
+
+    def __init__(self, calls: list, replies: dict) -> None:
+        super().__init__(calls, "monitor.current")
+        self.replies = replies
+
+    def remote(self, island):
+        self.reply = self.replies[island]
+        return super().remote(island)
+
+
+@pytest.mark.parametrize("retarget", [True, False])
+def test_a_retargeted_fault_of_a_down_island_hits_the_next_live_one(retarget, monkeypatch):
+    calls: list = []
+    # Island 1 is down (no actor name); 0 and 3 are live.
+    monitor = SimpleNamespace(current=ByIsland(calls, {0: (1, "island-0-inc1", "n0"), 1: (2, None, None),
+                                                       3: (4, "island-3-inc4", "n3")}),
+                              live_islands=Remote(calls, "monitor.live_islands", [0, 3]),
+                              note_fault=Remote(calls, "monitor.note_fault"))
+    island3 = SimpleNamespace(name="island-3", inject=Remote(calls, "island.inject"))
+    fault = Fault(island=1, kind="hang", at_s=0.0, duration_s=3.0, retarget=retarget)
+    inj = ChaosInjector(FaultTape((fault,)), namespace="ns", monitor_name="monitor-r1", run_start=time.time())
+    inj._handles = {"island-3-inc4": island3}
+    done = asyncio.run(inj._maybe_fire(monitor, fault))
+    if not retarget:  # it waits for island 1: nothing fired, nothing recorded
+        assert not done and inj.executed == [] and [c[0] for c in calls] == ["monitor.current"]
+        return
+    assert done
+    assert [c[1] for c in calls if c[0] == "monitor.current"] == [(1,), (3,)]
+    assert [c[1][:3] for c in calls if c[0] == "monitor.note_fault"] == [(3, 4, "hang")]
+    assert [c[:2] for c in calls if c[0] == "island.inject"] == [("island.inject", ("hang",))]
+    assert [(r["island"], r["incarnation"], r["outcome"], r["retargeted_from"]) for r in inj.executed] == [(3, 4, "fired", 1)]
+
+
+def test_a_retargeted_fault_waits_when_no_island_is_live(monkeypatch):
+    calls: list = []
+    monitor = SimpleNamespace(current=ByIsland(calls, {1: (2, None, None)}),
+                              live_islands=Remote(calls, "monitor.live_islands", []))
+    fault = Fault(island=1, kind="kill_island", at_s=0.0, retarget=True)
+    inj = ChaosInjector(FaultTape((fault,)), namespace="ns", monitor_name="monitor-r1", run_start=time.time())
+    assert asyncio.run(inj._maybe_fire(monitor, fault)) is False and inj.executed == []

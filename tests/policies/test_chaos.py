@@ -1,5 +1,6 @@
 """Fault tapes: validation, ordering, YAML round trip, Poisson and fixed schedules, the CLI shorthand."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -15,6 +16,7 @@ from policies.chaos import (
     fixed_tape,
     parse_chaos_spec,
     poisson_tape,
+    retarget_island,
     tape_from_config,
 )
 
@@ -311,7 +313,10 @@ def test_parse_poisson():
     d = parse_chaos_spec("poisson:mtbf_s=60,seed=3,kinds=kill_island|hang")
     assert d == {"mode": "poisson", "mtbf_s": 60.0, "seed": 3, "kinds": ["kill_island", "hang"],
                  "kind_weights": None, "recovery_delay_s": [0.0, 0.0], "min_gap_s": 0.0, "start_s": 0.0,
-                 "slow_factor": 4.0, "slow_duration_s": 0.0, "drain_deadline_s": 20.0}
+                 "slow_factor": 4.0, "slow_duration_s": 0.0, "drain_deadline_s": 20.0, "retarget": False}
+    assert parse_chaos_spec("poisson:mtbf_s=60,retarget=true")["retarget"] is True
+    with pytest.raises(ValueError, match="retarget='yes' does not parse"):
+        parse_chaos_spec("poisson:mtbf_s=60,retarget=yes")
     d = parse_chaos_spec("poisson:mtbf_s=30,kinds=hang|slow,kind_weights=3|1,recovery_delay_s=5,min_gap_s=10")
     assert d["seed"] == 0 and d["kind_weights"] == [3.0, 1.0] and d["recovery_delay_s"] == [5.0, 5.0]
     assert parse_chaos_spec("poisson:mtbf_s=30,recovery_delay_s=1|4")["recovery_delay_s"] == [1.0, 4.0]
@@ -454,3 +459,33 @@ def test_fixed_tape_of_a_run_kind_is_one_target():
     assert len(tape) == 3 and all(f.island == 0 for f in tape)
     budget = fixed_budget_tape(islands=4, failures_per_island=2, kind="kill_monitor")
     assert len(budget) == 2 and all(f.island == 0 and f.at_progress is not None for f in budget)
+
+
+def test_retarget_goes_to_the_next_live_island_wrapping_around():
+    assert retarget_island(2, {0, 2, 5}) == 2  # live itself: no move
+    assert retarget_island(3, {0, 2, 5}) == 5
+    assert retarget_island(6, [5, 0, 2]) == 0  # past the last live one: wraps to the first
+    assert retarget_island(1, []) is None  # none live: the fault waits
+
+
+def test_poisson_tape_retarget_marks_island_faults_only_and_changes_no_draw():
+    kinds = ("kill_island", "hang", "kill_outer")
+    plain = poisson_tape(islands=3, horizon_s=600, mtbf_s=20, seed=4, kinds=kinds)
+    marked = poisson_tape(islands=3, horizon_s=600, mtbf_s=20, seed=4, kinds=kinds, retarget=True)
+    assert [dataclasses.replace(f, retarget=False) for f in marked] == list(plain)
+    assert {f.retarget for f in marked if f.kind != "kill_outer"} == {True}
+    assert {f.retarget for f in marked if f.kind == "kill_outer"} == {False}
+    back = FaultTape.from_dict(marked.to_dict())
+    assert back == marked and "retarget" not in plain.to_dict()["faults"][0]
+
+
+@pytest.mark.parametrize("fault, match", [
+    (dict(island=0, kind="hang", at_step=3, retarget=True), "retarget needs an at_s or at_progress trigger"),
+    (dict(island=0, kind="kill_outer", at_s=3.0, retarget=True), "'kill_outer' hits the run itself"),
+    (dict(island=0, kind="hang", at_s=3.0, retarget=1), "retarget must be true or false, got 1"),
+])
+def test_retarget_refuses_what_it_cannot_mean(fault, match):
+    with pytest.raises(ValueError, match=match):
+        Fault(**fault)
+    with pytest.raises(ValueError, match="retarget must be true or false"):
+        poisson_tape(islands=1, horizon_s=10, mtbf_s=1, seed=0, retarget="yes")
