@@ -323,6 +323,11 @@ def soak(args) -> dict:
     return out
 
 
+def min_faults(args) -> int:
+    """The fewest faults the run must fire: --min-faults-per-min over --minutes, rounded up (700 for the hour)."""
+    return math.ceil(args.min_faults_per_min * args.minutes - 1e-9)
+
+
 def judge(args, m: dict) -> dict:
     """The JSON's results and each assertion's outcome, from the measurements."""
     s, rows = m["summary"], m["rows"]
@@ -345,7 +350,7 @@ def judge(args, m: dict) -> dict:
         "store_flat": slopes["store"] is not None and slopes["store"] < store_bound,
         "nothing_left_behind": left == 0,
         "learns": final_bpb <= args.learn_ratio * first_bpb,
-        "faults": faults >= args.min_faults_per_min * args.minutes,
+        "faults": faults >= min_faults(args),
     }
     return {
         "faults": faults,
@@ -435,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the soak, print the table, write the JSON; 1 if an assertion failed."""
     args = parse_args(argv)
     r = judge(args, soak(args))
-    r.update(min_faults=round(args.min_faults_per_min * args.minutes), learn_ratio=args.learn_ratio)
+    r.update(min_faults=min_faults(args), learn_ratio=args.learn_ratio)
     print(f"\n{EMULATION} ({args.slowdown:g}x). {args.minutes:g} min, {args.islands} islands of model.preset=nano, "
           f"{args.nodes} nodes; Poisson faults every {args.mean_gap_s:g} s on average over {', '.join(KINDS)}; "
           f"RSS every {args.sample_s:g} s, slopes fitted after the first {100 * args.warmup:.0f}% "
