@@ -298,8 +298,8 @@ class OuterSection(_Section):
     poison_guard: bool = Field(False, description="Experimental: refuse an outer gradient far out of line with the other "
                                "islands' recent ones (size, direction; from 3 islands on), as a counted refusal.")
     poison_restart_after: int = Field(3, ge=0, description="Experimental, with poison_guard: restart an island from "
-                                      "the global parameters after this many of its outer gradients in a row were "
-                                      "refused as poisoned (0: never; an accepted one resets the count).")
+                                      "the global parameters after this many poison refusals in a row, or at one far "
+                                      "out of line (0: never; an acceptance resets the count).")
 
     @field_validator("merge_rule")
     @classmethod

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FIRST_ROUND_ISLANDS", "POISONED", "PoisonGuard", "Reading", "RefusalStreaks", "first_round_quorum",
+__all__ = ["FAR_OUT", "FIRST_ROUND_ISLANDS", "POISONED", "PoisonGuard", "Reading", "RefusalStreaks", "first_round_quorum",
            "judge_first_round", "reading_of"]
 
 Z = 3.5  # modified z-score outlier cut (Iglewicz and Hoaglin)
@@ -94,6 +94,16 @@ def reading_of(island: int, deltas: Sequence[torch.Tensor], norms: Sequence[floa
 POISONED = "poisoned: "
 """How every reason the guard gives begins (a Refusal's reason; RefusalStreaks counts only these)."""
 
+FAR_OUT = POISONED + "far out of line, "
+"""How a reason begins when the reading is beyond doubt (:data:`FAR_OUT_FACTOR`): RefusalStreaks restarts at once."""
+
+FAR_OUT_FACTOR = 2.0
+"""A reading is far out of line when it passes a limit by this factor in the limit's own terms: a size whose log ratio
+to the others' median is over twice the limit's (16x at the 4x floor), a cosine below minus the limit (significantly
+*against* the others, as likely by chance as one above it, ~2e-4). Scaled and flipped outer gradients read so from
+their first submission (100x the size; the honest cosines, 0.05-0.86, negated, against a limit of about 0.007); noise
+(a cosine about 0) and a stale base (its size growing from 1x) do not, and wait for the streak."""
+
 
 def _median_sigma(values: Sequence[float]) -> tuple[float, float]:
     med = statistics.median(values)
@@ -107,7 +117,8 @@ def _size_problem(size: float, others: Sequence[float]) -> str | None:
     limit = max(math.log(SIZE_RATIO_FLOOR), Z * sigma)
     ratio = math.exp(math.log(max(size, 1e-30)) - med)
     if math.log(ratio) > limit:
-        return (f"{POISONED}outer gradient {ratio:.1f}x the size of the other islands' recent ones (limit "
+        begins = FAR_OUT if math.log(ratio) > FAR_OUT_FACTOR * limit else POISONED
+        return (f"{begins}outer gradient {ratio:.1f}x the size of the other islands' recent ones (limit "
                 f"{math.exp(limit):.1f}x; per sqrt inner step)")
     return None
 
@@ -122,7 +133,8 @@ def _alignment_problem(alignment: float | None, elements: int, others: Sequence[
     if med <= 2 * limit:
         return None  # the others do not agree on a direction clearly enough to be out of line with
     if alignment < limit:
-        return (f"{POISONED}outer gradient's cosine with {against} {alignment:+.4f}, no more than a random "
+        begins = FAR_OUT if alignment < -(FAR_OUT_FACTOR - 1) * limit else POISONED
+        return (f"{begins}outer gradient's cosine with {against} {alignment:+.4f}, no more than a random "
                 f"direction's (limit {limit:+.4f}; the other islands' median {med:+.3f})")
     return None
 
@@ -204,6 +216,10 @@ class RefusalStreaks:
     mark the incarnation broken and the health monitor restarts it from the global parameters, as it does an
     island that diverged. An accepted submission ends a streak: an honest island refused now and then (a
     restart that left its direction behind the momentum) is never restarted for it. 0 restarts none.
+
+    A refusal far out of line (:data:`FAR_OUT`: 16x the others' size, or pointing against them) marks the
+    incarnation at once: no honest island sent one in the measured runs, and each refusal waited for costs the run
+    a submission's tokens (a streak of 3 and the one in flight were about 4% of a 3M-token budget).
     """
 
     def __init__(self, restart_after: int) -> None:
@@ -212,12 +228,17 @@ class RefusalStreaks:
             raise ValueError(f"restart_after={restart_after} must be >= 0 (0: never restart)")
         self.restart_after = restart_after
         self._streaks: dict[tuple[int, int], int] = {}
+        self._marked: set[tuple[int, int]] = set()
 
-    def refused(self, island: int, incarnation: int) -> bool:
-        """Count one poison refusal; True exactly when this one makes the streak `restart_after` long."""
+    def refused(self, island: int, incarnation: int, *, far_out: bool = False) -> bool:
+        """Count one poison refusal; True exactly once per incarnation: when this one makes the streak
+        `restart_after` long, or sooner if it is `far_out` (its reason begins with :data:`FAR_OUT`)."""
         key = (island, incarnation)
         self._streaks[key] = self._streaks.get(key, 0) + 1
-        return self.restart_after > 0 and self._streaks[key] == self.restart_after
+        if self.restart_after == 0 or key in self._marked or not (far_out or self._streaks[key] >= self.restart_after):
+            return False
+        self._marked.add(key)
+        return True
 
     def accepted(self, island: int, incarnation: int) -> None:
         """An accepted submission of the incarnation: its streak starts again from 0."""

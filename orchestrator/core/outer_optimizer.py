@@ -33,6 +33,7 @@ from orchestrator.core.settings import OuterSettings  # re-exported: the outer o
 from orchestrator.core.submission_check import check_submission
 from policies.fragments import FragmentPlan
 from policies.poison_guard import (
+    FAR_OUT,
     POISONED,
     PoisonGuard,
     RefusalStreaks,
@@ -164,7 +165,8 @@ class OuterOptimizer:
         # Counted and logged once; a non-finite outer gradient also marks its incarnation as diverged.
         if "non-finite" in reason:
             self._diverged.add((sub.island, sub.incarnation))
-        elif reason.startswith(POISONED) and self.streaks.refused(sub.island, sub.incarnation):
+        elif reason.startswith(POISONED) and self.streaks.refused(sub.island, sub.incarnation,
+                                                                  far_out=reason.startswith(FAR_OUT)):
             self._poisoned.add((sub.island, sub.incarnation))
         refusal = Refusal(sub.island, sub.incarnation, sub.seq, sub.fragment, max(sub.tokens, 0), reason,
                           cursor=DataCursor.of(sub.cursor).batch)

@@ -18,6 +18,7 @@ from islands.messages import Submission
 from orchestrator.core.outer_optimizer import OuterOptimizer
 from policies.compression import compress
 from policies.fragments import plan_fragments
+from policies.poison_guard import FAR_OUT
 from tests.from_config import outer_from_config
 
 SHAPES = {"a": (64, 64), "b": (4096,)}
@@ -119,14 +120,40 @@ def test_the_guard_windows_survive_a_checkpoint():
     assert again.guard.state_dict() == outer.guard.state_dict() != [[], []]
 
 
+def _one(outer: OuterOptimizer, target, kind: str, seq: int):
+    """Island 0 sends fragment 0's honest outer gradient (toward `target`, as `_stream`'s) poisoned as `kind`; the
+    refusal (or None)."""
+    gen = torch.Generator().manual_seed(100 + seq)  # not the stream's seed: noise unlike its target
+    honest = [0.05 * (t - tgt) + 0.02 * torch.randn(t.shape, generator=gen) for t, tgt in zip(outer.params[0], target[0])]
+    deltas = honest if kind is None else poisoned(kind, honest, stale_base=None, anchor=[t.clone() for t in outer.params[0]],
+                                                  seed=1000 + seq)
+    sub = Submission(island=0, incarnation=1, seq=1000 + seq, fragment=0, base_version=outer.versions[0], tokens=1000,
+                     inner_steps=40, step_time_s=0.1, train_loss=3.0, payload=[compress(d, "none") for d in deltas])
+    return outer.receive(sub, now=100.0 + seq)[1]
+
+
 def test_an_island_refused_as_poisoned_three_times_in_a_row_is_handed_to_the_monitor_once():
     outer = _outer(guard=True)  # outer.poison_restart_after: 3, the default
-    _stream(outer, "flipped_submission", rounds=4)
-    first_three = [r for r in outer.refusals if r.island == 0][:3]
-    assert len(first_three) == 3 and all(r.reason.startswith("poisoned: ") for r in first_three)
+    _, target = _stream(outer, None, rounds=4)  # a clean history to judge against
+    # Noise points nowhere: a cosine near 0 is poisoned but not beyond doubt, so the streak decides.
+    reasons = []
+    for seq in range(3):
+        reasons.append(_one(outer, target, "noise_submission", seq).reason)
+        assert outer.take_poisoned() == (set() if seq < 2 else {(0, 1)}), (seq, reasons)
+    assert all(r.startswith("poisoned: ") and not r.startswith(FAR_OUT) for r in reasons), reasons
     # Once, however many refusals follow (the monitor restarts the incarnation; a new one starts a new count).
-    assert outer.take_poisoned() == {(0, 1)} and outer.take_poisoned() == set()
+    assert _one(outer, target, "noise_submission", 3) is not None and outer.take_poisoned() == set()
     assert outer.take_diverged() == set(), "a poisoned island is not one that sent non-finite values"
+
+
+@pytest.mark.parametrize("kind", ["scaled_submission", "flipped_submission"])
+def test_an_island_refused_far_out_of_line_is_handed_to_the_monitor_at_its_first_refusal(kind):
+    outer = _outer(guard=True)
+    _, target = _stream(outer, None, rounds=4)
+    assert _one(outer, target, None, 0) is None, "the same outer gradient unpoisoned is accepted"
+    refusal = _one(outer, target, kind, 1)
+    assert refusal is not None and refusal.reason.startswith(FAR_OUT), refusal
+    assert outer.take_poisoned() == {(0, 1)}, "not two refusals more of a quarter of the compute"
 
 
 def test_a_clean_stream_hands_no_island_to_the_monitor_and_zero_restarts_none():

@@ -14,6 +14,7 @@ import torch
 
 from islands.faults import POISON_KINDS, poisoned
 from policies.poison_guard import (
+    FAR_OUT,
     FIRST_ROUND_ISLANDS,
     SIZE_RATIO_FLOOR,
     PoisonGuard,
@@ -125,6 +126,7 @@ def test_a_first_round_refuses_the_poisoned_one_by_the_others(kind):
     cos = [[float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for b in deltas] for a in deltas]
     out = judge_first_round([0, 1, 2, 3], [float(d.norm()) / math.sqrt(40) for d in deltas], cos, N)
     assert out[0][0] is not None and out[0][0].startswith("poisoned: ")
+    assert out[0][0].startswith(FAR_OUT) is (kind in ("scaled_submission", "flipped_submission")), out[0][0]
     assert [r for r, _ in out[1:]] == [None, None, None]
     assert all(a is not None and a > 0.3 for _, a in out[1:])  # their alignment, recorded for later judgements
 
@@ -157,3 +159,34 @@ def test_refusal_streaks_mark_an_incarnation_at_the_nth_refusal_in_a_row_and_an_
     assert not any(never.refused(0, 1) for _ in range(10))
     with pytest.raises(ValueError, match="restart_after=-1 must be >= 0"):
         RefusalStreaks(-1)
+
+
+@pytest.mark.parametrize("kind, far_out", [("scaled_submission", True), ("flipped_submission", True),
+                                           ("noise_submission", False)])
+def test_scaled_and_flipped_read_far_out_of_line_and_noise_does_not(kind, far_out):
+    gen, signal, momentum = _world()
+    guard = _filled_guard(gen, signal, momentum)
+    [bad] = poisoned(kind, [_honest(gen, signal)], stale_base=None, anchor=[torch.zeros(N)], seed=3)
+    reason = guard.judge(0, reading_of(0, [bad], [None], 40, [momentum]))
+    assert reason is not None and reason.startswith("poisoned: ") and reason.startswith(FAR_OUT) is far_out, reason
+
+
+def test_a_size_just_over_the_limit_is_not_far_out_of_line():
+    gen, signal, momentum = _world()
+    guard = _filled_guard(gen, signal, momentum)
+    # 6x the others (over the 4x floor, under its square, 16x), pointing the honest way
+    reason = guard.judge(0, reading_of(0, [6 * _honest(gen, signal)], [None], 40, [momentum]))
+    assert reason is not None and "x the size" in reason and not reason.startswith(FAR_OUT), reason
+    reason = guard.judge(0, reading_of(0, [20 * _honest(gen, signal)], [None], 40, [momentum]))
+    assert reason is not None and reason.startswith(FAR_OUT), reason
+
+
+def test_a_far_out_refusal_marks_the_incarnation_at_once_and_only_once():
+    from policies.poison_guard import RefusalStreaks
+
+    streaks = RefusalStreaks(3)
+    assert streaks.refused(0, 1) is False
+    assert streaks.refused(0, 1, far_out=True) is True, "the second refusal, far out: marked now, not at the third"
+    assert [streaks.refused(0, 1, far_out=f) for f in (False, True)] == [False, False], "marked once"
+    assert RefusalStreaks(3).refused(4, 1, far_out=True) is True, "a first refusal far out is enough"
+    assert RefusalStreaks(0).refused(4, 1, far_out=True) is False, "0 restarts none, far out or not"
