@@ -338,8 +338,8 @@ class _OuterShell:
         return self._monitor_state
 
     async def health(self) -> dict:
-        """For the health monitor: restart epoch, islands that sent non-finite values, islands refused as poisoned
-        `outer.poison_restart_after` times in a row, registry."""
+        """For the health monitor: restart epoch, islands that sent non-finite values, islands marked for a restart
+        by the poison guard (`outer.poison_restart_after` refusals in a row, or one far out of line), registry."""
         diverged = await self._core(self.core.take_diverged)
         poisoned = await self._core(self.core.take_poisoned)
         islands = await self._core(lambda: {str(k): v for k, v in self.core.islands.items()})

@@ -90,7 +90,8 @@ class OuterLink:
         broken = [(island, inc, "sent a non-finite outer gradient") for island, inc in info["diverged"]]
         # Its own state is what is wrong (the guard judged it against the others): restarted as a diverged island
         # is, its progress not salvaged (orchestrator/actors/keepers.py).
-        broken += [(island, inc, f"sent {info['poison_restart_after']} outer gradients in a row refused as poisoned")
+        broken += [(island, inc, f"outer gradients refused as poisoned ({info['poison_restart_after']} in a row, or one "
+                                 "far out of line)")
                    for island, inc in info.get("poisoned", [])]
         for island, inc, why in broken:
             slot = slots.get(island)

@@ -322,7 +322,8 @@ class OuterOptimizer:
         return out
 
     def take_poisoned(self) -> set[tuple[int, int]]:
-        """(island, incarnation) pairs refused as poisoned `poison_restart_after` times in a row since the last call."""
+        """(island, incarnation) pairs marked for a restart since the last call: refused as poisoned
+        `poison_restart_after` times in a row, or once far out of line (policies.poison_guard.RefusalStreaks)."""
         out, self._poisoned = self._poisoned, set()
         return out
 

@@ -268,4 +268,4 @@ def test_an_island_the_outer_optimizer_found_poisoned_is_restarted_as_a_diverged
     mon, teardowns, restarts = asyncio.run(scenario())
     assert teardowns == [1] and restarts == [1]
     assert [(d["kind"], d["reason"]) for d in mon.record.detections] == [
-        ("diverged", "sent 3 outer gradients in a row refused as poisoned")]
+        ("diverged", "outer gradients refused as poisoned (3 in a row, or one far out of line)")]
