@@ -26,7 +26,13 @@ from orchestrator.actors.handles import call
 from orchestrator.actors.islands import _IslandShell, _IslandWorker
 from orchestrator.actors.monitor_settings import ActorClasses, MonitorTimeouts, RunAddress
 from orchestrator.actors.outer import _OuterShell
-from orchestrator.actors.placement import create_island_group, island_scheduling, release_group, request_island_group
+from orchestrator.actors.placement import (
+    create_island_group,
+    island_scheduling,
+    release_group,
+    remove_run_groups,
+    request_island_group,
+)
 from orchestrator.actors.runtime import DATA_PLANE_RUNTIME_ENV
 from orchestrator.actors.slots import SlotState, island_name
 from orchestrator.actors.spares import WarmSpares
@@ -101,6 +107,14 @@ class IslandLauncher:
             log.warning("killing %d followers of %s, whose leader is gone", len(orphans), name)
             for handle in orphans:
                 ray.kill(handle, no_restart=True)
+        # The groups the previous monitor reserved for restarts it did not finish hold the pool's capacity with no
+        # island in them, and their names are the ones this monitor's restarts of those slots ask for: found by a
+        # soak, whose every island restart failed for its last 12 minutes after a monitor kill ("no node could host",
+        # "name already exists").
+        kept = {name for _, name, _ in found.islands.values()} | {name for name, _ in found.spares}
+        orphans = remove_run_groups(self.run.run_id, keep=kept)
+        if orphans:
+            log.warning("removed %d placement groups of restarts the previous monitor did not finish", orphans)
 
     async def place(self, slot: SlotState, spec: IslandSpec, outer: ActorHandle[_OuterShell],
                     cursor: DataCursor | int | None, data: list[Any], on_wait: Callable[[float], None] | None = None,

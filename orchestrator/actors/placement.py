@@ -13,6 +13,7 @@ would refuse it. One-bundle islands keep STRICT_PACK (the same thing for one bun
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 from ray._raylet import PlacementGroupID
@@ -88,8 +89,9 @@ def release_group(pg: PlacementGroup) -> None:
         log.warning("could not remove placement group: %s", err)
 
 
-def remove_run_groups(run_id: str) -> int:
-    """Remove every live placement group whose name contains `run_id` (detached groups of a dead run).
+def remove_run_groups(run_id: str, keep: Collection[str] = ()) -> int:
+    """Remove every live placement group whose name contains `run_id` (detached groups of a dead run), except those
+    named in `keep` (a restarted monitor's: the groups of the islands and spares it took back).
 
     By id, not by name: names resolve only in the creating job's namespace, and a resumed run is a
     new job.
@@ -97,7 +99,7 @@ def remove_run_groups(run_id: str) -> int:
     n = 0
     for pg_id, info in placement_group_table().items():
         name = info.get("name") or ""
-        if run_id in name and info.get("state") != "REMOVED":
+        if run_id in name and name not in keep and info.get("state") != "REMOVED":
             remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
             n += 1
     return n

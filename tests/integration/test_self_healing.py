@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import ray
+from ray.util.placement_group import placement_group, placement_group_table
 
 from orchestrator.actors.remote import NAMESPACE
 from orchestrator.config import build_config
@@ -178,9 +179,18 @@ def test_islands_heal_and_no_single_point_of_failure(ray_cluster, tmp_path):
         ids = {i: actor(n)._actor_id.hex() for i, n in before.items()}
         pid = lambda: ray.get(monitor().__ray_call__.remote(lambda _: os.getpid()), timeout=10)  # noqa: E731
         old_pid = pid()
+        # A group the monitor reserved for a restart it did not finish when it was killed (as a soak's kill did):
+        # it holds pool capacity with no island in it, and its name is the one that slot's next restart asks for.
+        unfinished = placement_group([{"CPU": 0.01}], name=f"{run.run_id}-island0-inc9", lifetime="detached")
+        ray.get(unfinished.ready(), timeout=30)
         ray.kill(monitor(), no_restart=False)  # asynchronous: the old process may answer once more
         wait_for("the monitor to restart", lambda: pid() != old_pid)
         wait_for("the monitor to re-adopt the islands", lambda: ray.get(monitor().snapshot.remote(), timeout=10)["slots"][0]["name"] == before[0])
+        groups = lambda: {g["name"]: g["state"] for g in placement_group_table().values()  # noqa: E731
+                          if run.run_id in (g["name"] or "")}
+        wait_for("the restarted monitor to remove the unfinished group",
+                 lambda: groups()[f"{run.run_id}-island0-inc9"] == "REMOVED")
+        assert all(groups()[name] == "CREATED" for name in before.values()), ("it kept its islands'", groups())
         after = ray.get(monitor().snapshot.remote(), timeout=10)
         assert {i: s["name"] for i, s in after["slots"].items()} == before
         assert {i: actor(n)._actor_id.hex() for i, n in before.items()} == ids
