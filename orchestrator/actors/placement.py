@@ -89,7 +89,7 @@ def release_group(pg: PlacementGroup) -> None:
         log.warning("could not remove placement group: %s", err)
 
 
-def remove_run_groups(run_id: str, keep: Collection[str] = ()) -> int:
+def remove_run_groups(run_id: str, *, keep: Collection[str]) -> int:
     """Remove every live placement group whose name contains `run_id` (detached groups of a dead run), except those
     named in `keep` (a restarted monitor's: the groups of the islands and spares it took back).
 

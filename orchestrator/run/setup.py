@@ -65,7 +65,7 @@ def kill_run_actors(run_id: str) -> int:
                 n += 1
             except ValueError:
                 pass  # already gone
-    return n + remove_run_groups(run_id)
+    return n + remove_run_groups(run_id, keep=())
 
 
 def prepare_run_dir(cfg: RunConfig, run_dir: Path, run_id: str, *, resume: bool, address: str | None = None) -> str:
