@@ -18,7 +18,7 @@ from islands.messages import Submission
 from orchestrator.core.outer_optimizer import OuterOptimizer
 from policies.compression import compress
 from policies.fragments import plan_fragments
-from policies.poison_guard import FAR_OUT, Z, PoisonGuard, Reading
+from policies.poison_guard import FAR_OUT, PoisonGuard, Reading, Z
 from tests.from_config import outer_from_config
 
 SHAPES = {"a": (64, 64), "b": (4096,)}
