@@ -100,11 +100,9 @@ FAR_OUT = POISONED + "far out of line, "
 FAR_OUT_FACTOR = 2.0
 """A reading is far out of line when it passes a limit by this factor in the limit's own terms: a size whose log ratio
 to the others' median is over twice the limit's (16x at the 4x floor), a cosine below minus the limit (significantly
-*against* the others, as likely by chance as one above it, ~2e-4), or a cosine below the limit while *every one* of the
-others' recent cosines is above twice it. Scaled and flipped outer gradients read so from their first submission (100x
-the size; the honest cosines, 0.05-0.86, negated, against a limit of about 0.007), and noise (a cosine about 0) does
-where the honest islands are all clearly aligned; a stale base (its size growing from 1x) does not, and waits for the
-streak."""
+*against* the others, as likely by chance as one above it, ~2e-4). Scaled and flipped outer gradients read so from
+their first submission (100x the size; the honest cosines, 0.05-0.86, negated, against a limit of about 0.007); noise
+(a cosine about 0) and a stale base (its size growing from 1x) do not, and wait for the streak."""
 
 
 def _median_sigma(values: Sequence[float]) -> tuple[float, float]:
@@ -135,11 +133,7 @@ def _alignment_problem(alignment: float | None, elements: int, others: Sequence[
     if med <= 2 * limit:
         return None  # the others do not agree on a direction clearly enough to be out of line with
     if alignment < limit:
-        # Beyond doubt: significantly against the others, or no better than random while every one of the others'
-        # recent cosines clears the gate their median had to (a noise island among clearly aligned ones). Where
-        # some honest cosines are near zero (the soak's restarts), noise waits for the streak.
-        far = alignment < -(FAR_OUT_FACTOR - 1) * limit or min(others) > 2 * limit
-        begins = FAR_OUT if far else POISONED
+        begins = FAR_OUT if alignment < -(FAR_OUT_FACTOR - 1) * limit else POISONED
         return (f"{begins}outer gradient's cosine with {against} {alignment:+.4f}, no more than a random "
                 f"direction's (limit {limit:+.4f}; the other islands' median {med:+.3f})")
     return None

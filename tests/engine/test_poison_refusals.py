@@ -18,7 +18,7 @@ from islands.messages import Submission
 from orchestrator.core.outer_optimizer import OuterOptimizer
 from policies.compression import compress
 from policies.fragments import plan_fragments
-from policies.poison_guard import FAR_OUT, PoisonGuard, Reading, Z
+from policies.poison_guard import FAR_OUT
 from tests.from_config import outer_from_config
 
 SHAPES = {"a": (64, 64), "b": (4096,)}
@@ -135,10 +135,7 @@ def _one(outer: OuterOptimizer, target, kind: str, seq: int):
 def test_an_island_refused_as_poisoned_three_times_in_a_row_is_handed_to_the_monitor_once():
     outer = _outer(guard=True)  # outer.poison_restart_after: 3, the default
     _, target = _stream(outer, None, rounds=4)  # a clean history to judge against
-    assert outer.guard is not None
-    _barely_aligned(outer.guard, island=2)
-    # Noise points nowhere: a cosine near 0 is poisoned, but not beyond doubt while an honest island's recent cosine
-    # was near 0 too (one just restarted), so the streak decides.
+    # Noise points nowhere: a cosine near 0 is poisoned but not beyond doubt, so the streak decides.
     reasons = []
     for seq in range(3):
         reasons.append(_one(outer, target, "noise_submission", seq).reason)
@@ -149,14 +146,7 @@ def test_an_island_refused_as_poisoned_three_times_in_a_row_is_handed_to_the_mon
     assert outer.take_diverged() == set(), "a poisoned island is not one that sent non-finite values"
 
 
-def _barely_aligned(guard: PoisonGuard, island: int) -> None:
-    """Record in fragment 0's window an honest reading of `island` that barely clears the alignment limit."""
-    last = [r for r in guard.state_dict()[0] if r[0] == island][-1]
-    elements = int(last[3] or 0)
-    guard.record(0, Reading(island, float(last[1] or 0.0), 1.5 * Z / math.sqrt(elements), elements))
-
-
-@pytest.mark.parametrize("kind", ["scaled_submission", "flipped_submission", "noise_submission"])
+@pytest.mark.parametrize("kind", ["scaled_submission", "flipped_submission"])
 def test_an_island_refused_far_out_of_line_is_handed_to_the_monitor_at_its_first_refusal(kind):
     outer = _outer(guard=True)
     _, target = _stream(outer, None, rounds=4)

@@ -126,7 +126,7 @@ def test_a_first_round_refuses_the_poisoned_one_by_the_others(kind):
     cos = [[float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for b in deltas] for a in deltas]
     out = judge_first_round([0, 1, 2, 3], [float(d.norm()) / math.sqrt(40) for d in deltas], cos, N)
     assert out[0][0] is not None and out[0][0].startswith("poisoned: ")
-    assert out[0][0].startswith(FAR_OUT), out[0][0]  # the others agree clearly, every one of them
+    assert out[0][0].startswith(FAR_OUT) is (kind in ("scaled_submission", "flipped_submission")), out[0][0]
     assert [r for r, _ in out[1:]] == [None, None, None]
     assert all(a is not None and a > 0.3 for _, a in out[1:])  # their alignment, recorded for later judgements
 
@@ -161,26 +161,14 @@ def test_refusal_streaks_mark_an_incarnation_at_the_nth_refusal_in_a_row_and_an_
         RefusalStreaks(-1)
 
 
-@pytest.mark.parametrize("kind", ["scaled_submission", "flipped_submission", "noise_submission"])
-def test_scaled_flipped_and_noise_read_far_out_of_line_among_clearly_aligned_islands(kind):
+@pytest.mark.parametrize("kind, far_out", [("scaled_submission", True), ("flipped_submission", True),
+                                           ("noise_submission", False)])
+def test_scaled_and_flipped_read_far_out_of_line_and_noise_does_not(kind, far_out):
     gen, signal, momentum = _world()
     guard = _filled_guard(gen, signal, momentum)
     [bad] = poisoned(kind, [_honest(gen, signal)], stale_base=None, anchor=[torch.zeros(N)], seed=3)
     reason = guard.judge(0, reading_of(0, [bad], [None], 40, [momentum]))
-    assert reason is not None and reason.startswith(FAR_OUT), reason
-
-
-def test_noise_waits_for_the_streak_when_an_honest_cosine_in_the_window_is_near_zero():
-    gen, signal, momentum = _world()
-    guard = _filled_guard(gen, signal, momentum)
-    limit = 3.5 / math.sqrt(N)
-    guard.record(0, Reading(2, 1.0, 1.5 * limit, N))  # an honest island just restarted: barely aligned
-    [noise] = poisoned("noise_submission", [_honest(gen, signal)], stale_base=None, anchor=[torch.zeros(N)], seed=3)
-    reason = guard.judge(0, reading_of(0, [noise], [None], 40, [momentum]))
-    assert reason is not None and reason.startswith("poisoned: ") and not reason.startswith(FAR_OUT), reason
-    # flipped is still far out: significantly against the others, whatever their spread
-    [flipped] = poisoned("flipped_submission", [_honest(gen, signal)], stale_base=None, anchor=[torch.zeros(N)], seed=3)
-    assert guard.judge(0, reading_of(0, [flipped], [None], 40, [momentum])).startswith(FAR_OUT)
+    assert reason is not None and reason.startswith("poisoned: ") and reason.startswith(FAR_OUT) is far_out, reason
 
 
 def test_a_size_just_over_the_limit_is_not_far_out_of_line():
