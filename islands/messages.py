@@ -43,6 +43,10 @@ class Submission:
     compute_s: float = 0.0  # wall time of the inner steps this submission covers (goodput's useful time)
     cursor: DataCursor = DataCursor()  # the island's data cursor (islands/cursor.py) when it cut this submission
     salvaged: bool = False  # progress of a dead incarnation, handed on from its keeper (policies/salvage.py)
+    base_epoch: int = -1  # epoch of the outer optimizer that sent the base (its restart count; -1: none adopted)
+    # policies.base_check.fragment_digest of the base the delta is measured from (None: not told, e.g. an FSDP island,
+    # whose workers hold parts of it): the outer optimizer checks it against what it published as base_version.
+    base_digest: str | None = None
 
     @property
     def key(self) -> SubmissionKey:

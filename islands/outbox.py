@@ -25,6 +25,7 @@ from islands.fragment_state import FragmentState
 from islands.messages import Submission, SubmissionKey
 from islands.plugins import load_compressor
 from islands.spec import IslandSpec
+from policies.base_check import fragment_digest
 from policies.compression import Compressed, compress
 from policies.downlink import decode_fragment
 from policies.error_feedback import ErrorFeedback
@@ -130,6 +131,8 @@ class Outbox:
         poison = self._faults.poison(time.monotonic()) if sends else None
         if poison is not None:  # injected fault: finite, well shaped and wrong (the poison guard must refuse it)
             owed = self._poisoned(poison, p, seq, owed)
+            if poison_kind(poison).needs_stale_base and sub.base_digest is not None:  # as an island whose copy is stale
+                sub.base_digest = fragment_digest(self._stale_bases[p])  # would tell it: the base it measured from
         if sends:
             sub.payload = self.encode(owed)
             if self.feedback is not None:  # what this cut does not carry is owed to the next one
@@ -182,6 +185,7 @@ class Outbox:
             step_time_s=now.step_time_s, train_loss=now.train_loss,
             # Raw until `encode` replaces it (in `cut`, or on the salvage shelf's sender thread).
             payload=cast("list[Compressed]", payload), created_at=time.time(), compute_s=state.compute[p], cursor=now.cursor,
+            base_epoch=state.epoch[p], base_digest=None if self._assemble is not None else fragment_digest(state.base[p]),
         )
 
     def encode(self, deltas: list[torch.Tensor]) -> list[Compressed]:

@@ -296,7 +296,7 @@ class OuterSection(_Section):
         "what an island still owes each time new progress is added; 1 keeps all of it owed.")
     staleness_discount: float = Field(0.0, ge=0, description="Experimental: weight multiplier (1+staleness)^-d; 0 disables.")
     poison_guard: bool = Field(False, description="Experimental: refuse an outer gradient far out of line with the other "
-                               "islands' recent ones (size, direction; from 3 islands on), as a counted refusal.")
+                               "islands' recent ones (size, direction; from 3 islands on) or from a stale base (a digest), as a counted refusal.")
     poison_restart_after: int = Field(3, ge=0, description="Experimental, with poison_guard: restart an island from "
                                       "the global parameters after this many poison refusals in a row, or at one far "
                                       "out of line (0: never; an acceptance resets the count).")

@@ -324,7 +324,9 @@ class FlippedSubmission(PoisonKind):
 
 
 class StaleSubmission(PoisonKind):
-    """``stale_submission``: measured from the base the island held when the fault began, so ever more stale."""
+    """``stale_submission``: measured from the base the island held when the fault began, so ever more stale, under
+    the current version's number, as an island whose copy stopped following would send it (its base digest is the
+    stale base's: islands/outbox.py; policies/base_check.py)."""
 
     name = "stale_submission"
     needs_stale_base = True

@@ -14,7 +14,8 @@ islands sent for that fragment recently, by two readings (:class:`Reading`):
   the recent merged outer gradients: the direction the islands have been agreeing on. An honest island
   points along it; a flipped one points against it, noise of any norm is orthogonal to it (a random
   direction's cosine is about ``1/sqrt(n)`` for ``n`` parameters), an outer gradient from a stale base
-  carries the fragment's whole drift since then and shows in the size.
+  carries the fragment's whole drift since then and shows in the size, once the drift is large (the exact
+  check that catches it at once compares base digests: policies/base_check.py).
 
 The constants are the same for every model (no per-model tuning). A size is refused above
 ``median * max(SIZE_RATIO_FLOOR, exp(Z * sigma))`` of the others' sizes in log space, sigma being

@@ -81,6 +81,7 @@ class _OuterShell:
         self.core.load_state_dict(latest.tensors, latest.meta["outer"])
         self.core.build_optimizers()  # off the first round's path (policies/outer_optimizer.py, build)
         self.epoch = latest.meta.get("epoch", -1) + 1  # the seed checkpoint carries epoch -1
+        self.core.epoch = self.epoch  # islands name their base's epoch; the core checks bases of its own only
         self.extra: dict = latest.meta.get("extra", {})  # driver metadata saved with each checkpoint
         self.core.progress = self._progress()
         self._monitor_state: dict | None = None

@@ -3,7 +3,9 @@
 After a fragment's first round each submission is judged on arrival against the islands' recent ones
 (:func:`judge_arrival`). A first round has no momentum or history yet to compare an outer gradient with, so
 it is judged as a whole when it closes, each submission's size and its cosines with the others' deciding
-(:func:`judge_opening_round`). The outer optimizer refuses what is judged poisoned; the rest is recorded.
+(:func:`judge_opening_round`). Before either, a submission's base digest is checked against what was published
+as the version it names (:func:`stale_base`, policies/base_check.py). The outer optimizer refuses what is judged
+poisoned; the rest is recorded.
 """
 
 from __future__ import annotations
@@ -17,9 +19,28 @@ from islands.messages import Submission
 from orchestrator.core.round_merge import decoded
 from orchestrator.core.rounds import OpenRound, Pending
 from orchestrator.core.submission_check import Verdict
-from policies.poison_guard import PoisonGuard, Reading, RefusalStreaks, judge_first_round, reading_of
+from policies.base_check import BaseDigests, fragment_digest
+from policies.poison_guard import FAR_OUT, PoisonGuard, Reading, RefusalStreaks, judge_first_round, reading_of
 
-__all__ = ["first_round_verdicts", "judge_arrival", "judge_opening_round"]
+__all__ = ["first_round_verdicts", "judge_arrival", "judge_opening_round", "note_version", "stale_base"]
+
+
+def note_version(digests: BaseDigests | None, p: int, version: int, params: Sequence[torch.Tensor]) -> None:
+    """Record the digest of fragment `p`'s global tensors `params` as `version`, unless known (or not kept)."""
+    if digests is not None and not digests.knows(p, version):
+        digests.record(p, version, fragment_digest(params))
+
+
+def stale_base(sub: Submission, digests: BaseDigests | None, epoch: int, version: int,
+               params: Sequence[torch.Tensor]) -> str | None:
+    """Why `sub` is refused as measured from a base other than the version it names (policies.base_check), far out
+    of line (its island is restarted at once: its copy is wrong, not its judgement), or None. `version` and `params`:
+    the fragment's current ones; a base from another `epoch` (before the outer optimizer restarted) is not checked."""
+    if digests is None or sub.base_epoch != epoch:
+        return None
+    note_version(digests, sub.fragment, version, params)
+    problem = digests.problem(sub.fragment, sub.base_version, sub.base_digest)
+    return None if problem is None else FAR_OUT + problem
 
 
 def judge_arrival(p: int, sub: Submission, verdict: Verdict, guard: PoisonGuard, streaks: RefusalStreaks,
