@@ -136,9 +136,9 @@ class _OuterShell:
         answer waits until it arrives: the island fetches the model across the WAN. A run's first start passes
         none, as every island could build the initial model from the seed, which is what data parallel's workers
         do."""
-        versions = await self._core(lambda: list(self.core.versions))
+        # The published refs with their own versions: the core's may be ahead of what is published yet.
         updates = [FragmentUpdate(p, v, [self.published.refs[p]], epoch=self.epoch, progress=self._progress())
-                   for p, v in enumerate(versions)]
+                   for p, v in enumerate(self.published.versions)]
         if island is not None:
             await self.transport.down(self.transport.region(island), sum(self.published.nbytes))
         return updates
@@ -243,7 +243,10 @@ class _OuterShell:
             if 0 <= p < len(self.published.refs):
                 # The float32 values only matter to a difference (outer.downlink_delta); else no copy is made.
                 delta = self.published.delta
-                version, tensors = await self._core(lambda: (self.core.versions[p], self.core.fragment(p) if delta else None))
+                # A difference is taken from the core's float32 copy, so it carries the core's version; a whole
+                # fragment is the published ref, so it carries the ref's (the core's may not be published yet).
+                version, tensors = (await self._core(lambda: (self.core.versions[p], self.core.fragment(p))) if delta
+                                    else (self.published.versions[p], None))
                 update = FragmentUpdate(p, version, [self.published.refs[p]], refused=(refusal.key,), epoch=self.epoch,
                                         progress=self._progress())
                 self.transport.send_down(island, handle, update, tensors)

@@ -48,7 +48,7 @@ _REMEMBERED_VERSIONS = 4
 
 
 class PublishedFragments:
-    """Per fragment: the latest published version's ref and wire size; per island: the copy it holds."""
+    """Per fragment: the latest published version's ref, its number and wire size; per island: the copy it holds."""
 
     def __init__(self, settings: OuterSettings, fragments: list[list[torch.Tensor]], versions: list[int]) -> None:
         # What each island holds of each fragment, when versions go down as differences (outer.downlink_delta);
@@ -58,6 +58,9 @@ class PublishedFragments:
         wire = [self.copies.whole(frag) for frag in fragments]
         # The latest published version of every fragment, in its wire format: one ray.put each, handed out as [ref].
         self.refs = [ray.put(w) for w in wire]
+        # The version each ref holds, changed with it (on the shell's loop): a label read from the core may be a
+        # version whose ref is not published yet, and an island would then hold one version under another's number.
+        self.versions = list(versions)
         # Bytes of one published fragment on the wire: fixed for the run (shapes and format do not change).
         self.nbytes = [sum(t.nbytes for t in w) for w in wire]  # torch tensors and Compressed alike
         # With differences down: the last few published versions as islands decode them, per fragment, so that an
@@ -94,6 +97,7 @@ class PublishedFragments:
             while len(recent) > _REMEMBERED_VERSIONS:
                 recent.popitem(last=False)
         self.refs[fragment] = prepared.ref  # dropping the old ref lets the store free it
+        self.versions[fragment] = version
         return prepared.ref
 
     def encode(self, island: int, incarnation: int, update: FragmentUpdate, tensors: list) -> tuple[FragmentUpdate, int]:
