@@ -820,6 +820,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, address: str | None = None,
         raise kind(f"{cause}{_first_line(err)} (nothing trained, so {run_dir} was removed; its driver.log is "
                    f"{kept})") from err
     _end_session(run, handler, started)
+    if not started:  # a Ray that outlives us serves the run's metrics: let the final ones reach its export port
+        run.metrics.wait_exported()
     if summary["stopped_by"] == INTERRUPTED:
         raise RunInterrupted(run_dir, summary)
     return summary

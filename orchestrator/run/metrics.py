@@ -52,6 +52,7 @@ class RunMetrics:
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
+        self._last_set: float | None = None  # monotonic time goodput was last set (wait_exported)
         run, frag, pool_tags = ("run_id",), ("run_id", "fragment"), ("run_id", "pool")
         self.rounds = Counter("diloco_rounds", description="Rounds merged by the outer optimizer.", tag_keys=frag)
         self.version = Gauge("diloco_fragment_version", description="Current global version of each fragment.",
@@ -160,6 +161,22 @@ class RunMetrics:
             self.goodput.set(float(goodput), tags=self._tags())
         if uptime is not None:
             self.uptime.set(float(uptime), tags=self._tags())
+        self._last_set = time.monotonic()
+
+    def wait_exported(self) -> None:
+        """Block until Ray's metrics reporter has pushed the values set last (the run's final ones) to the node's
+        export port: it pushes every `metrics_report_interval_ms` (10 s unless the cluster was started with another),
+        and what a driver sets less than that before it exits never reaches a scrape (seen: a job's final goodput
+        missing from its cluster's export). Only worth it on a Ray that outlives this process."""
+        if self._last_set is None:
+            return
+        import ray._raylet
+
+        interval_s = ray._raylet.Config.metrics_report_interval_ms() / 1000
+        wait = self._last_set + 1.5 * interval_s + 0.5 - time.monotonic()  # one push and the agent's turn after it
+        if wait > 0:
+            log.info("waiting %.1fs for Ray's metrics reporter to export the run's final values", wait)
+            time.sleep(wait)
 
 
 def estimated_run_start(timeline: list) -> float | None:
