@@ -22,8 +22,9 @@ The constants are the same for every model (no per-model tuning). A size is refu
 ``1.4826 * MAD`` (the normal-consistent spread) and Z the usual outlier cut of modified z-scores. An
 alignment is refused when it is not significantly positive, below ``Z / sqrt(n)`` (what a random
 direction in ``n`` dimensions exceeds with probability about 2e-4), while the others' median is well
-above that (twice): so noise and flips are refused, and an honest partial submission, whose few steps
-align less than a full one's, is not. In a default run's clean rounds honest alignments were 0.05-0.86
+above that (twice), scaled by the submission's share of the others' inner steps (:func:`step_share`): so
+noise and flips are refused, and an honest partial submission, whose few steps align less than a full one's
+(a final flush's one step read +0.0061 where full ones read +0.2), is not judged. In a default run's clean rounds honest alignments were 0.05-0.86
 against a limit of about 0.007 (docs/architecture.md section 3 has the measurements). Nothing is judged
 until readings of at least ``MIN_OTHER_ISLANDS`` other islands are in the window: with two islands
 there is no majority to tell the bad one from the good one. Without outer momentum
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["FAR_OUT", "FIRST_ROUND_ISLANDS", "POISONED", "PoisonGuard", "Reading", "RefusalStreaks", "first_round_quorum",
-           "judge_first_round", "reading_of"]
+           "judge_first_round", "reading_of", "step_share"]
 
 Z = 3.5  # modified z-score outlier cut (Iglewicz and Hoaglin)
 MAD_TO_SIGMA = 1.4826  # MAD of a normal sample times this estimates its standard deviation
@@ -70,6 +71,7 @@ class Reading:
     size: float  # ||outer gradient|| / sqrt(inner steps)
     alignment: float | None  # cosine with the fragment's outer momentum; None: no momentum yet (or none kept)
     elements: int = 0  # elements the cosine was taken over (its significance: a random direction's is ~1/sqrt)
+    inner_steps: int = 0  # inner steps it covers (0: not known, as in a checkpoint from before it was kept)
 
 
 def reading_of(island: int, deltas: Sequence[torch.Tensor], norms: Sequence[float | None], inner_steps: int,
@@ -89,7 +91,7 @@ def reading_of(island: int, deltas: Sequence[torch.Tensor], norms: Sequence[floa
             elements += m.numel()
     size = math.sqrt(sq) / math.sqrt(max(1, inner_steps))
     alignment = dot / math.sqrt(m_sq * d_sq) if m_sq > 0 and d_sq > 0 else None
-    return Reading(island, size, alignment, elements)
+    return Reading(island, size, alignment, elements, inner_steps)
 
 
 POISONED = "poisoned: "
@@ -124,14 +126,27 @@ def _size_problem(size: float, others: Sequence[float]) -> str | None:
     return None
 
 
-def _alignment_problem(alignment: float | None, elements: int, others: Sequence[float], against: str) -> str | None:
+def step_share(steps: int, others: Sequence[int]) -> float:
+    """What share of the others' usual inner steps (their median) a submission of `steps` covers, at most 1; 1 where
+    either is unknown (0)."""
+    known = [n for n in others if n > 0]
+    if steps <= 0 or not known:
+        return 1.0
+    return min(1.0, steps / statistics.median(known))
+
+
+def _alignment_problem(alignment: float | None, elements: int, others: Sequence[float], against: str,
+                       share: float = 1.0) -> str | None:
     """Why `alignment` (a cosine over `elements` values) is no better than a random direction's while the `others`
-    are clearly aligned, or None."""
+    are clearly aligned, or None. `share`: the submission's inner steps as a share of the others' (step_share)."""
     if alignment is None or elements <= 0 or not others:
         return None
     limit = Z / math.sqrt(elements)  # a random direction's cosine exceeds this with probability ~2e-4
     med = statistics.median(others)
-    if med <= 2 * limit:
+    # An honest submission of a few steps aligns less: its cosine fell in proportion to its steps in the runs
+    # measured (a final flush's one step: +0.0061 where full ones had +0.2), so it is judged only where even that
+    # share of the others' cosine clears the gate.
+    if med * share <= 2 * limit:
         return None  # the others do not agree on a direction clearly enough to be out of line with
     if alignment < limit:
         begins = FAR_OUT if alignment < -(FAR_OUT_FACTOR - 1) * limit else POISONED
@@ -188,7 +203,8 @@ class PoisonGuard:
             return None
         return (_size_problem(reading.size, [r.size for r in others])
                 or _alignment_problem(reading.alignment, reading.elements,
-                                      [r.alignment for r in others if r.alignment is not None], "the outer momentum"))
+                                      [r.alignment for r in others if r.alignment is not None], "the outer momentum",
+                                      step_share(reading.inner_steps, [r.inner_steps for r in others])))
 
     def record(self, fragment: int, reading: Reading) -> None:
         """Add an accepted submission's reading to its fragment's window."""
@@ -196,7 +212,7 @@ class PoisonGuard:
 
     def state_dict(self) -> list[list[list[float | int | None]]]:
         """The windows as JSON-ready lists (the outer optimizer's checkpoint keeps them)."""
-        return [[[r.island, r.size, r.alignment, r.elements] for r in w] for w in self._windows]
+        return [[[r.island, r.size, r.alignment, r.elements, r.inner_steps] for r in w] for w in self._windows]
 
     def load_state_dict(self, state: Sequence[Sequence[Sequence[float | int | None]]]) -> None:
         """Restore `state_dict()` output; a checkpoint of another fragment count starts the windows empty."""
@@ -204,8 +220,10 @@ class PoisonGuard:
             return
         for w, readings in zip(self._windows, state):
             w.clear()
-            w.extend(Reading(int(i), float(s), None if a is None else float(a), int(n))  # type: ignore[arg-type]
-                     for i, s, a, n in readings)
+            # A checkpoint from before inner steps were kept has four fields: their steps are unknown (0).
+            w.extend(Reading(int(r[0]), float(r[1]), None if r[2] is None else float(r[2]),  # type: ignore[arg-type]
+                             int(r[3]), int(r[4]) if len(r) > 4 else 0)  # type: ignore[arg-type]
+                     for r in readings)
 
 
 class RefusalStreaks:

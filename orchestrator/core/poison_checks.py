@@ -86,5 +86,5 @@ def first_round_verdicts(pending: Sequence[Pending]) -> list[tuple[Pending, str 
     sizes = [math.sqrt(sq[i]) / math.sqrt(max(1, e.sub.inner_steps)) for i, e in enumerate(pending)]
     elements = sum(t.numel() for t in deltas[0]) if deltas else 0
     verdicts = judge_first_round([e.sub.island for e in pending], sizes, cosines, elements)
-    return [(e, reason, Reading(e.sub.island, size, alignment, elements))
+    return [(e, reason, Reading(e.sub.island, size, alignment, elements, e.sub.inner_steps))
             for e, size, (reason, alignment) in zip(pending, sizes, verdicts)]

@@ -22,6 +22,7 @@ from policies.poison_guard import (
     first_round_quorum,
     judge_first_round,
     reading_of,
+    step_share,
 )
 
 N = 50_000  # elements of the fragment
@@ -138,11 +139,44 @@ def test_a_first_round_of_two_islands_refuses_nothing():
 
 def test_state_round_trips():
     guard = PoisonGuard(2)
-    guard.record(1, Reading(3, 0.5, 0.25, 10))
-    guard.record(1, Reading(2, 0.6, None, 10))
+    guard.record(1, Reading(3, 0.5, 0.25, 10, 40))
+    guard.record(1, Reading(2, 0.6, None, 10, 20))
     again = PoisonGuard(2)
     again.load_state_dict(guard.state_dict())
-    assert again.state_dict() == guard.state_dict() == [[], [[3, 0.5, 0.25, 10], [2, 0.6, None, 10]]]
+    assert again.state_dict() == guard.state_dict() == [[], [[3, 0.5, 0.25, 10, 40], [2, 0.6, None, 10, 20]]]
+    older = PoisonGuard(2)  # a checkpoint from before inner steps were kept: four fields, steps unknown
+    older.load_state_dict([[], [[3, 0.5, 0.25, 10]]])
+    assert older.state_dict() == [[], [[3, 0.5, 0.25, 10, 0]]]
+
+
+def _with_cosine(gen: torch.Generator, momentum: torch.Tensor, cosine: float, norm: float) -> torch.Tensor:
+    """A vector of `norm` whose cosine with `momentum` is exactly `cosine`."""
+    m = momentum / momentum.norm()
+    r = torch.randn(N, generator=gen, dtype=torch.float64).to(m.dtype)
+    r = r - (r @ m) * m
+    r = r / r.norm()
+    return norm * (cosine * m + math.sqrt(1 - cosine**2) * r)
+
+
+def test_a_submission_of_a_few_steps_is_not_judged_by_a_cosine_a_full_one_is_refused_for():
+    # Measured: an honest final flush of one inner step read +0.0061 against a limit of +0.0071, where full
+    # submissions read about +0.2, and was refused; its cosine is what a random direction's is.
+    gen, signal, momentum = _world(2)
+    guard = _filled_guard(gen, signal, momentum)
+    limit = 3.5 / math.sqrt(N)
+    norm = float(signal.norm())
+    low = _with_cosine(gen, momentum, 0.6 * limit, norm)
+    assert guard.judge(0, reading_of(0, [low / math.sqrt(40)], [None], 1, [momentum])) is None
+    full = guard.judge(0, reading_of(0, [low], [None], 40, [momentum]))
+    assert full is not None and "no more than a random direction's" in full
+    # Half the steps is judged as before: the others' cosines, halved, still clear the gate by far.
+    assert guard.judge(0, reading_of(0, [low / math.sqrt(2)], [None], 20, [momentum])) is not None
+
+
+def test_step_share_is_the_share_of_the_others_median_steps_at_most_one_and_one_where_unknown():
+    assert step_share(10, [40, 40, 20]) == 0.25
+    assert step_share(80, [40]) == 1.0
+    assert step_share(0, [40]) == step_share(5, [0, 0]) == step_share(5, []) == 1.0
 
 
 def test_refusal_streaks_mark_an_incarnation_at_the_nth_refusal_in_a_row_and_an_acceptance_resets():
