@@ -25,13 +25,18 @@ import torch
 from islands.cursor import DataCursor
 from islands.messages import Submission
 from orchestrator.core.outer_checkpoint import checkpoint_of, restore_checkpoint
-from orchestrator.core.poison_checks import judge_arrival, judge_opening_round, note_version, stale_base
+from orchestrator.core.poison_checks import (
+    base_digests_for,
+    judge_arrival,
+    judge_opening_round,
+    note_version,
+    stale_base,
+)
 from orchestrator.core.round_merge import FragmentMerges
 from orchestrator.core.rounds import OpenRound, Pending, Refusal, RoundRecord, RoundResult
 from orchestrator.core.served_average import ServedAverage
 from orchestrator.core.settings import OuterSettings  # re-exported: the outer optimizer's settings
 from orchestrator.core.submission_check import check_submission
-from policies.base_check import BaseDigests
 from policies.fragments import FragmentPlan
 from policies.poison_guard import (
     FAR_OUT,
@@ -108,10 +113,8 @@ class OuterOptimizer:
         # An incarnation refused as poisoned so many times in a row is restarted (policies.poison_guard.RefusalStreaks).
         self.streaks = RefusalStreaks(settings.poison_restart_after)
         self._poisoned: set[tuple[int, int]] = set()  # (island, incarnation) the monitor is to restart
-        # Under the guard, the digest each recent version was published with, to check a submission's base against
-        # (policies/base_check.py): only where islands hold the published float32 tensors bit for bit.
-        exact = settings.downlink == "none" and settings.downlink_delta is None
-        self.base_digests = BaseDigests(P, settings.max_staleness + 2) if settings.poison_guard and exact else None
+        # The digest each recent version was published with, to check a submission's base against (base_check.py).
+        self.base_digests = base_digests_for(settings, P)
         self.epoch = 0  # the shell's restart count (FragmentUpdate.epoch), which islands report their base's with
 
     # ---------------------------------------------------------------- membership
@@ -264,7 +267,6 @@ class OuterOptimizer:
         pending = round_.pending
         subs = [e.sub for e in pending]
         refused = round_.refused
-        note_version(self.base_digests, p, self.versions[p], self.params[p])  # before the step changes them
         merged = self.merges.merge(p, pending, settings=self.settings, live_islands=self._live_islands(), final=final)
         self.versions[p] += 1
         version = self.versions[p]

@@ -18,11 +18,19 @@ import torch
 from islands.messages import Submission
 from orchestrator.core.round_merge import decoded
 from orchestrator.core.rounds import OpenRound, Pending
+from orchestrator.core.settings import OuterSettings
 from orchestrator.core.submission_check import Verdict
 from policies.base_check import BaseDigests, fragment_digest
 from policies.poison_guard import FAR_OUT, PoisonGuard, Reading, RefusalStreaks, judge_first_round, reading_of
 
-__all__ = ["first_round_verdicts", "judge_arrival", "judge_opening_round", "note_version", "stale_base"]
+__all__ = ["base_digests_for", "first_round_verdicts", "judge_arrival", "judge_opening_round", "note_version", "stale_base"]
+
+
+def base_digests_for(settings: OuterSettings, num_fragments: int) -> BaseDigests | None:
+    """The record of published versions' digests the stale-base check needs: under the guard, and only where islands
+    hold the published float32 tensors bit for bit (no lossy downlink); else None."""
+    exact = settings.downlink == "none" and settings.downlink_delta is None
+    return BaseDigests(num_fragments, settings.max_staleness + 2) if settings.poison_guard and exact else None
 
 
 def note_version(digests: BaseDigests | None, p: int, version: int, params: Sequence[torch.Tensor]) -> None:
@@ -36,9 +44,11 @@ def stale_base(sub: Submission, digests: BaseDigests | None, epoch: int, version
     """Why `sub` is refused as measured from a base other than the version it names (policies.base_check), far out
     of line (its island is restarted at once: its copy is wrong, not its judgement), or None. `version` and `params`:
     the fragment's current ones; a base from another `epoch` (before the outer optimizer restarted) is not checked."""
+    # Every version a round closes on had a submission received at it, so noting the current one here (whatever the
+    # submission's epoch) records each version before its step changes the tensors.
+    note_version(digests, sub.fragment, version, params)
     if digests is None or sub.base_epoch != epoch:
         return None
-    note_version(digests, sub.fragment, version, params)
     problem = digests.problem(sub.fragment, sub.base_version, sub.base_digest)
     return None if problem is None else FAR_OUT + problem
 
