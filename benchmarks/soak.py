@@ -63,11 +63,12 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 
 import orchestrator  # noqa: E402,F401 - before ray's first use: it sets Ray's log filter
 from orchestrator.actors.remote import WORKER_ENV  # noqa: E402
-from orchestrator.config import build_config  # noqa: E402
+from orchestrator.config import apply_overrides, build_config  # noqa: E402
 from orchestrator.core.accounting import FATES  # noqa: E402
 from orchestrator.core.eventlog import read_events  # noqa: E402
 from orchestrator.run.driver import train  # noqa: E402
 from policies.chaos import RUN_KINDS, poisson_tape  # noqa: E402
+from policies.poison_guard import POISONED  # noqa: E402
 
 # Ray's own copy of psutil, on the path `import ray` adds (ray/thirdparty_files): importable only after it.
 psutil = importlib.import_module("psutil")
@@ -103,8 +104,8 @@ def mtbf_for(rate_per_s: float, islands: int, min_gap_s: float) -> float:
 
 
 def config(args, tape_path: Path) -> dict:
-    """The run: nano islands, EMULATED slow steps, a wall-clock stop at --minutes, the Poisson tape."""
-    return {
+    """The run: nano islands, EMULATED slow steps, a wall-clock stop at --minutes, the Poisson tape, then --set."""
+    return apply_overrides({
         "run": {"token_budget": 10**12, "max_wall_s": args.minutes * 60.0, "seed": args.seed, "call_timeout_s": 30},
         "model": {"preset": "nano"},
         "data": {"max_bytes": 4_000_000},
@@ -115,7 +116,7 @@ def config(args, tape_path: Path) -> dict:
         "chaos": {"mode": "tape", "params": {"path": str(tape_path)}},
         "pools": [{"name": "soak", "islands": args.islands, "labels": POOL, "cpus_per_island": 0.5, "region": "local",
                    "emulated_slowdown": args.slowdown}],
-    }
+    }, args.overrides)
 
 
 class Sampler(threading.Thread):
@@ -267,6 +268,13 @@ def processes_left(seen: dict[int, float], wait_s: float = 30.0) -> list[str]:
         time.sleep(1.0)
 
 
+def refusal_counts(run_dir: Path) -> dict[str, int]:
+    """The run's refusals: all of them, and those the poison guard gave (outer.poison_guard; no poison is injected here,
+    so each of those is a false refusal)."""
+    reasons = [r["reason"] for r in read_events(run_dir, "refusals").to_pylist()]
+    return {"all": len(reasons), "poisoned": sum(r.startswith(POISONED) for r in reasons)}
+
+
 def fault_counts(run_dir: Path) -> dict[str, int]:
     """Fired faults by kind, from the run's `faults` events, and how many of them were retargeted (`retargeted`)."""
     out: dict[str, int] = {k: 0 for k in KINDS}
@@ -319,7 +327,7 @@ def soak(args) -> dict:
     out["left_processes"] = processes_left(sampler.seen)
     out.update(summary=summary, rows=sampler.rows, sample_errors=sampler.errors, nodes_replaced=replacer.replaced,
                replace_errors=replacer.errors, processes_seen=len(sampler.seen),
-               faults_by_kind=fault_counts(root / "run"))
+               faults_by_kind=fault_counts(root / "run"), refusals=refusal_counts(root / "run"))
     return out
 
 
@@ -362,7 +370,8 @@ def judge(args, m: dict) -> dict:
         "goodput": s["goodput"], "uptime": s["uptime"],
         "failures": s["failures"], "restarts": s["restarts"], "faults_planned": s["faults_planned"],
         "faults_skipped": s["faults_skipped"], "faults_by_kind": m["faults_by_kind"],
-        "nodes_replaced": m["nodes_replaced"], "tokens_processed": s["tokens_processed"], "tokens_merged": s["tokens_merged"],
+        "nodes_replaced": m["nodes_replaced"], "refusals": m["refusals"], "overrides": args.overrides,
+        "tokens_processed": s["tokens_processed"], "tokens_merged": s["tokens_merged"],
         "tokens_lost": s["tokens_lost"], "token_ledger": s["token_ledger"],
         "other_slopes_mb_per_h": {k: slopes[k] for k in ("monitor", "keepers", "islands_mean", "store")},
         "peaks_mb": peaks, "rss_bound_mb_per_h": rss_bound, "store_bound_mb_per_h": store_bound,
@@ -400,6 +409,8 @@ def table(r: dict) -> str:
         f"| goodput | {r['goodput']:.3f} | reported | |",
         f"| uptime | {r['uptime']:.3f} | reported | |",
         f"| failures / restarts / nodes replaced | {r['failures']} / {r['restarts']} / {r['nodes_replaced']} | reported | |",
+        f"| refusals: all / by the poison guard (false: no poison is injected) | {r['refusals']['all']} / "
+        f"{r['refusals']['poisoned']} | reported | |",
     ]
     return "\n".join(rows)
 
@@ -430,6 +441,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a fault due while its island is down waits for it (before 2026-12-04 the only way); by default "
                          "the next live island takes it (Fault.retarget), so the rate holds however slow restarts are")
     ap.add_argument("--dir", type=Path, help="where the run writes (default: a new temporary directory)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override on top of the soak's run (dotted, YAML value; repeatable), e.g. "
+                         "--set outer.poison_guard=true to soak the opt-in guard")
     args = ap.parse_args(argv)
     if args.minutes <= 1:
         ap.error(f"--minutes must be > 1, got {args.minutes}")
@@ -441,8 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     r = judge(args, soak(args))
     r.update(min_faults=min_faults(args), learn_ratio=args.learn_ratio)
+    sets = "; --set " + " ".join(args.overrides) if args.overrides else ""
     print(f"\n{EMULATION} ({args.slowdown:g}x). {args.minutes:g} min, {args.islands} islands of model.preset=nano, "
-          f"{args.nodes} nodes; Poisson faults every {args.mean_gap_s:g} s on average over {', '.join(KINDS)}; "
+          f"{args.nodes} nodes{sets}; Poisson faults every {args.mean_gap_s:g} s on average over {', '.join(KINDS)}; "
           f"RSS every {args.sample_s:g} s, slopes fitted after the first {100 * args.warmup:.0f}% "
           f"({r['samples']} samples); islands = the largest island process at each sample.\n")
     print(table(r))
