@@ -139,6 +139,7 @@ class LearnerIsland:
         for update in initial:
             self.inbox.queue(update)
         self._adopt_initial(initial)
+        self.outbox.started_at_version = max(self.fragments.version)
         log.info("island %d (incarnation %d, pool %s) ready at versions %s, data at %s",
                  spec.island, spec.incarnation, spec.pool, self.fragments.version, cursor)
 

@@ -47,6 +47,10 @@ class Submission:
     # policies.base_check.fragment_digest of the base the delta is measured from (None: not told, e.g. an FSDP island,
     # whose workers hold parts of it): the outer optimizer checks it against what it published as base_version.
     base_digest: str | None = None
+    # The highest fragment version this incarnation started from (0: with the run, before any outer step). One that
+    # started mid-run has a fresh optimizer and no part in the outer momentum so far: the poison guard does not read
+    # its direction as beyond doubt (policies/poison_guard.py).
+    started_at_version: int = 0
 
     @property
     def key(self) -> SubmissionKey:

@@ -105,6 +105,7 @@ class Outbox:
         self._ready: collections.deque[Submission] = collections.deque()
         self._stale_bases: dict[int, list[torch.Tensor]] = {}  # stale_submission: each fragment's base when it began
         self._poison_logged: str | None = None
+        self.started_at_version = 0  # the highest version the island started from (Submission.started_at_version)
 
     # ------------------------------------------------------------ cutting
 
@@ -186,6 +187,7 @@ class Outbox:
             # Raw until `encode` replaces it (in `cut`, or on the salvage shelf's sender thread).
             payload=cast("list[Compressed]", payload), created_at=time.time(), compute_s=state.compute[p], cursor=now.cursor,
             base_epoch=state.epoch[p], base_digest=None if self._assemble is not None else fragment_digest(state.base[p]),
+            started_at_version=self.started_at_version,
         )
 
     def encode(self, deltas: list[torch.Tensor]) -> list[Compressed]:

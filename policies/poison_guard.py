@@ -48,7 +48,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -72,12 +72,16 @@ class Reading:
     alignment: float | None  # cosine with the fragment's outer momentum; None: no momentum yet (or none kept)
     elements: int = 0  # elements the cosine was taken over (its significance: a random direction's is ~1/sqrt)
     inner_steps: int = 0  # inner steps it covers (0: not known, as in a checkpoint from before it was kept)
+    # From an incarnation that started mid-run (Submission.started_at_version > 0): its cosine is never far out of line
+    # (see FAR_OUT_FACTOR). Only judged, never kept in a window.
+    started_mid_run: bool = False
 
 
 def reading_of(island: int, deltas: Sequence[torch.Tensor], norms: Sequence[float | None], inner_steps: int,
-               momentum: Sequence[torch.Tensor | None]) -> Reading:
+               momentum: Sequence[torch.Tensor | None], started_mid_run: bool = False) -> Reading:
     """The reading of one submission: its decoded outer gradient per tensor (`deltas`), their norms where known,
-    its inner steps and the fragment's momentum buffers (None for a tensor without one)."""
+    its inner steps and the fragment's momentum buffers (None for a tensor without one); `started_mid_run`: its
+    incarnation started from a global version past 0 (Reading.started_mid_run)."""
     sq = 0.0
     dot = m_sq = d_sq = 0.0
     elements = 0
@@ -91,7 +95,7 @@ def reading_of(island: int, deltas: Sequence[torch.Tensor], norms: Sequence[floa
             elements += m.numel()
     size = math.sqrt(sq) / math.sqrt(max(1, inner_steps))
     alignment = dot / math.sqrt(m_sq * d_sq) if m_sq > 0 and d_sq > 0 else None
-    return Reading(island, size, alignment, elements, inner_steps)
+    return Reading(island, size, alignment, elements, inner_steps, started_mid_run)
 
 
 POISONED = "poisoned: "
@@ -105,7 +109,15 @@ FAR_OUT_FACTOR = 2.0
 to the others' median is over twice the limit's (16x at the 4x floor), a cosine below minus the limit (significantly
 *against* the others, as likely by chance as one above it, ~2e-4). Scaled and flipped outer gradients read so from
 their first submission (100x the size; the honest cosines, 0.05-0.86, negated, against a limit of about 0.007); noise
-(a cosine about 0) and a stale base (its size growing from 1x) do not, and wait for the streak."""
+(a cosine about 0) and a stale base (its size growing from 1x) do not, and wait for the streak.
+
+A cosine is never far out of line for an incarnation that started mid-run (restarted, or joined late): it starts from
+the global parameters with a fresh optimizer, and its first outer gradients of a fragment can point against the
+outer momentum. Measured in a 10-minute soak with the guard on (8 nano islands, 121 faults, 2026-12-07): 84 honest
+submissions refused, every one from an incarnation that started mid-run, 75 of them at its first or second cut of
+fragment 0, with cosines from -0.01 to -0.23 against a limit of +0.028; 70 read far out of line, and each restarted
+its island, whose next incarnation did the same (83 restarts the guard caused). Its refusals count toward the streak,
+which an accepted cut of another fragment ends."""
 
 
 def _median_sigma(values: Sequence[float]) -> tuple[float, float]:
@@ -136,9 +148,10 @@ def step_share(steps: int, others: Sequence[int]) -> float:
 
 
 def _alignment_problem(alignment: float | None, elements: int, others: Sequence[float], against: str,
-                       share: float = 1.0) -> str | None:
+                       share: float = 1.0, can_be_far_out: bool = True) -> str | None:
     """Why `alignment` (a cosine over `elements` values) is no better than a random direction's while the `others`
-    are clearly aligned, or None. `share`: the submission's inner steps as a share of the others' (step_share)."""
+    are clearly aligned, or None. `share`: the submission's inner steps as a share of the others' (step_share);
+    `can_be_far_out`: False for an incarnation that started mid-run (see FAR_OUT_FACTOR)."""
     if alignment is None or elements <= 0 or not others:
         return None
     limit = Z / math.sqrt(elements)  # a random direction's cosine exceeds this with probability ~2e-4
@@ -149,9 +162,11 @@ def _alignment_problem(alignment: float | None, elements: int, others: Sequence[
     if med * share <= 2 * limit:
         return None  # the others do not agree on a direction clearly enough to be out of line with
     if alignment < limit:
-        begins = FAR_OUT if alignment < -(FAR_OUT_FACTOR - 1) * limit else POISONED
+        far = alignment < -(FAR_OUT_FACTOR - 1) * limit
+        begins = FAR_OUT if far and can_be_far_out else POISONED
+        why = "; started mid-run, so not far out of line" if far and not can_be_far_out else ""
         return (f"{begins}outer gradient's cosine with {against} {alignment:+.4f}, no more than a random "
-                f"direction's (limit {limit:+.4f}; the other islands' median {med:+.3f})")
+                f"direction's (limit {limit:+.4f}; the other islands' median {med:+.3f}{why})")
     return None
 
 
@@ -204,11 +219,12 @@ class PoisonGuard:
         return (_size_problem(reading.size, [r.size for r in others])
                 or _alignment_problem(reading.alignment, reading.elements,
                                       [r.alignment for r in others if r.alignment is not None], "the outer momentum",
-                                      step_share(reading.inner_steps, [r.inner_steps for r in others])))
+                                      step_share(reading.inner_steps, [r.inner_steps for r in others]),
+                                      can_be_far_out=not reading.started_mid_run))
 
     def record(self, fragment: int, reading: Reading) -> None:
         """Add an accepted submission's reading to its fragment's window."""
-        self._windows[fragment].append(reading)
+        self._windows[fragment].append(replace(reading, started_mid_run=False))  # only judging reads it, and checkpoints drop it
 
     def state_dict(self) -> list[list[list[float | int | None]]]:
         """The windows as JSON-ready lists (the outer optimizer's checkpoint keeps them)."""
@@ -236,9 +252,11 @@ class RefusalStreaks:
     island that diverged. An accepted submission ends a streak: an honest island refused now and then (a
     restart that left its direction behind the momentum) is never restarted for it. 0 restarts none.
 
-    A refusal far out of line (:data:`FAR_OUT`: 16x the others' size, or pointing against them) marks the
-    incarnation at once: no honest island sent one in the measured runs, and each refusal waited for costs the run
-    a submission's tokens (a streak of 3 and the one in flight were about 4% of a 3M-token budget).
+    A refusal far out of line (:data:`FAR_OUT`: 16x the others' size, pointing against them from an incarnation that
+    started with the run, or a stale base by its digest) marks the incarnation at once: each refusal waited for
+    costs the run a submission's tokens (a streak of 3 and the one in flight were about 4% of a 3M-token budget).
+    Incarnations that started mid-run can point against the momentum honestly, so their cosines wait for the
+    streak (:data:`FAR_OUT_FACTOR`).
     """
 
     def __init__(self, restart_after: int) -> None:

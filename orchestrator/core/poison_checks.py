@@ -57,7 +57,8 @@ def judge_arrival(p: int, sub: Submission, verdict: Verdict, guard: PoisonGuard,
                   momentum: Sequence[torch.Tensor | None]) -> str | None:
     """Why `sub` (accepted by the submission check as `verdict`) is refused as poisoned, judged against fragment
     `p`'s recent outer gradients and its outer `momentum`, or None: then it is recorded with `guard` and `streaks`."""
-    reading = reading_of(sub.island, [decoded(d) for d in verdict.deltas], verdict.norms, sub.inner_steps, momentum)
+    reading = reading_of(sub.island, [decoded(d) for d in verdict.deltas], verdict.norms, sub.inner_steps, momentum,
+                         started_mid_run=sub.started_at_version > 0)
     poisoned = guard.judge(p, reading)
     if poisoned is None:
         guard.record(p, reading)

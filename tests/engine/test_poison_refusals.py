@@ -120,15 +120,16 @@ def test_the_guard_windows_survive_a_checkpoint():
     assert again.guard.state_dict() == outer.guard.state_dict() != [[], []]
 
 
-def _one(outer: OuterOptimizer, target, kind: str, seq: int):
-    """Island 0 sends fragment 0's honest outer gradient (toward `target`, as `_stream`'s) poisoned as `kind`; the
-    refusal (or None)."""
+def _one(outer: OuterOptimizer, target, kind: str, seq: int, started_at_version: int = 0):
+    """Island 0 sends fragment 0's honest outer gradient (toward `target`, as `_stream`'s) poisoned as `kind`, from an
+    incarnation that started at `started_at_version`; the refusal (or None)."""
     gen = torch.Generator().manual_seed(100 + seq)  # not the stream's seed: noise unlike its target
     honest = [0.05 * (t - tgt) + 0.02 * torch.randn(t.shape, generator=gen) for t, tgt in zip(outer.params[0], target[0])]
     deltas = honest if kind is None else poisoned(kind, honest, stale_base=None, anchor=[t.clone() for t in outer.params[0]],
                                                   seed=1000 + seq)
     sub = Submission(island=0, incarnation=1, seq=1000 + seq, fragment=0, base_version=outer.versions[0], tokens=1000,
-                     inner_steps=40, step_time_s=0.1, train_loss=3.0, payload=[compress(d, "none") for d in deltas])
+                     inner_steps=40, step_time_s=0.1, train_loss=3.0, payload=[compress(d, "none") for d in deltas],
+                     started_at_version=started_at_version)
     return outer.receive(sub, now=100.0 + seq)[1]
 
 
@@ -154,6 +155,20 @@ def test_an_island_refused_far_out_of_line_is_handed_to_the_monitor_at_its_first
     refusal = _one(outer, target, kind, 1)
     assert refusal is not None and refusal.reason.startswith(FAR_OUT), refusal
     assert outer.take_poisoned() == {(0, 1)}, "not two refusals more of a quarter of the compute"
+
+
+def test_a_flip_from_an_incarnation_that_started_mid_run_waits_for_the_streak():
+    # An honest restarted incarnation's first cuts can point against the momentum (the guard-on soak): restarting it at
+    # its first such refusal restarted the next incarnation the same way, 83 times in 10 minutes.
+    outer = _outer(guard=True)
+    _, target = _stream(outer, None, rounds=4)
+    started = outer.versions[0]
+    reasons = []
+    for seq in range(3):
+        reasons.append(_one(outer, target, "flipped_submission", seq, started_at_version=started).reason)
+        assert outer.take_poisoned() == (set() if seq < 2 else {(0, 1)}), (seq, reasons)
+    assert all(r.startswith("poisoned: ") and not r.startswith(FAR_OUT) for r in reasons), reasons
+    assert "started mid-run" in reasons[0], reasons[0]
 
 
 def test_a_clean_stream_hands_no_island_to_the_monitor_and_zero_restarts_none():

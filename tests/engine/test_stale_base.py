@@ -96,3 +96,21 @@ def test_a_base_of_another_epoch_or_under_a_lossy_downlink_is_not_judged():
     lossy, _ = _world("overwrite", downlink="bf16")
     assert lossy.outer.base_digests is None
     assert lossy.outer.receive(_submission(lossy.outer, digest=wrong), now=1.0)[1] is None
+
+
+def test_an_island_started_mid_run_says_so_in_every_submission():
+    # The poison guard reads a cosine from such an incarnation as never beyond doubt (policies/poison_guard.py).
+    w, islands = _world("rebase")
+    _run(w, islands, cuts=2)
+    latest = [FragmentUpdate(p, w.outer.versions[p], [w.outer.fragment(p)]) for p in range(2)]
+    spec = spec_from_config(island=0, incarnation=2, pool="p", num_islands=ISLANDS, model_config=w.cfg, plan=w.plan,
+                            inner=INNER, sync_every_steps=8, seed=9, adoption="rebase")
+    restarted = LearnerIsland(spec, w.data, latest)
+    for _ in range(4):
+        restarted.step()
+    sub = restarted.next_submission(1.0)
+    assert sub is not None and sub.started_at_version == max(w.outer.versions) > 0
+    for _ in range(4):
+        islands[1].step()
+    first = islands[1].next_submission(1.0)
+    assert first is not None and first.started_at_version == 0, "an island that started with the run"

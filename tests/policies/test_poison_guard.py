@@ -205,6 +205,28 @@ def test_scaled_and_flipped_read_far_out_of_line_and_noise_does_not(kind, far_ou
     assert reason is not None and reason.startswith("poisoned: ") and reason.startswith(FAR_OUT) is far_out, reason
 
 
+@pytest.mark.parametrize("kind", ["scaled_submission", "flipped_submission"])
+def test_an_incarnation_that_started_mid_run_is_refused_but_far_out_only_by_its_size(kind):
+    # A restarted incarnation's honest first cuts pointed against the momentum (cosines down to -0.23 in the guard-on
+    # soak): its cosine is refused, and waits for the streak; a size 100x the others' is still beyond doubt.
+    gen, signal, momentum = _world()
+    guard = _filled_guard(gen, signal, momentum)
+    [bad] = poisoned(kind, [_honest(gen, signal)], stale_base=None, anchor=[torch.zeros(N)], seed=3)
+    reason = guard.judge(0, reading_of(0, [bad], [None], 40, [momentum], started_mid_run=True))
+    assert reason is not None and reason.startswith("poisoned: "), reason
+    assert reason.startswith(FAR_OUT) is (kind == "scaled_submission"), reason
+    if kind == "flipped_submission":
+        assert "started mid-run, so not far out of line" in reason, reason
+    assert guard.judge(0, reading_of(0, [_honest(gen, signal)], [None], 40, [momentum], started_mid_run=True)) is None
+
+
+def test_a_recorded_reading_forgets_where_its_incarnation_started():
+    gen, signal, momentum = _world()
+    guard = _filled_guard(gen, signal, momentum)
+    guard.record(0, reading_of(4, [_honest(gen, signal)], [None], 40, [momentum], started_mid_run=True))
+    assert not any(r.started_mid_run for r in guard._windows[0])
+
+
 def test_a_size_just_over_the_limit_is_not_far_out_of_line():
     gen, signal, momentum = _world()
     guard = _filled_guard(gen, signal, momentum)
