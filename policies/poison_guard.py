@@ -107,9 +107,13 @@ FAR_OUT = POISONED + "far out of line, "
 FAR_OUT_FACTOR = 2.0
 """A reading is far out of line when it passes a limit by this factor in the limit's own terms: a size whose log ratio
 to the others' median is over twice the limit's (16x at the 4x floor), a cosine below minus the limit (significantly
-*against* the others, as likely by chance as one above it, ~2e-4). Scaled and flipped outer gradients read so from
-their first submission (100x the size; the honest cosines, 0.05-0.86, negated, against a limit of about 0.007); noise
-(a cosine about 0) and a stale base (its size growing from 1x) do not, and wait for the streak.
+*against* the others, as likely by chance as one above it, ~2e-4), or a cosine below the limit while *every one* of the
+others' recent cosines, scaled by the submission's share of their inner steps (:func:`step_share`), is above twice it.
+Scaled and flipped outer gradients read so from their first submission (100x the size; the honest cosines, 0.05-0.86,
+negated, against a limit of about 0.007), and noise (a cosine about 0) does where the honest islands are all clearly
+aligned; where some honest cosines are near the limit (an island restarted lately), noise waits for the streak, as a
+stale base does (its size grows from 1x; the exact check is its digest). The share matters: an honest final flush of
+three steps read +0.0047 against a limit of +0.0073 and was restarted by the rule without it (2026-12-07).
 
 A cosine is never far out of line for an incarnation that started mid-run (restarted, or joined late): it starts from
 the global parameters with a fresh optimizer, and its first outer gradients of a fragment can point against the
@@ -162,7 +166,7 @@ def _alignment_problem(alignment: float | None, elements: int, others: Sequence[
     if med * share <= 2 * limit:
         return None  # the others do not agree on a direction clearly enough to be out of line with
     if alignment < limit:
-        far = alignment < -(FAR_OUT_FACTOR - 1) * limit
+        far = alignment < -(FAR_OUT_FACTOR - 1) * limit or min(others) * share > 2 * limit
         begins = FAR_OUT if far and can_be_far_out else POISONED
         why = "; started mid-run, so not far out of line" if far and not can_be_far_out else ""
         return (f"{begins}outer gradient's cosine with {against} {alignment:+.4f}, no more than a random "

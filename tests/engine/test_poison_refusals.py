@@ -136,18 +136,21 @@ def _one(outer: OuterOptimizer, target, kind: str, seq: int, started_at_version:
 def test_an_island_refused_as_poisoned_three_times_in_a_row_is_handed_to_the_monitor_once():
     outer = _outer(guard=True)  # outer.poison_restart_after: 3, the default
     _, target = _stream(outer, None, rounds=4)  # a clean history to judge against
-    # Noise points nowhere: a cosine near 0 is poisoned but not beyond doubt, so the streak decides.
+    # Noise points nowhere; from an incarnation that started mid-run a cosine near 0 is poisoned but not beyond doubt
+    # (an honest restarted one can read so), so the streak decides.
+    started = outer.versions[0]
     reasons = []
     for seq in range(3):
-        reasons.append(_one(outer, target, "noise_submission", seq).reason)
+        reasons.append(_one(outer, target, "noise_submission", seq, started_at_version=started).reason)
         assert outer.take_poisoned() == (set() if seq < 2 else {(0, 1)}), (seq, reasons)
     assert all(r.startswith("poisoned: ") and not r.startswith(FAR_OUT) for r in reasons), reasons
     # Once, however many refusals follow (the monitor restarts the incarnation; a new one starts a new count).
-    assert _one(outer, target, "noise_submission", 3) is not None and outer.take_poisoned() == set()
+    assert _one(outer, target, "noise_submission", 3, started_at_version=started) is not None
+    assert outer.take_poisoned() == set()
     assert outer.take_diverged() == set(), "a poisoned island is not one that sent non-finite values"
 
 
-@pytest.mark.parametrize("kind", ["scaled_submission", "flipped_submission"])
+@pytest.mark.parametrize("kind", ["scaled_submission", "flipped_submission", "noise_submission"])
 def test_an_island_refused_far_out_of_line_is_handed_to_the_monitor_at_its_first_refusal(kind):
     outer = _outer(guard=True)
     _, target = _stream(outer, None, rounds=4)

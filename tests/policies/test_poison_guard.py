@@ -127,7 +127,7 @@ def test_a_first_round_refuses_the_poisoned_one_by_the_others(kind):
     cos = [[float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for b in deltas] for a in deltas]
     out = judge_first_round([0, 1, 2, 3], [float(d.norm()) / math.sqrt(40) for d in deltas], cos, N)
     assert out[0][0] is not None and out[0][0].startswith("poisoned: ")
-    assert out[0][0].startswith(FAR_OUT) is (kind in ("scaled_submission", "flipped_submission")), out[0][0]
+    assert out[0][0].startswith(FAR_OUT), out[0][0]  # noise too: the others all agree clearly
     assert [r for r, _ in out[1:]] == [None, None, None]
     assert all(a is not None and a > 0.3 for _, a in out[1:])  # their alignment, recorded for later judgements
 
@@ -195,14 +195,28 @@ def test_refusal_streaks_mark_an_incarnation_at_the_nth_refusal_in_a_row_and_an_
         RefusalStreaks(-1)
 
 
-@pytest.mark.parametrize("kind, far_out", [("scaled_submission", True), ("flipped_submission", True),
-                                           ("noise_submission", False)])
-def test_scaled_and_flipped_read_far_out_of_line_and_noise_does_not(kind, far_out):
+@pytest.mark.parametrize("kind", ["scaled_submission", "flipped_submission", "noise_submission"])
+def test_scaled_flipped_and_noise_among_clearly_aligned_islands_read_far_out_of_line(kind):
     gen, signal, momentum = _world()
     guard = _filled_guard(gen, signal, momentum)
     [bad] = poisoned(kind, [_honest(gen, signal)], stale_base=None, anchor=[torch.zeros(N)], seed=3)
     reason = guard.judge(0, reading_of(0, [bad], [None], 40, [momentum]))
-    assert reason is not None and reason.startswith("poisoned: ") and reason.startswith(FAR_OUT) is far_out, reason
+    assert reason is not None and reason.startswith(FAR_OUT), reason
+
+
+def test_noise_waits_for_the_streak_where_one_honest_cosine_is_near_the_limit_or_its_share_is_small():
+    gen, signal, momentum = _world()
+    guard = _filled_guard(gen, signal, momentum)
+    limit = 3.5 / math.sqrt(N)
+    [noise] = poisoned("noise_submission", [_honest(gen, signal)], stale_base=None, anchor=[torch.zeros(N)], seed=3)
+    guard.record(0, Reading(3, 1.0, 0.1, N, 40))  # others ~0.29, one at 0.1: every one above twice the limit (0.031)
+    assert guard.judge(0, reading_of(0, [noise], [None], 40, [momentum])).startswith(FAR_OUT)
+    # 10 of the others' 40 steps: their median's share (~0.07) still clears the gate, the lowest one's (0.025) does not.
+    small = guard.judge(0, reading_of(0, [0.5 * noise], [None], 10, [momentum]))
+    assert small is not None and small.startswith("poisoned: ") and not small.startswith(FAR_OUT), small
+    guard.record(0, Reading(3, 1.0, 1.5 * limit, N, 40))  # an honest island restarted lately: barely aligned
+    reason = guard.judge(0, reading_of(0, [noise], [None], 40, [momentum]))
+    assert reason is not None and reason.startswith("poisoned: ") and not reason.startswith(FAR_OUT), reason
 
 
 @pytest.mark.parametrize("kind", ["scaled_submission", "flipped_submission"])
