@@ -38,8 +38,18 @@ and :func:`judge_first_round` judges them against each other: the size rule agai
 sizes, and each one's median cosine with the others against the limit, where the others agree among
 themselves (early outer gradients of honest islands point the same way: cosines of 0.6-0.86 measured).
 
+**What the window holds.** Every judged reading, refused ones too, at most ``PER_ISLAND`` per island: the
+reference is what the islands send, not what the guard let through. A window of accepted readings only kept the
+honest islands' alignments from when they agreed while their current ones fell to about zero, and then refused
+them all (the hour soak of 2026-12-02: 3,453 honest refusals, nearly every fragment-0 submission in its last 4
+minutes). In process, 4 honest nano islands on real text drift so: the cosine of fragment 0's outer gradients with
+its momentum fell from +0.12 after 40 cuts each to -0.07 after 120, and with the other islands' latest ones to
+about 0 (fragment 1's stayed at +0.14 to +0.31). Once the others do not agree, the gate closes and only sizes are
+judged. A poisoned island's refused readings only ever judge the others, and only toward leniency (a higher size
+median, a lower cosine median); the cap keeps a fast one from crowding the honest readings out.
+
 Pure: no Ray, no clock; the outer optimizer asks `judge` before a submission joins a round and
-`record` once it has (refused submissions never enter the history).
+`record` once it is judged, refused or not.
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ Z = 3.5  # modified z-score outlier cut (Iglewicz and Hoaglin)
 MAD_TO_SIGMA = 1.4826  # MAD of a normal sample times this estimates its standard deviation
 SIZE_RATIO_FLOOR = 4.0  # never refuse a size within 4x the others' median, however tight their spread
 WINDOW = 32  # readings kept per fragment (of all islands)
+PER_ISLAND = 8  # of them at most this many of one island's: a fast (poisoned) one cannot crowd the others out
 MIN_OTHER_ISLANDS = 2  # readings of at least this many other islands before anything is judged (a majority)
 FIRST_ROUND_ISLANDS = MIN_OTHER_ISLANDS + 1  # islands a fragment's first round waits for under the guard
 
@@ -227,8 +238,13 @@ class PoisonGuard:
                                       can_be_far_out=not reading.started_mid_run))
 
     def record(self, fragment: int, reading: Reading) -> None:
-        """Add an accepted submission's reading to its fragment's window."""
-        self._windows[fragment].append(replace(reading, started_mid_run=False))  # only judging reads it, and checkpoints drop it
+        """Add a judged submission's reading (accepted or refused) to its fragment's window, dropping the oldest of
+        its island's when that island already has PER_ISLAND there."""
+        window = self._windows[fragment]
+        mine = [r for r in window if r.island == reading.island]
+        if len(mine) >= PER_ISLAND:
+            window.remove(mine[0])
+        window.append(replace(reading, started_mid_run=False))  # only judging reads it, and checkpoints drop it
 
     def state_dict(self) -> list[list[list[float | int | None]]]:
         """The windows as JSON-ready lists (the outer optimizer's checkpoint keeps them)."""

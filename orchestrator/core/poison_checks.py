@@ -56,12 +56,13 @@ def stale_base(sub: Submission, digests: BaseDigests | None, epoch: int, version
 def judge_arrival(p: int, sub: Submission, verdict: Verdict, guard: PoisonGuard, streaks: RefusalStreaks,
                   momentum: Sequence[torch.Tensor | None]) -> str | None:
     """Why `sub` (accepted by the submission check as `verdict`) is refused as poisoned, judged against fragment
-    `p`'s recent outer gradients and its outer `momentum`, or None: then it is recorded with `guard` and `streaks`."""
+    `p`'s recent outer gradients and its outer `momentum`, or None (its streak ends). Its reading joins the window
+    either way (policies.poison_guard: what the window holds)."""
     reading = reading_of(sub.island, [decoded(d) for d in verdict.deltas], verdict.norms, sub.inner_steps, momentum,
                          started_mid_run=sub.started_at_version > 0)
     poisoned = guard.judge(p, reading)
+    guard.record(p, reading)
     if poisoned is None:
-        guard.record(p, reading)
         streaks.accepted(sub.island, sub.incarnation)
     return poisoned
 
@@ -69,15 +70,15 @@ def judge_arrival(p: int, sub: Submission, verdict: Verdict, guard: PoisonGuard,
 def judge_opening_round(round_: OpenRound, p: int, guard: PoisonGuard, streaks: RefusalStreaks,
                         refuse: Callable[[Submission, str], object]) -> bool:
     """Judge fragment `p`'s first round (:func:`first_round_verdicts`): `refuse` the poisoned submissions and drop
-    them from `round_`, record the rest with `guard` and `streaks`; whether any remain to merge."""
+    them from `round_`, record every reading with `guard` and the rest with `streaks`; whether any remain to merge."""
     kept = []
     for e, reason, reading in first_round_verdicts(round_.pending):
+        guard.record(p, reading)
         if reason is not None:
             refuse(e.sub, reason)
             round_.refused.append(e.sub.key)
             continue
         kept.append(e)
-        guard.record(p, reading)
         streaks.accepted(e.sub.island, e.sub.incarnation)
     round_.pending = kept
     round_.voters &= {e.sub.island for e in kept}
@@ -85,7 +86,7 @@ def judge_opening_round(round_: OpenRound, p: int, guard: PoisonGuard, streaks: 
 
 
 def first_round_verdicts(pending: Sequence[Pending]) -> list[tuple[Pending, str | None, Reading]]:
-    """Per pending submission: itself, why it is refused (None: kept) and the reading to record if kept (its
+    """Per pending submission: itself, why it is refused (None: kept) and the reading to record (its
     size per root inner step, its alignment with the other kept islands, the fragment's elements)."""
     deltas = [[decoded(d) for d in e.deltas] for e in pending]
     sq = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in ds) for ds in deltas]

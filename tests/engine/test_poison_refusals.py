@@ -185,3 +185,22 @@ def test_a_clean_stream_hands_no_island_to_the_monitor_and_zero_restarts_none():
         never.register(island, 1)
     _stream(never, "flipped_submission", rounds=4)
     assert [r for r in never.refusals if r.island == 0] and never.take_poisoned() == set()
+
+
+def test_honest_islands_whose_direction_drifts_from_the_momentum_are_refused_for_a_while_not_for_ever():
+    # Fragment 0 of 4 nano islands on real text drifts to a cosine of about 0 with its momentum (in process). The core
+    # records every judged reading, so the reference follows the islands and the gate closes; it once kept only the
+    # accepted ones and refused every island from then on (the hour soak's 3,453 honest refusals).
+    outer = _outer(guard=True)
+    _stream(outer, None, rounds=4)
+    gen = torch.Generator().manual_seed(7)
+    refused = []
+    for r in range(12):
+        for island in range(ISLANDS):
+            deltas = [0.05 * torch.randn(t.shape, generator=gen) for t in outer.params[0]]  # no shared direction
+            sub = Submission(island=island, incarnation=1, seq=100 + r, fragment=0, base_version=outer.versions[0],
+                             tokens=1000, inner_steps=40, step_time_s=0.1, train_loss=3.0,
+                             payload=[compress(d, "none") for d in deltas])
+            refused.append(outer.receive(sub, now=50.0 + r)[1] is not None)
+    assert any(refused[:8]), "at first they read out of line with the momentum"
+    assert not any(refused[-16:]), refused

@@ -260,3 +260,35 @@ def test_a_far_out_refusal_marks_the_incarnation_at_once_and_only_once():
     assert [streaks.refused(0, 1, far_out=f) for f in (False, True)] == [False, False], "marked once"
     assert RefusalStreaks(3).refused(4, 1, far_out=True) is True, "a first refusal far out is enough"
     assert RefusalStreaks(0).refused(4, 1, far_out=True) is False, "0 restarts none, far out or not"
+
+
+def test_when_the_honest_islands_stop_agreeing_the_gate_closes_instead_of_refusing_them_all():
+    # The islands' outer gradients of a fragment can drift to a cosine near zero with its momentum (fragment 0 of 4
+    # nano islands, in process: +0.12 to -0.07). A window of accepted readings alone kept the old agreement and
+    # refused every island from then on; refused readings count, so the reference follows them.
+    gen, signal, momentum = _world()
+    guard = _filled_guard(gen, signal, momentum)
+    limit = 3.5 / math.sqrt(N)
+    verdicts = []
+    for _ in range(12):
+        for i in (1, 2, 3):
+            r = Reading(i, 1.0, 0.2 * limit, N, 40)  # honest, and no longer aligned
+            verdicts.append(guard.judge(0, r))
+            guard.record(0, r)
+    assert verdicts[0] is not None and verdicts[0].startswith("poisoned: "), "at first they read out of line"
+    assert verdicts[-6:] == [None] * 6, verdicts[-6:]
+    # A size far over the others' is still refused: the size rule needs no agreement.
+    assert guard.judge(0, Reading(0, 100.0, 0.2 * limit, N, 40)).startswith(FAR_OUT)
+
+
+def test_a_window_keeps_at_most_per_island_readings_of_one_island():
+    from policies.poison_guard import PER_ISLAND, WINDOW
+
+    gen, signal, momentum = _world()
+    guard = _filled_guard(gen, signal, momentum, rounds=2)  # 6 readings of islands 1-3
+    for _ in range(3 * WINDOW):  # a fast island, refused every time, its readings kept
+        guard.record(0, Reading(0, 100.0, -0.5, N, 40))
+    islands = [r[0] for r in guard.state_dict()[0]]
+    assert islands.count(0) == PER_ISLAND and sorted(set(islands)) == [0, 1, 2, 3], islands
+    # Judging island 0 against the others still sees the honest islands, and refuses it.
+    assert guard.judge(0, Reading(0, 100.0, -0.5, N, 40)).startswith(FAR_OUT)
