@@ -48,8 +48,8 @@ class Submission:
     # whose workers hold parts of it): the outer optimizer checks it against what it published as base_version.
     base_digest: str | None = None
     # The highest fragment version this incarnation started from (0: with the run, before any outer step). One that
-    # started mid-run has a fresh optimizer and no part in the outer momentum so far: the poison guard does not read
-    # its direction as beyond doubt (policies/poison_guard.py).
+    # started mid-run starts from the global parameters with no progress of its own, and its first cuts align less
+    # with the outer momentum than the others': the poison guard does not read its direction as beyond doubt.
     started_at_version: int = 0
 
     @property

@@ -42,9 +42,10 @@ themselves (early outer gradients of honest islands point the same way: cosines 
 reference is what the islands send, not what the guard let through. A window of accepted readings only kept the
 honest islands' alignments from when they agreed while their current ones fell to about zero, and then refused
 them all (the hour soak of 2026-12-02: 3,453 honest refusals, nearly every fragment-0 submission in its last 4
-minutes). In process, 4 honest nano islands on real text drift so: the cosine of fragment 0's outer gradients with
-its momentum fell from +0.12 after 40 cuts each to -0.07 after 120, and with the other islands' latest ones to
-about 0 (fragment 1's stayed at +0.14 to +0.31). Once the others do not agree, the gate closes and only sizes are
+minutes). In process, 4 honest nano islands on real text drift so (benchmarks/guard_drift.py): the cosine of
+fragment 0's outer gradients with its momentum fell from +0.09 after 40 cuts each to -0.08 after 120, and with the
+other island's latest one to about 0 (fragment 1's stayed at +0.12 to +0.30). Once the others do not agree, the
+gate closes and only sizes are
 judged. A poisoned island's refused readings only ever judge the others, and only toward leniency (a higher size
 median, a lower cosine median); the cap keeps a fast one from crowding the honest readings out.
 
@@ -126,13 +127,14 @@ aligned; where some honest cosines are near the limit (an island restarted latel
 stale base does (its size grows from 1x; the exact check is its digest). The share matters: an honest final flush of
 three steps read +0.0047 against a limit of +0.0073 and was restarted by the rule without it (2026-12-07).
 
-A cosine is never far out of line for an incarnation that started mid-run (restarted, or joined late): it starts from
-the global parameters with a fresh optimizer, and its first outer gradients of a fragment can point against the
-outer momentum. Measured in a 10-minute soak with the guard on (8 nano islands, 121 faults, 2026-12-07): 84 honest
-submissions refused, every one from an incarnation that started mid-run, 75 of them at its first or second cut of
-fragment 0, with cosines from -0.01 to -0.23 against a limit of +0.028; 70 read far out of line, and each restarted
-its island, whose next incarnation did the same (83 restarts the guard caused). Its refusals count toward the streak,
-which an accepted cut of another fragment ends."""
+A cosine is never far out of line for an incarnation that started mid-run (restarted, or joined late): its first cuts
+read lower than the others' (benchmarks/guard_drift.py, fragment 0: +0.000 against +0.093 after 40 cuts each, -0.113
+against -0.031 after 80), whether its AdamW state is fresh or copied from a live island: what differs is where it starts, the
+global parameters with no progress of its own. In a 10-minute soak with the guard on (8 nano
+islands, 121 faults, 2026-12-07, before the window kept refused readings) 84 honest submissions were refused, every
+one from an incarnation that started mid-run, with cosines down to -0.23; 70 read far out of line and each
+restarted its island, whose next incarnation did the same (83 restarts the guard caused). Its refusals count toward
+the streak, which an accepted cut of another fragment ends."""
 
 
 def _median_sigma(values: Sequence[float]) -> tuple[float, float]:
