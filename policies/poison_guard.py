@@ -125,7 +125,7 @@ Scaled and flipped outer gradients read so from their first submission (100x the
 negated, against a limit of about 0.007), and noise (a cosine about 0) does where the honest islands are all clearly
 aligned; where some honest cosines are near the limit (an island restarted lately), noise waits for the streak, as a
 stale base does (its size grows from 1x; the exact check is its digest). The share matters: an honest final flush of
-three steps read +0.0047 against a limit of +0.0073 and was restarted by the rule without it (2026-12-07).
+three steps read +0.0047 against a limit of +0.0073 and was marked for a restart by the rule without it (2026-12-07).
 
 A cosine is never far out of line for an incarnation that started mid-run (restarted, or joined late): its first cuts
 read lower than the others' (benchmarks/guard_drift.py, fragment 0: +0.000 against +0.093 after 40 cuts each, -0.113
@@ -133,7 +133,7 @@ against -0.031 after 80), whether its AdamW state is fresh or copied from a live
 global parameters with no progress of its own. In a 10-minute soak with the guard on (8 nano
 islands, 121 faults, 2026-12-07, before the window kept refused readings) 84 honest submissions were refused, every
 one from an incarnation that started mid-run, with cosines down to -0.23; 70 read far out of line and each
-restarted its island, whose next incarnation did the same (83 restarts the guard caused). Its refusals count toward
+restarted its island, whose next incarnation did the same (70 restarts the guard caused). Its refusals count toward
 the streak, which an accepted cut of another fragment ends."""
 
 

@@ -162,7 +162,7 @@ def test_an_island_refused_far_out_of_line_is_handed_to_the_monitor_at_its_first
 
 def test_a_flip_from_an_incarnation_that_started_mid_run_waits_for_the_streak():
     # An honest restarted incarnation's first cuts can point against the momentum (the guard-on soak): restarting it at
-    # its first such refusal restarted the next incarnation the same way, 83 times in 10 minutes.
+    # its first such refusal restarted the next incarnation the same way, 70 times in 10 minutes.
     outer = _outer(guard=True)
     _, target = _stream(outer, None, rounds=4)
     started = outer.versions[0]
