@@ -343,9 +343,15 @@ class NoiseSubmission(PoisonKind):
     name = "noise_submission"
 
     def poisoned(self, owed: list, *, stale_base: list | None, anchor: list, seed: int) -> list:
+        import hashlib
+
         import torch  # here, not at import: the monitor and the injector never import torch
 
-        gen = torch.Generator().manual_seed(seed)
+        # The cut's seed hashed, not used as is: island 0's first cut has seed 0, the run's default seed, and torch's
+        # randn from seed 0 drew exactly the model's initial token embedding (cosine 1.0), which every honest outer
+        # gradient shares through weight decay: that "noise" read +0.01 against a limit of +0.007 and was merged.
+        digest = hashlib.blake2b(f"{self.name}:{seed}".encode(), digest_size=8).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
         out = []
         for o in owed:
             r = torch.randn(o.shape, generator=gen, dtype=o.dtype)

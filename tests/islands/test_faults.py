@@ -56,3 +56,14 @@ def test_each_poison_is_finite_well_shaped_and_wrong():
     assert torch.equal(noise[0], poisoned("noise_submission", owed, stale_base=None, anchor=anchor, seed=1)[0])
     with pytest.raises(ValueError, match="unknown poison kind"):
         poisoned("nope", owed, stale_base=None, anchor=anchor, seed=1)
+
+
+def test_noise_of_a_cut_is_not_what_the_same_seed_draws_for_the_model():
+    # Island 0's first cut has seed 0, as a run has by default: randn from seed 0 was the model's initial token
+    # embedding, which honest outer gradients share through weight decay, so the "noise" was aligned with them.
+    from islands.model import build_model, model_config
+
+    emb = dict(build_model(model_config("nano"), seed=0).named_parameters())["tok_emb.weight"].detach()
+    [noise] = poisoned("noise_submission", [torch.ones_like(emb)], stale_base=None, anchor=[torch.zeros_like(emb)], seed=0)
+    cos = float(torch.nn.functional.cosine_similarity(noise.flatten(), emb.flatten(), dim=0))
+    assert abs(cos) < 5 / math.sqrt(emb.numel()), cos  # a random direction's, not 1.0
