@@ -37,6 +37,7 @@ from orchestrator.core.outer_optimizer import OuterOptimizer  # noqa: E402
 from orchestrator.core.round_merge import decoded  # noqa: E402
 from orchestrator.settings import inner_settings, island_specs, model_recipe, outer_settings  # noqa: E402
 from policies.fragments import plan_fragments  # noqa: E402
+from policies.poison_guard import reading_of  # noqa: E402
 
 
 def corpus(max_bytes: int) -> np.ndarray:
@@ -86,12 +87,11 @@ class World:
         return LearnerIsland(spec, self.data, self.latest())
 
     def with_momentum(self, sub: Submission) -> float:
-        m = self.outer._opts[sub.fragment].momentum_buffers()
-        d = [decoded(c) for c in sub.payload]
-        pairs = [(a, b) for a, b in zip(d, m) if b is not None]
-        na = math.sqrt(sum(float(a.norm()) ** 2 for a, _ in pairs))
-        nb = math.sqrt(sum(float(b.norm()) ** 2 for _, b in pairs))
-        return sum(float((a * b).sum()) for a, b in pairs) / (na * nb) if na > 0 and nb > 0 else math.nan
+        """The cosine the guard reads (policies.poison_guard.reading_of); nan before the fragment has momentum."""
+        deltas = [decoded(c) for c in sub.payload]
+        r = reading_of(sub.island, deltas, [None] * len(deltas), sub.inner_steps,
+                       self.outer._opts[sub.fragment].momentum_buffers())
+        return math.nan if r.alignment is None else r.alignment
 
     def with_last_other(self, sub: Submission) -> float:
         last = self.recent.get(sub.fragment)
