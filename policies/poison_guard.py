@@ -59,7 +59,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -84,16 +84,12 @@ class Reading:
     alignment: float | None  # cosine with the fragment's outer momentum; None: no momentum yet (or none kept)
     elements: int = 0  # elements the cosine was taken over (its significance: a random direction's is ~1/sqrt)
     inner_steps: int = 0  # inner steps it covers (0: not known, as in a checkpoint from before it was kept)
-    # From an incarnation that started mid-run (Submission.started_at_version > 0): its cosine is never far out of line
-    # (see FAR_OUT_FACTOR). Only judged, never kept in a window.
-    started_mid_run: bool = False
 
 
 def reading_of(island: int, deltas: Sequence[torch.Tensor], norms: Sequence[float | None], inner_steps: int,
-               momentum: Sequence[torch.Tensor | None], started_mid_run: bool = False) -> Reading:
+               momentum: Sequence[torch.Tensor | None]) -> Reading:
     """The reading of one submission: its decoded outer gradient per tensor (`deltas`), their norms where known,
-    its inner steps and the fragment's momentum buffers (None for a tensor without one); `started_mid_run`: its
-    incarnation started from a global version past 0 (Reading.started_mid_run)."""
+    its inner steps and the fragment's momentum buffers (None for a tensor without one)."""
     sq = 0.0
     dot = m_sq = d_sq = 0.0
     elements = 0
@@ -107,7 +103,7 @@ def reading_of(island: int, deltas: Sequence[torch.Tensor], norms: Sequence[floa
             elements += m.numel()
     size = math.sqrt(sq) / math.sqrt(max(1, inner_steps))
     alignment = dot / math.sqrt(m_sq * d_sq) if m_sq > 0 and d_sq > 0 else None
-    return Reading(island, size, alignment, elements, inner_steps, started_mid_run)
+    return Reading(island, size, alignment, elements, inner_steps)
 
 
 POISONED = "poisoned: "
@@ -228,8 +224,10 @@ class PoisonGuard:
         """A guard with an empty window for each of `num_fragments` fragments."""
         self._windows: list[deque[Reading]] = [deque(maxlen=WINDOW) for _ in range(num_fragments)]
 
-    def judge(self, fragment: int, reading: Reading) -> str | None:
-        """Why `reading` of `fragment` is refused as poisoned, or None (accepted, or too few others to judge)."""
+    def judge(self, fragment: int, reading: Reading, *, started_mid_run: bool = False) -> str | None:
+        """Why `reading` of `fragment` is refused as poisoned, or None (accepted, or too few others to judge).
+        `started_mid_run`: its incarnation started from a global version past 0 (Submission.started_at_version), so
+        its cosine is never far out of line (FAR_OUT_FACTOR)."""
         others = [r for r in self._windows[fragment] if r.island != reading.island]
         if len({r.island for r in others}) < MIN_OTHER_ISLANDS:
             return None
@@ -237,7 +235,7 @@ class PoisonGuard:
                 or _alignment_problem(reading.alignment, reading.elements,
                                       [r.alignment for r in others if r.alignment is not None], "the outer momentum",
                                       step_share(reading.inner_steps, [r.inner_steps for r in others]),
-                                      can_be_far_out=not reading.started_mid_run))
+                                      can_be_far_out=not started_mid_run))
 
     def record(self, fragment: int, reading: Reading) -> None:
         """Add a judged submission's reading (accepted or refused) to its fragment's window, dropping the oldest of
@@ -246,7 +244,7 @@ class PoisonGuard:
         mine = [r for r in window if r.island == reading.island]
         if len(mine) >= PER_ISLAND:
             window.remove(mine[0])
-        window.append(replace(reading, started_mid_run=False))  # only judging reads it, and checkpoints drop it
+        window.append(reading)
 
     def state_dict(self) -> list[list[list[float | int | None]]]:
         """The windows as JSON-ready lists (the outer optimizer's checkpoint keeps them)."""

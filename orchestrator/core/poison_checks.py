@@ -58,9 +58,8 @@ def judge_arrival(p: int, sub: Submission, verdict: Verdict, guard: PoisonGuard,
     """Why `sub` (accepted by the submission check as `verdict`) is refused as poisoned, judged against fragment
     `p`'s recent outer gradients and its outer `momentum`, or None (its streak ends). Its reading joins the window
     either way (policies.poison_guard: what the window holds)."""
-    reading = reading_of(sub.island, [decoded(d) for d in verdict.deltas], verdict.norms, sub.inner_steps, momentum,
-                         started_mid_run=sub.started_at_version > 0)
-    poisoned = guard.judge(p, reading)
+    reading = reading_of(sub.island, [decoded(d) for d in verdict.deltas], verdict.norms, sub.inner_steps, momentum)
+    poisoned = guard.judge(p, reading, started_mid_run=sub.started_at_version > 0)
     guard.record(p, reading)
     if poisoned is None:
         streaks.accepted(sub.island, sub.incarnation)

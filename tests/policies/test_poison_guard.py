@@ -226,19 +226,12 @@ def test_an_incarnation_that_started_mid_run_is_refused_but_far_out_only_by_its_
     gen, signal, momentum = _world()
     guard = _filled_guard(gen, signal, momentum)
     [bad] = poisoned(kind, [_honest(gen, signal)], stale_base=None, anchor=[torch.zeros(N)], seed=3)
-    reason = guard.judge(0, reading_of(0, [bad], [None], 40, [momentum], started_mid_run=True))
+    reason = guard.judge(0, reading_of(0, [bad], [None], 40, [momentum]), started_mid_run=True)
     assert reason is not None and reason.startswith("poisoned: "), reason
     assert reason.startswith(FAR_OUT) is (kind == "scaled_submission"), reason
     if kind == "flipped_submission":
         assert "started mid-run, so not far out of line" in reason, reason
-    assert guard.judge(0, reading_of(0, [_honest(gen, signal)], [None], 40, [momentum], started_mid_run=True)) is None
-
-
-def test_a_recorded_reading_forgets_where_its_incarnation_started():
-    gen, signal, momentum = _world()
-    guard = _filled_guard(gen, signal, momentum)
-    guard.record(0, reading_of(4, [_honest(gen, signal)], [None], 40, [momentum], started_mid_run=True))
-    assert not any(r.started_mid_run for r in guard._windows[0])
+    assert guard.judge(0, reading_of(0, [_honest(gen, signal)], [None], 40, [momentum]), started_mid_run=True) is None
 
 
 def test_a_size_just_over_the_limit_is_not_far_out_of_line():
